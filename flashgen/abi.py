@@ -1,0 +1,44 @@
+"""The ctypes mirror of templates/include/flashgen/args.h (FgFwdArgs) and its status codes."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from functools import cache
+
+from .paths import include_dir
+
+_i64, _f32 = ctypes.c_int64, ctypes.c_float
+
+
+class FgFwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("lse", ctypes.c_void_p),
+        ("batch", _i64), ("heads_q", _i64), ("heads_kv", _i64),
+        ("seqlen_q", _i64), ("seqlen_k", _i64), ("head_dim", _i64),
+        ("q_stride_b", _i64), ("q_stride_h", _i64), ("q_stride_n", _i64),
+        ("k_stride_b", _i64), ("k_stride_h", _i64), ("k_stride_n", _i64),
+        ("v_stride_b", _i64), ("v_stride_h", _i64), ("v_stride_n", _i64),
+        ("o_stride_b", _i64), ("o_stride_h", _i64), ("o_stride_n", _i64),
+        ("scale", _f32), ("num_sms", ctypes.c_int32),
+        ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+@cache
+def _header_constants() -> dict[str, int]:
+    text = (include_dir() / "flashgen" / "args.h").read_text()
+    consts = {m[0]: int(m[1]) for m in re.findall(r"#define (FG_\w+) (\d+)", text)}
+    consts.update({m[0]: int(m[1]) for m in re.findall(r"\b(FG_\w+) = (\d+)", text)})
+    return consts
+
+
+ABI_VERSION = 1
+
+
+def status_name(code: int) -> str:
+    for name, value in _header_constants().items():
+        if value == code and not name.startswith("FG_ABI"):
+            return name
+    return f"status {code}"

@@ -1,0 +1,302 @@
+"""Build and cache compiled kernels: content-hashed keys, a file lock, atomic publish.
+
+An instantiation (spec × target × dtype × head dim × tile config) becomes one shared library,
+compiled by torch.utils.cpp_extension with ninja from one rendered translation unit. The cache
+entry ``<root>/<artifact>/`` holds ``lib.so``, the rendered ``src/`` and ``manifest.json`` (the
+key and the library's sha256), published by one rename after a successful build; anything
+that does not verify is a miss and is rebuilt under the lock. A cached load renders nothing
+and starts no compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import platform
+import shutil
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import filelock
+
+from . import __version__, codegen, env, ir
+from .abi import ABI_VERSION
+from .errors import BuildError
+from .paths import include_dir, templates_dir
+
+# Files whose content decides what a build produces, besides the templates directory.
+_GENERATOR_FILES = ("codegen.py", "build.py", "ir.py", "abi.py")
+
+# Relevant x86/arm ISA flags for -march=native builds (part of the CPU target's name).
+_CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512fp16", "amx_tile", "asimd", "sve")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where kernels run: backend 'cpu' or 'cuda', and the architecture they are built for."""
+
+    backend: str
+    arch: str  # e.g. 'sm_90a', 'sm_80', 'x86_64-avx2-fma'
+
+
+@functools.cache
+def cpu_target() -> Target:
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in _CPU_ISA_FLAGS if f in flags]
+    return Target("cpu", "-".join([platform.machine().lower(), *isa]))
+
+
+def cuda_arch(capability: tuple[int, int]) -> str:
+    """'sm_90a' for Hopper (wgmma/setmaxnreg need the 'a' target), else 'sm_<major><minor>'."""
+    major, minor = capability
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+@functools.cache
+def cuda_target(device_index: int) -> Target:
+    import torch
+
+    return Target("cuda", cuda_arch(torch.cuda.get_device_capability(device_index)))
+
+
+@dataclass(frozen=True)
+class Instantiation:
+    """One compiled artifact: a spec for one target, dtype, head dim (None: runtime) and config."""
+
+    spec: ir.Spec
+    target: Target
+    dtype: ir.DType
+    head_dim: int | None
+    config: tuple[tuple[str, int], ...] = ()
+    _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def symbol(self) -> str:
+        """The C entry point, stable across machines (it appears in generated/)."""
+        hd = f"_hd{self.head_dim}" if self.head_dim else ""
+        return f"fg_{self.spec.name}_fwd_{self.dtype.value}{hd}"
+
+    @property
+    def key(self) -> str:
+        if "key" not in self._memo:
+            self._memo["key"] = hashlib.sha256(json.dumps(self._key_fields(), sort_keys=True).encode()).hexdigest()
+        return self._memo["key"]
+
+    @property
+    def name(self) -> str:
+        """Artifact name: fg_<spec>_<dtype>_hd<d>_<arch>_<hash12>."""
+        hd = f"hd{self.head_dim}" if self.head_dim else "hdany"
+        arch = self.target.arch.replace("-", "_")
+        return f"fg_{self.spec.name}_{self.dtype.value}_{hd}_{arch}_{self.key[:12]}"
+
+    @property
+    def source_name(self) -> str:
+        hd = f"_hd{self.head_dim}" if self.head_dim else ""
+        ext = "cu" if self.target.backend == "cuda" else "cpp"
+        return f"{self.target.backend}_fwd_{self.dtype.value}{hd}.{ext}"
+
+    def render(self) -> str:
+        return codegen.render_instantiation(self.spec, self.target.backend, self.dtype, self.head_dim,
+                                            self.symbol, dict(self.config))
+
+    def _key_fields(self) -> dict:
+        import torch
+
+        cflags, cuda_cflags = compiler_flags(self.target)
+        return {
+            "fingerprint": self.spec.fingerprint(),
+            "target": [self.target.backend, self.target.arch],
+            "dtype": self.dtype.value,
+            "head_dim": self.head_dim,
+            "config": list(self.config),
+            "generator": generator_hash(),
+            "flags": [cflags, cuda_cflags],
+            "torch": torch.__version__,
+            "cuda": cuda_version() if self.target.backend == "cuda" else None,
+            "python": sys.version_info[:2],
+            "abi": ABI_VERSION,
+            "flashgen": __version__,
+        }
+
+
+@functools.cache
+def generator_hash() -> str:
+    """sha256 over the templates and the code generator, so a template edit changes every key."""
+    h = hashlib.sha256()
+    root = templates_dir()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    files += [Path(__file__).with_name(n) for n in _GENERATOR_FILES]
+    for p in files:
+        h.update(p.name.encode() if p.parent == Path(__file__).parent else str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@functools.cache
+def cuda_version() -> str:
+    """The toolkit version nvcc will build with (from CUDA_HOME/version.json, else nvcc -V)."""
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME or env.cuda_home()
+    if home:
+        try:
+            return json.loads((Path(home) / "version.json").read_text())["cuda"]["version"]
+        except (OSError, KeyError, ValueError):
+            pass
+        import subprocess
+
+        try:
+            return subprocess.run([str(Path(home) / "bin" / "nvcc"), "--version"], capture_output=True,
+                                  text=True, check=True).stdout.strip().splitlines()[-1]
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    return "unknown"
+
+
+def compiler_flags(target: Target) -> tuple[list[str], list[str]]:
+    """(C++ flags, nvcc flags) for a target; part of the cache key."""
+    debug = ["-g"] if env.debug() else []
+    cflags = ["-O3", "-std=c++17", *debug]
+    if target.backend == "cpu":
+        return [*cflags, "-march=native", "-fno-math-errno"], []
+    num = target.arch.removeprefix("sm_")
+    cuda = ["-O3", "-std=c++17", "--use_fast_math", f"-gencode=arch=compute_{num},code=sm_{num}",
+            "-lineinfo" if env.debug() else "-DNDEBUG", *(["-G"] if env.debug() else [])]
+    return cflags, cuda
+
+
+# ---------------------------------------------------------------- cache entries
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _entry_ok(entry: Path, key: str) -> bool:
+    try:
+        manifest = json.loads((entry / "manifest.json").read_text())
+        return manifest["key"] == key and manifest["sha256"] == _sha256(entry / "lib.so")
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+class LoadedLibrary:
+    """A verified, dlopen'ed artifact."""
+
+    def __init__(self, inst: Instantiation, path: Path):
+        self.instantiation, self.path = inst, path
+        self.lib = ctypes.CDLL(str(path))
+        abi = getattr(self.lib, inst.symbol + "_abi")
+        abi.restype = ctypes.c_int
+        if abi() != ABI_VERSION:
+            raise OSError(f"{path}: ABI version {abi()} != {ABI_VERSION}")
+        self.fn = getattr(self.lib, inst.symbol)
+        self.fn.restype = ctypes.c_int
+        self.error = getattr(self.lib, inst.symbol + "_error", None)
+        if self.error is not None:
+            self.error.restype = ctypes.c_char_p
+
+
+_loaded: dict[str, LoadedLibrary] = {}
+_loaded_lock = threading.Lock()
+
+
+def load(inst: Instantiation, *, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
+    """The loaded library for ``inst``: from this process, the cache, or a fresh build.
+
+    ``announce`` is called with a message before a compile starts (a cache miss).
+    Raises BuildError when the compiler fails.
+    """
+    key = inst.key
+    with _loaded_lock:
+        if key in _loaded:
+            return _loaded[key]
+    root = env.cache_dir()
+    entry = root / inst.name
+    lib = _try_load(inst, entry)
+    if lib is None:
+        root.mkdir(parents=True, exist_ok=True)
+        with filelock.FileLock(str(root / f"{inst.name}.lock")):
+            lib = _try_load(inst, entry)  # another process may have built it meanwhile
+            if lib is None:
+                if announce:
+                    announce(f"compiling {inst.name} (first use; cached in {root})")
+                _build_and_publish(inst, entry)
+                lib = _try_load(inst, entry)
+                if lib is None:
+                    raise BuildError(f"built {entry} but it does not load or verify")
+    with _loaded_lock:
+        return _loaded.setdefault(key, lib)
+
+
+def _try_load(inst: Instantiation, entry: Path) -> LoadedLibrary | None:
+    if not _entry_ok(entry, inst.key):
+        return None
+    try:
+        return LoadedLibrary(inst, entry / "lib.so")
+    except (OSError, AttributeError):
+        return None
+
+
+def _build_and_publish(inst: Instantiation, entry: Path) -> None:
+    from torch.utils import cpp_extension
+
+    tmp_root = entry.parent / ".tmp"
+    work = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}"
+    (work / "src").mkdir(parents=True)
+    source = work / "src" / inst.source_name
+    source.write_text(inst.render())
+    cflags, cuda_cflags = compiler_flags(inst.target)
+    start = time.perf_counter()
+    try:
+        path = cpp_extension.load(
+            name=inst.name,
+            sources=[str(source)],
+            extra_cflags=cflags,
+            extra_cuda_cflags=cuda_cflags,
+            extra_include_paths=[str(include_dir())],
+            build_directory=str(work),
+            verbose=env.verbose(),
+            with_cuda=inst.target.backend == "cuda",
+            is_python_module=False,
+        )
+    except (RuntimeError, OSError, ValueError) as e:
+        failed = entry.parent / "failed" / inst.name
+        shutil.rmtree(failed, ignore_errors=True)
+        failed.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(work), str(failed))
+        raise BuildError(
+            f"failed to build {inst.name}\n  generated source: {failed / 'src' / inst.source_name}\n"
+            f"  spec: {inst.spec.span.file if inst.spec.span else '<spec>'}\n{e}"
+        ) from None
+    seconds = time.perf_counter() - start
+    publish = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}-publish"
+    publish.mkdir()
+    shutil.copy2(path, publish / "lib.so")
+    shutil.copytree(work / "src", publish / "src")
+    manifest = {
+        "key": inst.key,
+        "sha256": _sha256(publish / "lib.so"),
+        "fields": inst._key_fields(),
+        "build_seconds": round(seconds, 2),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (publish / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    if entry.exists():  # a broken entry (we hold the lock): replace it
+        shutil.rmtree(entry, ignore_errors=True)
+    publish.rename(entry)
+    shutil.rmtree(work, ignore_errors=True)

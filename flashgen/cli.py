@@ -1,0 +1,215 @@
+"""The ``flashgen`` command (also ``python -m flashgen``): generate, build, run, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import ir
+from .errors import FlashgenError
+
+DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flashgen", description="Compile attention-variant specs into fused "
+                                "FlashAttention kernels for PyTorch.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="render specs into generated/<spec>/ (the committed reviewable sources)")
+    g.add_argument("specs", nargs="+", type=Path)
+    g.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
+
+    b = sub.add_parser("build", help="compile a spec's kernels into the cache (prints paths and build time)")
+    b.add_argument("specs", nargs="+", type=Path)
+    b.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    b.add_argument("--dtype", nargs="*", choices=DTYPE_ARG, help="default: every dtype the spec allows")
+    b.add_argument("--head-dim", nargs="*", type=int, help="CUDA head dims (default 64 128)")
+
+    r = sub.add_parser("run", help="run a spec on random inputs, check against the float64 reference, time it")
+    r.add_argument("spec", type=Path)
+    r.add_argument("--batch", type=int, default=2)
+    r.add_argument("--heads", type=int, default=8)
+    r.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: kv heads (default: --heads)")
+    r.add_argument("--seqlen", type=int, default=1024)
+    r.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen")
+    r.add_argument("--head-dim", type=int, default=64)
+    r.add_argument("--dtype", choices=DTYPE_ARG, default="bf16")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
+    r.add_argument("--reps", type=int, default=10)
+
+    be = sub.add_parser("bench", help="time ours next to torch SDPA (and FlexAttention on CUDA) in one run")
+    be.add_argument("spec", type=Path)
+    be.add_argument("--device", default="cpu")
+    be.add_argument("--dtype", choices=DTYPE_ARG, default=None, help="default bf16 on cuda, fp32 on cpu")
+    be.add_argument("--seqlen", nargs="*", type=int, help="default cpu: 1024 4096; cuda: 512 … 16384")
+    be.add_argument("--head-dim", nargs="*", type=int, help="default cpu: 64; cuda: 64 128")
+    be.add_argument("--batch", type=int, help="default cpu: 2; cuda: 16384 // seqlen")
+    be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim")
+    be.add_argument("--peers", nargs="*", help="only these peers (e.g. sdpa-flash flex)")
+    be.add_argument("--reps", type=int, default=10)
+    be.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench}[args.command](args)
+    except FlashgenError as e:
+        print(f"flashgen: {e}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
+        print(f"flashgen: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------- generate
+
+
+def generated_files(spec_path: Path) -> dict[str, str]:
+    """File name → text of everything ``generate`` writes for one spec (its generated/ folder)."""
+    from . import build, frontend
+    from .ops import BACKEND_DTYPES
+
+    spec = frontend.parse(spec_path)
+    files = {}
+    cpu = build.Target("cpu", "any")
+    for dt in BACKEND_DTYPES["cpu"]:
+        if spec.dtypes is None or dt in spec.dtypes:
+            inst = build.Instantiation(spec, cpu, dt, None)
+            files[inst.source_name] = inst.render()
+    cuda = build.Target("cuda", "any")
+    hds = spec.head_dims or (64, 128)
+    for dt in BACKEND_DTYPES["cuda"]:
+        if spec.dtypes is None or dt in spec.dtypes:
+            for hd in hds:
+                inst = build.Instantiation(spec, cuda, dt, hd)
+                files[inst.source_name] = inst.render()
+    return files
+
+
+def generate(spec_paths: list[Path], out_root: Path) -> list[Path]:
+    """Render each spec into ``out_root/<spec name>/``; writes only files that changed and removes
+    files no longer generated. Returns the paths written."""
+    from . import frontend
+
+    written = []
+    for sp in spec_paths:
+        name = frontend.parse(sp).name
+        folder = out_root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        files = generated_files(sp)
+        for fname, text in files.items():
+            path = folder / fname
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+                written.append(path)
+        for stale in folder.iterdir():
+            if stale.name not in files and stale.is_file():
+                stale.unlink()
+                written.append(stale)
+    return written
+
+
+def cmd_generate(args) -> int:
+    written = generate(args.specs, args.out)
+    for p in written:
+        print(f"wrote {p}")
+    print(f"{len(written)} file(s) changed under {args.out}")
+    return 0
+
+
+# ---------------------------------------------------------------- build
+
+
+def cmd_build(args) -> int:
+    import torch
+    from rich.console import Console
+
+    from . import build as build_mod
+    from .ops import compile as fg_compile
+
+    console = Console(stderr=True)
+    device = torch.device(args.device)
+    for sp in args.specs:
+        op = fg_compile(sp)
+        dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
+        t0 = time.perf_counter()
+        with console.status(f"building {op.spec.name} for {device} …"):
+            insts = op.build(device, dtypes, args.head_dim)
+        dt = time.perf_counter() - t0
+        for inst in insts:
+            entry = build_mod.env.cache_dir() / inst.name
+            print(f"{inst.name}\n    {entry / 'lib.so'}")
+        print(f"{op.spec.name}: {len(insts)} instantiation(s) ready in {dt:.1f} s")
+    return 0
+
+
+# ---------------------------------------------------------------- run
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from . import check, reference
+    from .bench import time_fn
+    from .ops import TORCH_DTYPE
+    from .ops import compile as fg_compile
+
+    if args.param:
+        raise ValueError(f"--param {args.param[0]}: this version's specs declare no parameters")
+    op = fg_compile(args.spec)
+    device = torch.device(args.device)
+    dtype = TORCH_DTYPE[DTYPE_ARG[args.dtype]]
+    hkv = args.kv_heads or args.heads
+    nk = args.seqlen if args.seqlen_k is None else args.seqlen_k
+    q = torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device=device, dtype=dtype)
+    k = torch.randn(args.batch, hkv, nk, args.head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    print(f"{op.name}: batch={args.batch} heads={args.heads} kv_heads={hkv} seqlen_q={args.seqlen} "
+          f"seqlen_k={nk} head_dim={args.head_dim} dtype={args.dtype} device={device}")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out, lse = op(q, k, v, return_lse=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    first = time.perf_counter() - t0
+    print(f"first call (build or cache load included): {first:.2f} s")
+    cmp = check.compare(op.spec, q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu())
+    print(f"check against float64 reference: {cmp}")
+    with torch.no_grad():
+        ms = time_fn(lambda: op(q, k, v), device, reps=args.reps)
+    flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(op.spec, args.seqlen, nk)
+    print(f"time: {ms:.3f} ms   {flops / ms / 1e6:.1f} GFLOP/s ({flops / ms / 1e9:.2f} TFLOP/s)")
+    return 0 if cmp.ok else 1
+
+
+# ---------------------------------------------------------------- bench
+
+
+def cmd_bench(args) -> int:
+    import platform
+
+    import torch
+
+    from . import bench
+    from .ops import compile as fg_compile
+
+    op = fg_compile(args.spec)
+    device = torch.device(args.device)
+    dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
+    shapes = bench.default_shapes(device, args.head_dim, args.seqlen, args.batch, args.heads)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"# {op.name} forward on {where}, torch {torch.__version__}, {dtype.value}, "
+          f"threads={torch.get_num_threads()}")
+    with torch.no_grad():
+        op(*(torch.randn(1, 1, 8, shapes[0][3], device=device, dtype=bench.TORCH_DTYPE[dtype]) for _ in range(3)))
+    rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None)
+    if args.json:
+        args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    return 0

@@ -1,0 +1,54 @@
+"""Exceptions raised by flashgen, with positioned messages for spec errors."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FlashgenError(Exception):
+    """Base class of every flashgen exception."""
+
+
+class SpecError(FlashgenError, ValueError):
+    """A spec that does not parse or does not validate.
+
+    The message has the form ``file:line:col: error: what``, then the source line with a caret
+    under the column, then what was expected and, for names, the nearest valid one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        file: str,
+        source: str,
+        line: int,
+        column: int,
+        expected: str | None = None,
+        hint: str | None = None,
+    ):
+        self.file, self.line, self.column = file, line, column
+        self.summary, self.expected, self.hint = message, expected, hint
+        lines = source.splitlines() or [""]
+        text = lines[line - 1] if 0 < line <= len(lines) else ""
+        parts = [f"{file}:{line}:{column}: error: {message}", f"    {text}", "    " + " " * (column - 1) + "^"]
+        if expected:
+            parts.append(f"expected {expected}")
+        if hint:
+            parts.append(hint)
+        super().__init__("\n".join(parts))
+
+
+class BuildError(FlashgenError, RuntimeError):
+    """The compiler failed on a generated source; the message holds its output and the path."""
+
+
+class KernelError(FlashgenError, RuntimeError):
+    """A kernel entry point reported a failure (for example a failed CUDA launch)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    """'did you mean 'x'?' for the closest of ``choices`` to ``word``, or None."""
+    close = difflib.get_close_matches(word, sorted(set(choices)), n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'?" if close else None

@@ -1,0 +1,287 @@
+"""Spec text → IR: parse with lark (grammar.lark), lower and validate into ``ir.Spec``.
+
+Every error is a ``SpecError`` naming file:line:col with the offending line and a caret.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from importlib import resources
+from pathlib import Path
+
+import lark
+from lark import Lark, Token, Tree
+
+from . import ir
+from .errors import SpecError, did_you_mean
+
+STATEMENTS = ("head_dim", "dtype", "scale", "mask", "score", "param", "dropout", "block_size")
+
+# Spellings accepted on `dtype` lines.
+DTYPE_NAMES = {
+    "fp16": ir.DType.FP16, "float16": ir.DType.FP16, "half": ir.DType.FP16,
+    "bf16": ir.DType.BF16, "bfloat16": ir.DType.BF16,
+    "fp32": ir.DType.FP32, "float32": ir.DType.FP32, "float": ir.DType.FP32,
+}  # fmt: skip
+
+MASK_NAMES = {m.value: m for m in ir.MaskKind}
+
+# Names that expressions will see once mask/score expressions land; used to tell "not yet" from
+# "unknown name".
+EXPRESSION_NAMES = ("b", "h", "q", "kv", "score", "seqlen_q", "seqlen_k")
+
+HEAD_DIM_MAX = 256
+
+_TERMINAL_TEXT = {
+    "_NL": "end of line", "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
+    "COMP_OP": "a comparison operator", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'",
+    "$END": "end of file",
+}  # fmt: skip
+
+
+@functools.cache
+def _parser() -> Lark:
+    text = resources.files(__package__).joinpath("grammar.lark").read_text()
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+
+
+def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
+    """Parse and validate a spec.
+
+    Args:
+        source: a path to a ``.attn`` file, or spec text (anything containing a newline or '{').
+        text: spec text; when given, ``source`` is only the file name used in messages.
+
+    Returns:
+        The validated ``ir.Spec``.
+
+    Raises:
+        SpecError: with file:line:col, the line and a caret, what was expected, "did you mean".
+        FileNotFoundError: ``source`` looks like a path and does not exist.
+    """
+    if text is None:
+        if isinstance(source, Path) or ("\n" not in source and "{" not in source):
+            path = Path(source)
+            text, file = path.read_text(), str(path)
+        else:
+            text, file = source, "<spec>"
+    else:
+        file = str(source)
+    try:
+        tree = _parser().parse(text)
+    except lark.exceptions.UnexpectedInput as e:
+        raise _syntax_error(e, text, file) from None
+    return _Lowering(file, text).spec(tree)
+
+
+# ---------------------------------------------------------------- syntax errors
+
+
+def _describe(terminals) -> str:
+    parser = _parser()
+    names = []
+    for t in sorted(terminals):
+        if t in _TERMINAL_TEXT:
+            names.append(_TERMINAL_TEXT[t])
+            continue
+        try:
+            pattern = parser.get_terminal(t).pattern
+        except KeyError:
+            names.append(t)
+            continue
+        names.append(f"'{pattern.value}'" if pattern.type == "str" else t.lower())
+    names = sorted(set(names))
+    return names[0] if len(names) == 1 else "one of " + ", ".join(names)
+
+
+def _word_at(text: str, pos: int) -> str:
+    end = pos
+    while end < len(text) and (text[end].isalnum() or text[end] == "_"):
+        end += 1
+    return text[pos:end]
+
+
+def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> SpecError:
+    line, column = getattr(e, "line", -1), getattr(e, "column", -1)
+    at_eof = isinstance(e, lark.exceptions.UnexpectedToken) and e.token.type == "$END"
+    if isinstance(e, lark.exceptions.UnexpectedEOF) or line < 0 or at_eof:
+        lines = text.splitlines() or [""]
+        line, column = len(lines), len(lines[-1]) + 1
+        return SpecError("unexpected end of file", file=file, source=text, line=line, column=column,
+                         expected=_describe(e.expected))
+    if isinstance(e, lark.exceptions.UnexpectedCharacters):
+        expected = set(e.allowed or ())
+        found = _word_at(text, e.pos_in_stream)
+        if not found:
+            return SpecError(f"unexpected character {text[e.pos_in_stream]!r}", file=file, source=text,
+                             line=line, column=column)
+    else:
+        expected = set(e.expected or ())
+        tok = e.token
+        found = "end of line" if tok.type == "_NL" else str(tok)
+    keywords = {t for t in expected if t.upper() in {s.upper() for s in STATEMENTS}}
+    hint = None
+    if keywords and found.isidentifier():
+        hint = did_you_mean(found, STATEMENTS)
+        return SpecError(f"unknown statement '{found}'", file=file, source=text, line=line,
+                         column=column, expected="a statement: " + ", ".join(STATEMENTS), hint=hint)
+    return SpecError(f"unexpected {found!r}" if found != "end of line" else "unexpected end of line",
+                     file=file, source=text, line=line, column=column, expected=_describe(expected))
+
+
+# ---------------------------------------------------------------- lowering
+
+
+class _Lowering:
+    def __init__(self, file: str, text: str):
+        self.file, self.text = file, text
+
+    def span(self, node) -> ir.Span:
+        meta = node.meta if isinstance(node, Tree) else node
+        return ir.Span(self.file, meta.line, meta.column)
+
+    def error(self, node, message: str, **kw) -> SpecError:
+        s = self.span(node)
+        return SpecError(message, file=self.file, source=self.text, line=s.line, column=s.column, **kw)
+
+    # expressions -------------------------------------------------------
+
+    def expr(self, node) -> ir.Expr:
+        if isinstance(node, Token):  # bare NAME/NUMBER tokens never reach here; trees do
+            raise AssertionError(node)
+        span, kind, ch = self.span(node), node.data, node.children
+        if kind == "name":
+            return ir.Name(str(ch[0]), span)
+        if kind == "number":
+            v = float(ch[0])
+            return ir.Num(int(v) if v.is_integer() and "." not in ch[0] and "e" not in ch[0].lower() else v, span)
+        if kind == "neg":
+            return ir.Unary("-", self.expr(ch[0]), span)
+        if kind == "not_op":
+            return ir.Unary("not", self.expr(ch[0]), span)
+        if kind in ("binop", "compare"):
+            return ir.BinOp(str(ch[1]), self.expr(ch[0]), self.expr(ch[2]), span)
+        if kind in ("and_op", "or_op"):
+            return ir.BinOp(kind[:-3], self.expr(ch[0]), self.expr(ch[1]), span)
+        if kind == "call":
+            args = tuple(self.expr(a) for a in ch[1:] if a is not None)
+            return ir.Call(str(ch[0]), args, span)
+        if kind == "index":
+            return ir.Index(self.expr(ch[0]), tuple(self.expr(a) for a in ch[1:]), span)
+        raise AssertionError(kind)
+
+    # statements --------------------------------------------------------
+
+    def spec(self, tree: Tree) -> ir.Spec:
+        spec = tree.children[0]
+        name_tok, *stmts = spec.children
+        seen: dict[str, Tree] = {}
+        fields: dict = {}
+        for st in stmts:
+            if st is None:
+                continue
+            key = st.data.removesuffix("_stmt")
+            if key in seen and key != "param":
+                raise self.error(st, f"duplicate '{key}' statement (first on line {seen[key].meta.line})")
+            seen[key] = st
+            getattr(self, "stmt_" + key)(st, fields)
+        return ir.Spec(name=str(name_tok), span=ir.Span(self.file, name_tok.line, name_tok.column), **fields)
+
+    def stmt_head_dim(self, st: Tree, fields: dict) -> None:
+        dims = []
+        for tok in st.children:
+            d = int(tok)
+            if d % 8 or not 8 <= d <= HEAD_DIM_MAX:
+                raise self.error(tok, f"head_dim {d} is not supported",
+                                 expected=f"a multiple of 8 from 8 to {HEAD_DIM_MAX}")
+            if d in dims:
+                raise self.error(tok, f"head_dim {d} is listed twice")
+            dims.append(d)
+        fields["head_dims"] = tuple(sorted(dims))
+
+    def stmt_dtype(self, st: Tree, fields: dict) -> None:
+        out = []
+        for tok in st.children:
+            dt = DTYPE_NAMES.get(str(tok))
+            if dt is None:
+                raise self.error(tok, f"unknown dtype '{tok}'", expected="one of fp16, bf16, fp32",
+                                 hint=did_you_mean(str(tok), DTYPE_NAMES))
+            if dt not in out:
+                out.append(dt)
+        fields["dtypes"] = tuple(sorted(out, key=lambda d: d.value))
+
+    def stmt_scale(self, st: Tree, fields: dict) -> None:
+        expr = self.expr(st.children[0])
+        # Validate now (names, functions, positivity) with a representative head dim.
+        value = evaluate_scale(expr, 64, self)
+        if not (math.isfinite(value) and value > 0):
+            raise self.error(st.children[0], f"scale must be a positive finite number, got {value}")
+        fields["scale"] = expr
+
+    def stmt_mask(self, st: Tree, fields: dict) -> None:
+        node = st.children[0]
+        expr = self.expr(node)
+        if isinstance(expr, ir.Name) and expr.id in MASK_NAMES:
+            fields["mask"] = MASK_NAMES[expr.id]
+            fields["mask_span"] = expr.span
+            return
+        if isinstance(expr, ir.Name) and expr.id not in EXPRESSION_NAMES:
+            raise self.error(node, f"unknown mask '{expr.id}'", expected="one of " + ", ".join(MASK_NAMES),
+                             hint=did_you_mean(expr.id, MASK_NAMES))
+        raise self.error(node, "mask expressions are not supported in this version",
+                         expected="one of " + ", ".join(MASK_NAMES))
+
+    def stmt_score(self, st: Tree, fields: dict) -> None:
+        expr = self.expr(st.children[0])
+        if expr != ir.Name("score"):
+            raise self.error(st.children[0], "score modifications are not supported in this version",
+                             expected="'score = score'")
+
+    def _not_yet(self, st: Tree, fields: dict) -> None:
+        raise self.error(st, f"'{st.data.removesuffix('_stmt')}' is not supported in this version")
+
+    stmt_param = stmt_dropout = stmt_block_size = _not_yet
+
+
+_SCALE_FUNCS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs}
+
+
+def evaluate_scale(expr: ir.Expr, head_dim: int, lowering: _Lowering | None = None) -> float:
+    """Evaluate a ``scale = ...`` expression (numbers, head_dim, + - * /, sqrt/exp/log/abs)."""
+
+    def fail(node, msg, **kw):
+        if lowering is None:
+            raise ValueError(msg)
+        raise SpecError(msg, file=lowering.file, source=lowering.text, line=node.span.line,
+                        column=node.span.column, **kw)
+
+    def ev(n):
+        if isinstance(n, ir.Num):
+            return float(n.value)
+        if isinstance(n, ir.Name):
+            if n.id == "head_dim":
+                return float(head_dim)
+            fail(n, f"unknown name '{n.id}' in scale", expected="numbers and head_dim",
+                 hint=did_you_mean(n.id, ["head_dim"]))
+        if isinstance(n, ir.Unary) and n.op == "-":
+            return -ev(n.operand)
+        if isinstance(n, ir.BinOp) and n.op in "+-*/":
+            a, b = ev(n.lhs), ev(n.rhs)
+            if n.op == "/" and b == 0:
+                fail(n, "division by zero in scale")
+            return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else 0.0}[n.op]
+        if isinstance(n, ir.Call) and n.fn in _SCALE_FUNCS:
+            if len(n.args) != 1:
+                fail(n, f"{n.fn}() takes 1 argument, got {len(n.args)}")
+            arg = ev(n.args[0])
+            try:
+                return float(_SCALE_FUNCS[n.fn](arg))
+            except (ValueError, OverflowError):
+                fail(n, f"{n.fn}() of an invalid value in scale")
+        if isinstance(n, ir.Call):
+            fail(n, f"unknown function '{n.fn}' in scale", expected="one of " + ", ".join(_SCALE_FUNCS),
+                 hint=did_you_mean(n.fn, _SCALE_FUNCS))
+        fail(n, "unsupported operation in scale", expected="numbers, head_dim, + - * / and sqrt()")
+
+    return ev(expr)

@@ -1,0 +1,354 @@
+"""The one home of op registration: ``flashgen.compile(spec)`` → ``AttentionOp``.
+
+Each spec becomes one torch op ``flashgen::<spec>_<hash12>`` (torch.library custom op with a
+fake implementation, so torch.compile(fullgraph=True) traces it and dynamic sequence lengths do
+not recompile). The real implementation dispatches on the inputs' device to a compiled
+instantiation (built lazily on first use, see build.py) and calls its C entry point through
+ctypes with an ``FgFwdArgs`` block: on CUDA it launches on the current stream of the inputs'
+device with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import sys
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from . import build, env, ir
+from .abi import FgFwdArgs, status_name
+from .errors import KernelError
+from .frontend import HEAD_DIM_MAX, parse
+from .reference import default_scale
+
+TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
+IR_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+
+# What each backend family can run.
+BACKEND_DTYPES = {
+    "cpu": (ir.DType.FP32, ir.DType.BF16, ir.DType.FP16),
+    "cuda": (ir.DType.FP16, ir.DType.BF16),
+}
+CPU_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+
+# Fill outputs with NaN before each launch, so an element the kernel fails to write shows.
+# A testing aid (tests switch it on); off by default because it costs a memory pass.
+poison_outputs = False
+
+_registry: dict[str, AttentionOp] = {}
+_registry_lock = threading.Lock()
+
+
+def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the public name
+    """Parse and validate ``spec`` (a path to a ``.attn`` file or spec text) and return its op.
+
+    Nothing is built here: kernels are compiled at the first call for each (device type,
+    dtype, head dim), or ahead of time with ``op.build(...)`` / ``flashgen build``.
+
+    Raises:
+        SpecError: the spec does not parse or validate (message has file:line:col).
+    """
+    ir_spec = spec if isinstance(spec, ir.Spec) else parse(spec)
+    qualname = f"{ir_spec.name}_{ir_spec.fingerprint()[:12]}"
+    with _registry_lock:
+        if qualname not in _registry:
+            _registry[qualname] = AttentionOp(ir_spec, qualname)
+        return _registry[qualname]
+
+
+class AttentionOp:
+    """A compiled attention variant, called like FlashAttention.
+
+    ``op(q, k, v, *, scale=None, return_lse=False, ...)`` computes
+    ``out = softmax(scale · q kᵀ, masked as the spec says) · v`` (FlashAttention, Dao et al.
+    2022, Alg. 1) without materialising the score matrix.
+    """
+
+    def __init__(self, spec: ir.Spec, qualname: str):
+        self.spec = spec
+        self.name = f"flashgen::{qualname}"
+        self._libs: dict[tuple, build.LoadedLibrary] = {}
+        self._libs_lock = threading.Lock()
+        self.torch_op = _register(self, qualname)
+
+    def __repr__(self) -> str:
+        return f"<flashgen op {self.name} mask={self.spec.mask.value}>"
+
+    # ------------------------------------------------------------ call
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        scale: float | None = None,
+        return_lse: bool = False,
+        deterministic: bool = False,
+        dropout_p: float = 0.0,
+        dropout_seed: int | None = None,
+        block_mask=None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        **params,
+    ):
+        """Attention of this spec.
+
+        Args:
+            q: [B, Hq, Nq, d]; k, v: [B, Hkv, Nk, d] (PyTorch SDPA's layout). One device (cpu or
+               cuda), one dtype (fp16, bf16; fp32 on cpu), last dim contiguous, any other
+               strides (a transposed view of [B, N, H, d] works without a copy). Hq must be a
+               multiple of Hkv (GQA/MQA: query head h reads kv head h // (Hq // Hkv)). d is a
+               multiple of 8 up to 256, within the spec's ``head_dim`` line if it has one.
+            scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
+            return_lse: also return the log-sum-exp.
+            deterministic: accepted for interface compatibility; the forward is always
+               deterministic.
+            dropout_p, dropout_seed, block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k: reserved for dropout, block sparsity and packed (varlen) batches;
+               this version raises NotImplementedError when they are set.
+            **params: the spec's parameters by name (this version's specs declare none).
+
+        Returns:
+            out [B, Hq, Nq, d] in q's dtype (q's strides when q is dense), or ``(out, lse)``
+            with lse fp32 [B, Hq, Nq], natural log. A query row that sees no key gets out 0
+            and lse -inf.
+
+        Raises:
+            TypeError / ValueError: bad arguments, naming the argument, before any launch.
+            NotImplementedError: a feature this version does not have, naming the argument.
+            BuildError: the first-use compile failed (message has compiler output and path).
+            KernelError: the kernel reported a failure (e.g. a failed CUDA launch).
+        """
+        if dropout_p:
+            raise NotImplementedError(f"dropout_p={dropout_p}: spec '{self.spec.name}' declares no dropout "
+                                      "(dropout is not supported in this version)")
+        for name, value in (("block_mask", block_mask), ("cu_seqlens_q", cu_seqlens_q),
+                            ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
+                            ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                what = "block-sparse attention" if name == "block_mask" else "packed (varlen) batches"
+                raise NotImplementedError(f"{name}: {what} are not supported in this version")
+        if params:
+            raise TypeError(f"unknown parameter '{next(iter(params))}': spec '{self.spec.name}' declares "
+                            "no parameters")
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+        self.check_inputs(q, k, v)
+        if scale is None:
+            scale = default_scale(self.spec, q.shape[-1])
+        elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite float, got {scale!r}")
+        out, lse = self.torch_op(q, k, v, float(scale))
+        return (out, lse) if return_lse else out
+
+    def check_inputs(self, q, k, v) -> None:
+        """Validate q, k, v as ``__call__`` documents; raise naming the offending argument."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        for name, t, what in (("q", q, "seqlen_q"), ("k", k, "seqlen_k"), ("v", v, "seqlen_k")):
+            if t.dim() != 4:
+                heads = "heads" if name == "q" else "kv_heads"
+                raise ValueError(f"{name}: expected 4 dims [batch, {heads}, {what}, head_dim], "
+                                 f"got shape {tuple(t.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.device != q.device:
+                raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
+        backend = q.device.type
+        if backend not in BACKEND_DTYPES:
+            raise ValueError(f"q: device type '{backend}' is not supported (expected cpu or cuda)")
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != q.dtype:
+                raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        allowed = [d for d in BACKEND_DTYPES[backend] if self.spec.dtypes is None or d in self.spec.dtypes]
+        if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
+            names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
+            raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{self.spec.name}' on {backend} "
+                             f"(expected one of: {names})")
+        B, Hq, Nq, d = q.shape
+        if k.shape[0] != B:
+            raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
+        if v.shape != k.shape:
+            raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+        if k.shape[3] != d:
+            raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {d}")
+        Hkv = k.shape[1]
+        if Hkv == 0 or Hq % Hkv:
+            raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads "
+                             "(GQA/MQA need heads_q to be a multiple of heads_kv)")
+        dims = self.head_dims(backend)
+        if d not in dims:
+            raise ValueError(f"q: head_dim {d} is not supported by spec '{self.spec.name}' on {backend} "
+                             f"(expected one of {_ranges(dims)})")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.stride(3) != 1:
+                raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
+        for name, n in (("q", Nq), ("k", k.shape[2])):
+            if n >= 2**31:
+                raise ValueError(f"{name}: sequence length {n} exceeds 2^31 - 1")
+
+    def head_dims(self, backend: str) -> tuple[int, ...]:
+        """Head dims this spec can run on ``backend`` ('cpu' or 'cuda')."""
+        family = CPU_HEAD_DIMS if backend == "cpu" else CUDA_HEAD_DIMS
+        return tuple(d for d in family if self.spec.head_dims is None or d in self.spec.head_dims)
+
+    def dtypes(self, backend: str) -> tuple[ir.DType, ...]:
+        return tuple(d for d in BACKEND_DTYPES[backend] if self.spec.dtypes is None or d in self.spec.dtypes)
+
+    # ------------------------------------------------------------ build
+
+    def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int) -> build.Instantiation:
+        """The compiled artifact that serves (device, dtype, head_dim)."""
+        device = torch.device(device)
+        if device.type == "cpu":  # the CPU family takes head_dim at run time
+            return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim)
+
+    def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
+              head_dims: Iterable[int] | None = None, *, jobs: int | None = None) -> list[build.Instantiation]:
+        """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
+
+        Args:
+            device: 'cpu' or a CUDA device.
+            dtypes: torch or flashgen dtypes (default: every dtype the spec allows there).
+            head_dims: default every allowed head dim on CUDA among (64, 128); ignored on CPU,
+                whose kernels take the head dim at run time.
+            jobs: instantiations compiled at once (default: all of them).
+
+        Returns the instantiations, now loaded in this process.
+        """
+        device = torch.device(device)
+        dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(device.type))
+        if device.type == "cpu":
+            hds: list[int] = [8]
+        else:
+            hds = list(head_dims) if head_dims is not None else [d for d in (64, 128) if d in self.head_dims("cuda")]
+        insts = list(dict.fromkeys(self.instantiation(device, dt, hd) for dt in dts for hd in hds))
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
+            libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
+        for inst, lib in zip(insts, libs, strict=True):
+            self._remember(device, inst.dtype, inst.head_dim, lib)
+        return insts
+
+    def _remember(self, device, dtype, head_dim, lib) -> None:
+        with self._libs_lock:
+            self._libs[(device.type, device.index, dtype, head_dim)] = lib
+
+    def _library(self, device: torch.device, dtype: ir.DType, head_dim: int) -> build.LoadedLibrary:
+        hd = None if device.type == "cpu" else head_dim
+        lib = self._libs.get((device.type, device.index, dtype, hd))
+        if lib is None:
+            lib = build.load(self.instantiation(device, dtype, head_dim), announce=_announce)
+            self._remember(device, dtype, hd, lib)
+        return lib
+
+    # ------------------------------------------------------------ kernel call
+
+    def _forward(self, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        B, Hq, Nq, d = q.shape
+        fill = float("nan") if poison_outputs else None
+        # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
+        out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
+        lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+        if fill is not None:
+            lse.fill_(fill)
+        if out.numel() == 0:
+            return out, lse
+        if q.device.type == "cuda":
+            q, k, v = (_aligned(t) for t in (q, k, v))
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d)
+        args = FgFwdArgs(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+            B, Hq, k.shape[1], Nq, k.shape[2], d,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            scale, 0, None, None,
+        )  # fmt: skip
+        if q.device.type == "cuda":
+            with torch.cuda.device(q.device):
+                args.num_sms = _num_sms(q.device.index)
+                args.stream = torch.cuda.current_stream().cuda_stream
+                status = lib.fn(ctypes.byref(args))
+        else:
+            status = lib.fn(ctypes.byref(args))
+        if status:
+            detail = lib.error().decode() if lib.error is not None else ""
+            raise KernelError(f"{lib.instantiation.name}: kernel failed with {status_name(status)}"
+                              + (f": {detail}" if detail else ""))
+        return out, lse
+
+
+def _as_dtype(d) -> ir.DType:
+    """An ir.DType from a flashgen, torch or spelled ('bf16', 'float16', ...) dtype."""
+    from .frontend import DTYPE_NAMES
+
+    if isinstance(d, ir.DType):
+        return d
+    if isinstance(d, torch.dtype) and d in IR_DTYPE:
+        return IR_DTYPE[d]
+    if isinstance(d, str) and d in DTYPE_NAMES:
+        return DTYPE_NAMES[d]
+    raise ValueError(f"dtypes: unknown dtype {d!r} (expected fp16, bf16 or fp32)")
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy when its pointer or strides break the 16-byte vector loads."""
+    elems = 16 // t.element_size()
+    if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:3]):
+        return t.contiguous()
+    return t
+
+
+_sms: dict[int, int] = {}
+
+
+def _num_sms(index: int) -> int:
+    if index not in _sms:
+        _sms[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sms[index]
+
+
+def _announce(message: str) -> None:
+    if not env.quiet():
+        print(f"flashgen: {message}", file=sys.stderr, flush=True)
+
+
+def _ranges(dims: tuple[int, ...]) -> str:
+    if len(dims) > 4 and all(b - a == 8 for a, b in zip(dims, dims[1:], strict=False)):
+        return f"multiples of 8 from {dims[0]} to {dims[-1]}"
+    return ", ".join(map(str, dims)) or "none"
+
+
+def _register(op: AttentionOp, qualname: str):
+    """Define ``flashgen::<qualname>`` with its real and fake implementations and autograd."""
+    lib_name = f"flashgen::{qualname}"
+
+    @torch.library.custom_op(lib_name, mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
+    def attention(q, k, v, scale):
+        return op._forward(q, k, v, scale)
+
+    @attention.register_fake
+    def _(q, k, v, scale):
+        B, Hq, Nq, _d = q.shape
+        return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, grad_out, grad_lse):
+        raise NotImplementedError(f"{lib_name}: the backward pass is not implemented in this version "
+                                  "(forward only); call the op under torch.no_grad() or on inputs "
+                                  "that do not require grad")
+
+    attention.register_autograd(backward, setup_context=setup_context)
+    return attention

@@ -1,0 +1,104 @@
+"""Rendering, generated/ staleness, strict templates, cache keys."""
+
+import shutil
+
+import pytest
+
+from conftest import ROOT, SPECS
+from flashgen import build, cli, codegen, frontend, ir, paths
+
+
+@pytest.mark.parametrize("spec", sorted(SPECS.glob("*.attn")), ids=lambda p: p.stem)
+def test_every_spec_renders(spec):
+    files = cli.generated_files(spec.relative_to(ROOT))
+    name = frontend.parse(spec).name
+    assert {"cpu_fwd_fp32.cpp", "cpu_fwd_bf16.cpp", "cuda_fwd_bf16_hd128.cu", "cuda_fwd_fp16_hd64.cu"} <= set(files)
+    for fname, text in files.items():
+        # every generated file names itself: spec, fingerprint, family
+        assert f"// spec:        {name} (specs/{spec.name}:" in text
+        assert frontend.parse(spec).fingerprint()[:12] in text
+        assert "extern \"C\" int fg_" in text
+        assert "{{" not in text and "{%" not in text
+
+
+def test_generated_is_up_to_date(tmp_path, monkeypatch):
+    """generated/ must equal a fresh render: run `flashgen generate specs/*.attn` after edits."""
+    monkeypatch.chdir(ROOT)
+    specs = sorted(p.relative_to(ROOT) for p in SPECS.glob("*.attn"))
+    cli.generate(specs, tmp_path)
+    fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    committed = sorted(p.relative_to(ROOT / "generated") for p in (ROOT / "generated").rglob("*") if p.is_file())
+    assert fresh == committed, "generated/ is stale: run `python -m flashgen generate specs/*.attn`"
+    for rel in fresh:
+        assert (tmp_path / rel).read_text() == (ROOT / "generated" / rel).read_text(), f"generated/{rel} is stale"
+
+
+def test_generate_writes_only_changes(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    spec = [SPECS.relative_to(ROOT) / "causal.attn"]
+    assert cli.generate(spec, tmp_path)
+    assert cli.generate(spec, tmp_path) == []
+
+
+def test_hooks_follow_mask():
+    dense = frontend.parse("attention d {}")
+    causal = frontend.parse("attention c { mask = causal }")
+    tl = frontend.parse("attention t { mask = causal_top_left }")
+    render = lambda s: codegen.render_instantiation(s, "cpu", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
+    assert "kHasMask = false" in render(dense)
+    assert "return kv <= q + (seqlen_k - seqlen_q);" in render(causal)
+    assert "return kv <= q;" in render(tl)
+
+
+def test_strict_undefined_names_template():
+    import jinja2
+
+    env = codegen.environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(RuntimeError, match="variant.h.jinja"):
+        codegen.render("variant.h.jinja")  # no context: every name undefined
+
+
+def _inst(text, **kw):
+    spec = frontend.parse("t.attn", text=text)
+    return build.Instantiation(spec, build.Target("cpu", "test"), kw.get("dtype", ir.DType.FP32), None)
+
+
+def test_key_ignores_spec_formatting():
+    a = _inst("attention c {\n  mask = causal # x\n}")
+    b = _inst("attention c { mask=causal }")
+    assert a.key == b.key and a.name == b.name
+
+
+def test_key_changes_with_semantics_and_dtype():
+    a = _inst("attention c { mask = causal }")
+    assert _inst("attention c { mask = none }").key != a.key
+    assert _inst("attention c { mask = causal }", dtype=ir.DType.BF16).key != a.key
+
+
+def test_key_changes_with_a_template_edit(tmp_path, monkeypatch):
+    before = _inst("attention c { mask = causal }").key
+    copy = tmp_path / "templates"
+    shutil.copytree(paths.templates_dir(), copy)
+    (copy / "variant.h.jinja").write_text((copy / "variant.h.jinja").read_text() + "\n// edited\n")
+    monkeypatch.setattr(paths, "templates_dir", lambda: copy)
+    monkeypatch.setattr(build, "templates_dir", lambda: copy)
+    build.generator_hash.cache_clear()
+    try:
+        assert _inst("attention c { mask = causal }").key != before
+    finally:
+        build.generator_hash.cache_clear()
+
+
+def test_artifact_names_are_readable():
+    inst = build.Instantiation(frontend.parse("attention causal { mask = causal }"), build.Target("cuda", "sm_90a"),
+                               ir.DType.BF16, 128)
+    assert inst.name.startswith("fg_causal_bf16_hd128_sm_90a_") and len(inst.name.rsplit("_", 1)[1]) == 12
+    assert inst.symbol == "fg_causal_fwd_bf16_hd128"
+
+
+def test_abi_version_matches_header():
+    from flashgen import abi
+
+    assert abi._header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION
+    assert abi.status_name(0) == "FG_OK"

@@ -1,0 +1,159 @@
+"""Grammar, positioned error messages, IR validation and fingerprint invariance."""
+
+import pytest
+
+from flashgen import frontend, ir
+from flashgen.errors import SpecError
+
+
+def parse(text, file="t.attn"):
+    return frontend.parse(file, text=text)
+
+
+def error(text) -> SpecError:
+    with pytest.raises(SpecError) as e:
+        parse(text)
+    return e.value
+
+
+def test_minimal_specs():
+    s = parse("attention dense {\n}\n")
+    assert s.name == "dense" and s.mask is ir.MaskKind.NONE
+    assert s.head_dims is None and s.dtypes is None and s.scale is None
+    assert parse("attention c { mask = causal }").mask is ir.MaskKind.CAUSAL
+    assert parse("attention c { mask = causal_top_left }").mask is ir.MaskKind.CAUSAL_TOP_LEFT
+    assert parse("attention n {\n mask = none\n}").mask is ir.MaskKind.NONE
+
+
+def test_restricting_lines():
+    s = parse("attention x {\n  head_dim 128, 64\n  dtype bfloat16, fp16\n  scale = 0.5 * 2 / sqrt(head_dim)\n}")
+    assert s.head_dims == (64, 128)
+    assert s.dtypes == (ir.DType.BF16, ir.DType.FP16)
+    assert frontend.evaluate_scale(s.scale, 64) == pytest.approx(1 / 8)
+
+
+def test_grammar_takes_later_features_syntax():
+    """Mask/score expressions, typed params, dropout, block sizes parse (lowering says 'not yet')."""
+    tree = frontend._parser().parse(
+        "attention alibi {\n"
+        "    param slopes: f32[heads]\n"
+        "    param window: i32\n"
+        "    score = score + slopes[h] * (kv - q - (seqlen_k - seqlen_q))\n"
+        "    mask = causal and not (kv < q - window) or where(q > 1, kv >= 0, kv < 0)\n"
+        "    dropout\n"
+        "    block_size 128\n"
+        "}\n"
+    )
+    kinds = [c.data for c in tree.children[0].children[1:]]
+    assert kinds == ["param_stmt", "param_stmt", "score_stmt", "mask_stmt", "dropout_stmt", "block_size_stmt"]
+
+
+def test_fingerprint_ignores_formatting_and_comments():
+    a = parse("attention c {\n    mask = causal   # the mask\n    head_dim 64\n}\n")
+    b = parse("# header comment\n\nattention c { head_dim 64; mask=causal }", file="other.attn")
+    assert a == b
+    assert a.fingerprint() == b.fingerprint()
+    assert a.span != b.span  # spans differ but do not count
+
+
+def test_fingerprint_changes_with_semantics():
+    base = parse("attention c { mask = causal }").fingerprint()
+    assert parse("attention c { mask = causal_top_left }").fingerprint() != base
+    assert parse("attention d { mask = causal }").fingerprint() != base
+    assert parse("attention c { mask = causal; head_dim 64 }").fingerprint() != base
+    assert parse("attention c { mask = causal; scale = 0.1 }").fingerprint() != base
+
+
+def test_ir_is_frozen():
+    s = parse("attention c { mask = causal }")
+    with pytest.raises(AttributeError):
+        s.name = "x"
+
+
+def test_unknown_statement_position_and_suggestion():
+    e = error("attention x {\n    maks = causal\n}\n")
+    assert (e.file, e.line, e.column) == ("t.attn", 2, 5)
+    text = str(e)
+    assert text.startswith("t.attn:2:5: error: unknown statement 'maks'")
+    assert "    maks = causal\n" in text
+    assert "\n        ^\n" in text  # caret under column 5 (after the 4-space gutter)
+    assert "did you mean 'mask'?" in text
+
+
+def test_unknown_mask_suggestion():
+    e = error("attention x {\n  mask = casual\n}")
+    assert (e.line, e.column) == (2, 10)
+    assert "unknown mask 'casual'" in str(e) and "did you mean 'causal'?" in str(e)
+    assert "expected one of none, causal, causal_top_left" in str(e)
+
+
+def test_syntax_error_expected_tokens():
+    e = error("attention x {\n  mask = causal +\n}")
+    assert (e.line, e.column) == (2, 18)
+    assert "unexpected end of line" in str(e)
+    assert "a name" in e.expected and "a number" in e.expected
+
+
+def test_missing_name_and_eof():
+    e = error("attention { }")
+    assert (e.line, e.column) == (1, 11) and e.expected == "a name"
+    e = error("attention x {\n  mask = causal\n")
+    assert "unexpected end of file" in str(e) and "'}'" in e.expected
+
+
+def test_bad_character():
+    e = error("attention x {\n  mask = causal $\n}")
+    assert (e.line, e.column) == (2, 17) and "unexpected character '$'" in str(e)
+
+
+@pytest.mark.parametrize(
+    "body, line, col, message",
+    [
+        ("head_dim 65", 2, 12, "head_dim 65 is not supported"),
+        ("head_dim 512", 2, 12, "head_dim 512 is not supported"),
+        ("head_dim 64, 64", 2, 16, "head_dim 64 is listed twice"),
+        ("dtype bf17", 2, 9, "unknown dtype 'bf17'"),
+        ("mask = q >= kv", 2, 10, "mask expressions are not supported in this version"),
+        ("score = score * 2", 2, 11, "score modifications are not supported in this version"),
+        ("param p: f32", 2, 3, "'param' is not supported in this version"),
+        ("dropout", 2, 3, "'dropout' is not supported in this version"),
+        ("scale = 1 / sqrt(head_dmi)", 2, 20, "unknown name 'head_dmi' in scale"),
+        ("scale = sqrtt(head_dim)", 2, 11, "unknown function 'sqrtt' in scale"),
+        ("scale = 1 / 0", 2, 11, "division by zero in scale"),
+        ("scale = -1", 2, 11, "scale must be a positive finite number"),
+    ],
+)
+def test_validation_errors(body, line, col, message):
+    e = error(f"attention x {{\n  {body}\n}}\n")
+    assert (e.line, e.column) == (line, col), str(e)
+    assert message in str(e)
+    assert str(e).startswith(f"t.attn:{line}:{col}: error:")
+
+
+def test_duplicate_statement():
+    e = error("attention x {\n  mask = causal\n  mask = none\n}")
+    assert (e.line, e.column) == (3, 3) and "first on line 2" in str(e)
+
+
+def test_did_you_mean_for_scale_name():
+    assert "did you mean 'head_dim'?" in str(error("attention x {\n scale = 1/head_dmi\n}"))
+
+
+def test_parse_from_path(tmp_path):
+    p = tmp_path / "w.attn"
+    p.write_text("attention w {\n  mask = causl\n}\n")
+    with pytest.raises(SpecError) as e:
+        frontend.parse(p)
+    assert str(e.value).startswith(f"{p}:2:10: error:")
+    with pytest.raises(FileNotFoundError):
+        frontend.parse(tmp_path / "missing.attn")
+
+
+def test_example_specs_parse():
+    from conftest import SPECS
+
+    dense = frontend.parse(SPECS / "dense.attn")
+    causal = frontend.parse(SPECS / "causal.attn")
+    assert dense.mask is ir.MaskKind.NONE and causal.mask is ir.MaskKind.CAUSAL
+    for s in (dense, causal):  # the examples restrict nothing
+        assert s.head_dims is None and s.dtypes is None

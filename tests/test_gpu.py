@@ -1,0 +1,169 @@
+"""CUDA family against the float64 reference (outputs poisoned with NaN before every launch)."""
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import check
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SEQLENS = [1, 7, 64, 127, 128, 129]
+# (batch, heads, kv_heads, transposed) cycled over the cross product: MHA, GQA 4:1, MQA, views.
+LAYOUTS = [(1, 1, 1, False), (3, 5, 5, True), (1, 4, 1, False), (3, 8, 2, False), (1, 5, 5, True), (3, 4, 1, True)]
+
+
+@pytest.fixture(scope="module")
+def ops(dense_op, causal_op, top_left_op):
+    """Build every instantiation the tests use at once (ninja and nvcc run in parallel)."""
+    all_ops = {"dense": dense_op, "causal": causal_op, "top_left": top_left_op}
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(lambda op: op.build("cuda", None, [64, 128]), all_ops.values()))
+    return all_ops
+
+
+def make(b, hq, hkv, nq, nk, d, dtype, transposed, gen):
+    def one(h, n):
+        if transposed:
+            return torch.randn(b, n, h, d, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
+
+    return one(hq, nq), one(hkv, nk), one(hkv, nk)
+
+
+def check_case(op, q, k, v, **kw):
+    out, lse = op(q, k, v, return_lse=True, **kw)
+    cmp = check.compare(op.spec, q, k, v, out, lse, scale=kw.get("scale"))
+    assert cmp.ok, f"{op.name} q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}: {cmp}"
+    return out, lse
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_seqlen_cross_product(ops, mask, d, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    for i, (nq, nk) in enumerate(itertools.product(SEQLENS, SEQLENS)):
+        b, hq, hkv, transposed = LAYOUTS[i % len(LAYOUTS)]
+        check_case(ops[mask], *make(b, hq, hkv, nq, nk, d, DTYPES[dtype], transposed, gen))
+
+
+LARGER = [(256, 256), (1000, 1000), (2048, 2048), (4096, 4096), (333, 4096), (4096, 333), (1025, 3000), (3000, 1025)]
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal", "top_left"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_larger_shapes(ops, mask, d, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1000 + d)
+    for i, (nq, nk) in enumerate(LARGER):
+        b, hq, hkv, transposed = [(1, 4, 1, False), (2, 4, 4, True), (1, 8, 2, False)][i % 3]
+        check_case(ops[mask], *make(b, hq, hkv, nq, nk, d, DTYPES[dtype], transposed, gen))
+
+
+def test_causal_empty_rows(ops):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = make(2, 4, 4, 300, 100, 128, torch.bfloat16, False, gen)
+    out, lse = check_case(ops["causal"], q, k, v)
+    assert torch.equal(out[:, :, :200], torch.zeros_like(out[:, :, :200]))
+    assert torch.isneginf(lse[:, :, :200]).all() and torch.isfinite(lse[:, :, 200:]).all()
+
+
+@pytest.mark.parametrize("nq, nk, b", [(0, 5, 1), (5, 0, 1), (0, 0, 1), (5, 5, 0)])
+def test_empty_sizes(ops, nq, nk, b):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = make(b, 2, 2, nq, nk, 64, torch.float16, False, gen)
+    out, lse = ops["causal"](q, k, v, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_masked_keys_holding_nan_do_not_leak(ops):
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, False, gen)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 150:], v2[:, :, 150:] = float("nan"), float("inf")
+    assert torch.equal(ops["causal"](q, k2, v2)[:, :, :150], ops["causal"](q, k, v)[:, :, :150])
+
+
+def test_non_default_stream_and_no_host_sync(ops):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        q, k, v = make(2, 4, 4, 1024, 1024, 128, torch.bfloat16, False, gen)
+        ops["dense"](q, k, v)  # warm: loads the library
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, lse = ops["dense"](q, k, v, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    stream.synchronize()
+    cmp = check.compare(ops["dense"].spec, q, k, v, out, lse)
+    assert cmp.ok, str(cmp)
+
+
+def test_cuda_graph_capture(ops):
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = make(1, 4, 4, 512, 512, 64, torch.float16, False, gen)
+    op = ops["causal"]
+    op(q, k, v)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(q, k, v)
+    q2, k2, v2 = make(1, 4, 4, 512, 512, 64, torch.float16, False, gen)
+    q.copy_(q2), k.copy_(k2), v.copy_(v2)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, op(q2, k2, v2), rtol=0, atol=0)
+
+
+def test_many_heads_beyond_grid_limit(ops):
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q, k, v = make(1, 70000, 70000, 3, 5, 64, torch.float16, False, gen)
+    check_case(ops["dense"], q, k, v)
+
+
+def test_batch_offsets_beyond_32_bits(ops):
+    """k and v live 2^31 elements apart per batch: pointer offsets need 64 bits."""
+    n, d = 256, 64
+    stride_b = 2**31 + 4096
+    base = torch.empty(stride_b + n * d, device="cuda", dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    base[: n * d].normal_(generator=gen)
+    base[stride_b:].normal_(generator=gen)
+    k = base.as_strided((2, 1, n, d), (stride_b, n * d, d, 1))
+    q = torch.randn(2, 1, n, d, device="cuda", generator=gen).bfloat16()
+    out, lse = ops["dense"](q, k, k, return_lse=True)
+    cmp = check.compare(ops["dense"].spec, q, k.contiguous(), k.contiguous(), out, lse)
+    assert cmp.ok, str(cmp)
+
+
+def test_errors_before_launch_and_context_survives(ops):
+    q = torch.randn(1, 2, 8, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="^k: on cpu but q is on cuda"):
+        ops["dense"](q, q.cpu(), q.cpu())
+    with pytest.raises(ValueError, match="^q: dtype torch.float32 is not supported by spec 'dense' on cuda"):
+        ops["dense"](q.float(), q.float(), q.float())
+    torch.cuda.synchronize()
+    check_case(ops["dense"], q, q, q)
+
+
+def test_opcheck_and_compile(ops):
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = make(1, 4, 2, 100, 130, 64, torch.bfloat16, False, gen)
+    torch.library.opcheck(ops["causal"].torch_op, (q, k, v, 0.125))
+    fn = torch.compile(lambda q, k, v: ops["causal"](q, k, v), fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), ops["causal"](q, k, v), rtol=0, atol=0)
+
+
+def test_same_op_runs_cpu_and_cuda(ops):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = make(1, 2, 2, 65, 65, 64, torch.bfloat16, False, gen)
+    gpu = ops["causal"](q, k, v)
+    cpu = ops["causal"](q.cpu(), k.cpu(), v.cpu())
+    assert gpu.device.type == "cuda" and cpu.device.type == "cpu"
+    torch.testing.assert_close(gpu.cpu().float(), cpu.float(), atol=2e-2, rtol=0)
