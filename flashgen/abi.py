@@ -1,4 +1,4 @@
-"""The ctypes mirror of templates/include/flashgen/args.h (FgFwdArgs) and its status codes."""
+"""The ctypes mirrors of templates/include/flashgen/args.h (FgFwdArgs, FgBwdArgs), its status codes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,21 @@ class FgFwdArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+def _strides(*names: str) -> list[tuple[str, type]]:
+    return [(f"{n}_stride_{d}", _i64) for n in names for d in "bhn"]
+
+
+class FgBwdArgs(ctypes.Structure):
+    _fields_ = [
+        *[(n, ctypes.c_void_p) for n in ("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv",
+                                         "dq_accum", "softmax_d", "dk_accum", "dv_accum")],
+        *[(n, _i64) for n in ("batch", "heads_q", "heads_kv", "seqlen_q", "seqlen_k", "head_dim")],
+        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+        ("scale", _f32), ("num_sms", ctypes.c_int32), ("deterministic", ctypes.c_int32),
+        ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
+    ]
+
+
 @cache
 def _header_constants() -> dict[str, int]:
     text = (include_dir() / "flashgen" / "args.h").read_text()
@@ -34,7 +49,7 @@ def _header_constants() -> dict[str, int]:
     return consts
 
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 def status_name(code: int) -> str:

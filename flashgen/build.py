@@ -73,6 +73,10 @@ def cuda_target(device_index: int) -> Target:
     return Target("cuda", cuda_arch(torch.cuda.get_device_capability(device_index)))
 
 
+# Translation units per instantiation. The backward joins once both kernel families have one.
+KINDS = ("fwd",)
+
+
 @dataclass(frozen=True)
 class Instantiation:
     """One compiled artifact: a spec for one target, dtype, head dim (None: runtime) and config."""
@@ -84,11 +88,11 @@ class Instantiation:
     config: tuple[tuple[str, int], ...] = ()
     _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
-    @property
-    def symbol(self) -> str:
-        """The C entry point, stable across machines (it appears in generated/)."""
+    def symbol(self, kind: str = "fwd") -> str:
+        """The C entry point of ``kind`` ('fwd' or 'bwd'), stable across machines (it appears in
+        generated/)."""
         hd = f"_hd{self.head_dim}" if self.head_dim else ""
-        return f"fg_{self.spec.name}_fwd_{self.dtype.value}{hd}"
+        return f"fg_{self.spec.name}_{kind}_{self.dtype.value}{hd}"
 
     @property
     def key(self) -> str:
@@ -103,15 +107,19 @@ class Instantiation:
         arch = self.target.arch.replace("-", "_")
         return f"fg_{self.spec.name}_{self.dtype.value}_{hd}_{arch}_{self.key[:12]}"
 
-    @property
-    def source_name(self) -> str:
+    def source_name(self, kind: str) -> str:
         hd = f"_hd{self.head_dim}" if self.head_dim else ""
         ext = "cu" if self.target.backend == "cuda" else "cpp"
-        return f"{self.target.backend}_fwd_{self.dtype.value}{hd}.{ext}"
+        return f"{self.target.backend}_{kind}_{self.dtype.value}{hd}.{ext}"
 
-    def render(self) -> str:
-        return codegen.render_instantiation(self.spec, self.target.backend, self.dtype, self.head_dim,
-                                            self.symbol, dict(self.config))
+    def sources(self) -> dict[str, str]:
+        """File name → rendered text: one translation unit each for the forward and the backward
+        (compiled in parallel, linked into one library)."""
+        return {
+            self.source_name(kind): codegen.render_instantiation(
+                self.spec, self.target.backend, kind, self.dtype, self.head_dim, self.symbol(kind), dict(self.config))
+            for kind in KINDS
+        }
 
     def _key_fields(self) -> dict:
         import torch
@@ -123,7 +131,7 @@ class Instantiation:
             "dtype": self.dtype.value,
             "head_dim": self.head_dim,
             "config": list(self.config),
-            "generator": generator_hash(),
+            "generator": generator_hash(self.target.backend),
             "flags": [cflags, cuda_cflags],
             "torch": torch.__version__,
             "cuda": cuda_version() if self.target.backend == "cuda" else None,
@@ -134,11 +142,14 @@ class Instantiation:
 
 
 @functools.cache
-def generator_hash() -> str:
-    """sha256 over the templates and the code generator, so a template edit changes every key."""
+def generator_hash(backend: str = "cpu") -> str:
+    """sha256 over the templates, the shared headers, ``backend``'s kernel headers and the code
+    generator: editing any of them changes every key of that family (and only that family)."""
     h = hashlib.sha256()
     root = templates_dir()
-    files = sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    include = root / "include" / "flashgen"
+    files = sorted(root.glob("*.jinja")) + sorted(include.glob("*.h"))
+    files += sorted(p for p in (include / backend).rglob("*") if p.is_file())
     files += [Path(__file__).with_name(n) for n in _GENERATOR_FILES]
     for p in files:
         h.update(p.name.encode() if p.parent == Path(__file__).parent else str(p.relative_to(root)).encode())
@@ -168,11 +179,16 @@ def cuda_version() -> str:
 
 
 def compiler_flags(target: Target) -> tuple[list[str], list[str]]:
-    """(C++ flags, nvcc flags) for a target; part of the cache key."""
+    """(C++ flags, nvcc flags) for a target; part of the cache key.
+
+    CPU: -fopenmp makes at::parallel_for (header-only) use torch's OpenMP pool — without it the
+    kernel silently runs on one thread; -march=native enables the AVX2/FMA micro-kernels (the
+    target's name records the ISA, so a cache shared between machines never mixes them).
+    """
     debug = ["-g"] if env.debug() else []
     cflags = ["-O3", "-std=c++17", *debug]
     if target.backend == "cpu":
-        return [*cflags, "-march=native", "-fno-math-errno"], []
+        return [*cflags, "-march=native", "-fno-math-errno", "-fopenmp"], []
     num = target.arch.removeprefix("sm_")
     cuda = ["-O3", "-std=c++17", "--use_fast_math", f"-gencode=arch=compute_{num},code=sm_{num}",
             "-lineinfo" if env.debug() else "-DNDEBUG", *(["-G"] if env.debug() else [])]
@@ -195,20 +211,31 @@ def _entry_ok(entry: Path, key: str) -> bool:
 
 
 class LoadedLibrary:
-    """A verified, dlopen'ed artifact."""
+    """A verified, dlopen'ed artifact: ``fwd`` and ``bwd`` entry points, ``error`` (CUDA) for the
+    reason of a failed call."""
 
     def __init__(self, inst: Instantiation, path: Path):
         self.instantiation, self.path = inst, path
         self.lib = ctypes.CDLL(str(path))
-        abi = getattr(self.lib, inst.symbol + "_abi")
+        abi = getattr(self.lib, inst.symbol("fwd") + "_abi")
         abi.restype = ctypes.c_int
         if abi() != ABI_VERSION:
             raise OSError(f"{path}: ABI version {abi()} != {ABI_VERSION}")
-        self.fn = getattr(self.lib, inst.symbol)
-        self.fn.restype = ctypes.c_int
-        self.error = getattr(self.lib, inst.symbol + "_error", None)
-        if self.error is not None:
-            self.error.restype = ctypes.c_char_p
+        self.fwd = getattr(self.lib, inst.symbol("fwd"))
+        self.bwd = getattr(self.lib, inst.symbol("bwd"), None) if "bwd" in KINDS else None
+        self.errors = {}
+        for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd)):
+            if fn is None:
+                continue
+            fn.restype = ctypes.c_int
+            err = getattr(self.lib, inst.symbol(kind) + "_error", None)
+            if err is not None:
+                err.restype = ctypes.c_char_p
+            self.errors[kind] = err
+
+    def error(self, kind: str) -> str:
+        err = self.errors.get(kind)
+        return err().decode(errors="replace") if err is not None else ""
 
 
 _loaded: dict[str, LoadedLibrary] = {}
@@ -258,16 +285,19 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
     tmp_root = entry.parent / ".tmp"
     work = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}"
     (work / "src").mkdir(parents=True)
-    source = work / "src" / inst.source_name
-    source.write_text(inst.render())
+    sources = []
+    for fname, text in inst.sources().items():
+        sources.append(work / "src" / fname)
+        sources[-1].write_text(text)
     cflags, cuda_cflags = compiler_flags(inst.target)
     start = time.perf_counter()
     try:
         path = cpp_extension.load(
             name=inst.name,
-            sources=[str(source)],
+            sources=[str(p) for p in sources],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
+            extra_ldflags=["-fopenmp"] if inst.target.backend == "cpu" else [],
             extra_include_paths=[str(include_dir())],
             build_directory=str(work),
             verbose=env.verbose(),
@@ -280,7 +310,7 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
         failed.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(str(work), str(failed))
         raise BuildError(
-            f"failed to build {inst.name}\n  generated source: {failed / 'src' / inst.source_name}\n"
+            f"failed to build {inst.name}\n  generated sources: {failed / 'src'}\n"
             f"  spec: {inst.spec.span.file if inst.spec.span else '<spec>'}\n{e}"
         ) from None
     seconds = time.perf_counter() - start

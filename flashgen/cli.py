@@ -81,15 +81,13 @@ def generated_files(spec_path: Path) -> dict[str, str]:
     cpu = build.Target("cpu", "any")
     for dt in BACKEND_DTYPES["cpu"]:
         if spec.dtypes is None or dt in spec.dtypes:
-            inst = build.Instantiation(spec, cpu, dt, None)
-            files[inst.source_name] = inst.render()
+            files.update(build.Instantiation(spec, cpu, dt, None).sources())
     cuda = build.Target("cuda", "any")
     hds = spec.head_dims or (64, 128)
     for dt in BACKEND_DTYPES["cuda"]:
         if spec.dtypes is None or dt in spec.dtypes:
             for hd in hds:
-                inst = build.Instantiation(spec, cuda, dt, hd)
-                files[inst.source_name] = inst.render()
+                files.update(build.Instantiation(spec, cuda, dt, hd).sources())
     return files
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import jinja2
-
 from . import __version__, ir
 from .paths import templates_dir
 
@@ -44,7 +42,10 @@ MASK_HOOKS = {
 
 
 @functools.cache
-def environment() -> jinja2.Environment:
+def environment():
+    """The one Jinja2 environment: strict undefined names, block whitespace trimmed."""
+    import jinja2  # imported on first render only: a cached load never renders
+
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(templates_dir())),
         undefined=jinja2.StrictUndefined,
@@ -57,6 +58,8 @@ def environment() -> jinja2.Environment:
 
 def render(template: str, **context) -> str:
     """Render one template strictly; an undefined name raises, naming template and line."""
+    import jinja2
+
     try:
         return environment().get_template(template).render(**context)
     except jinja2.TemplateError as e:
@@ -78,15 +81,17 @@ def variant_context(spec: ir.Spec) -> dict:
     }
 
 
-def render_instantiation(spec: ir.Spec, backend: str, dtype: ir.DType, head_dim: int | None,
+def render_instantiation(spec: ir.Spec, backend: str, kind: str, dtype: ir.DType, head_dim: int | None,
                          symbol: str, config: dict) -> str:
-    """The one translation unit of an instantiation: header comment, variant struct, entry points."""
+    """One translation unit ('fwd' or 'bwd') of an instantiation: header comment, variant struct,
+    entry points."""
     ctx = variant_context(spec) | {
         "symbol": symbol,
+        "kind": kind,
         "dtype": dtype.value,
         "head_dim": head_dim,
         "config": config,
     }
     if backend == "cpu":
-        return render("cpu_fwd.cpp.jinja", element=CPU_ELEMENT[dtype], **ctx)
-    return render("cuda_fwd.cu.jinja", element=CUDA_ELEMENT[dtype], **ctx)
+        return render(f"cpu_{kind}.cpp.jinja", element=CPU_ELEMENT[dtype], **ctx)
+    return render(f"cuda_{kind}.cu.jinja", element=CUDA_ELEMENT[dtype], **ctx)

@@ -43,7 +43,8 @@ _TERMINAL_TEXT = {
 @functools.cache
 def _parser() -> Lark:
     text = resources.files(__package__).joinpath("grammar.lark").read_text()
-    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True)
+    # cache=True keeps the LALR tables in a temp file keyed by the grammar: faster startup.
+    return Lark(text, parser="lalr", propagate_positions=True, maybe_placeholders=True, cache=True)
 
 
 def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import build, env, ir
-from .abi import FgFwdArgs, status_name
+from .abi import FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError
 from .frontend import HEAD_DIM_MAX, parse
 from .reference import default_scale
@@ -74,6 +74,7 @@ class AttentionOp:
         self.name = f"flashgen::{qualname}"
         self._libs: dict[tuple, build.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
+        self._head_dims = {b: self.head_dims(b) for b in BACKEND_DTYPES}
         self.torch_op = _register(self, qualname)
 
     def __repr__(self) -> str:
@@ -109,8 +110,8 @@ class AttentionOp:
                multiple of 8 up to 256, within the spec's ``head_dim`` line if it has one.
             scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
             return_lse: also return the log-sum-exp.
-            deterministic: accepted for interface compatibility; the forward is always
-               deterministic.
+            deterministic: make the backward bitwise repeatable (also on when
+               ``torch.use_deterministic_algorithms(True)``); the forward always is.
             dropout_p, dropout_seed, block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k: reserved for dropout, block sparsity and packed (varlen) batches;
                this version raises NotImplementedError when they are set.
@@ -146,7 +147,7 @@ class AttentionOp:
             scale = default_scale(self.spec, q.shape[-1])
         elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
             raise ValueError(f"scale: expected a finite float, got {scale!r}")
-        out, lse = self.torch_op(q, k, v, float(scale))
+        out, lse = self.torch_op(q, k, v, float(scale), deterministic)
         return (out, lse) if return_lse else out
 
     def check_inputs(self, q, k, v) -> None:
@@ -184,7 +185,7 @@ class AttentionOp:
         if Hkv == 0 or Hq % Hkv:
             raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads "
                              "(GQA/MQA need heads_q to be a multiple of heads_kv)")
-        dims = self.head_dims(backend)
+        dims = self._head_dims[backend]
         if d not in dims:
             raise ValueError(f"q: head_dim {d} is not supported by spec '{self.spec.name}' on {backend} "
                              f"(expected one of {_ranges(dims)})")
@@ -278,14 +279,70 @@ class AttentionOp:
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
                 args.stream = torch.cuda.current_stream().cuda_stream
-                status = lib.fn(ctypes.byref(args))
+                status = lib.fwd(ctypes.byref(args))
         else:
-            status = lib.fn(ctypes.byref(args))
-        if status:
-            detail = lib.error().decode() if lib.error is not None else ""
-            raise KernelError(f"{lib.instantiation.name}: kernel failed with {status_name(status)}"
-                              + (f": {detail}" if detail else ""))
+            status = lib.fwd(ctypes.byref(args))
+        _check(lib, "fwd", status)
         return out, lse
+
+    def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool):
+        """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse."""
+        B, Hq, Nq, d = q.shape
+        Hkv, Nk = k.shape[1], k.shape[2]
+        fill = float("nan") if poison_outputs else None
+        # Like the inputs' layout when dense, else contiguous (empty_like's rule; the fake's too).
+        dq, dk, dv = (torch.empty_like(t) if fill is None else torch.full_like(t, fill) for t in (q, k, v))
+        if dq.numel() + dk.numel() == 0:
+            return dq, dk, dv
+        # dout: a view (transpose, slice) is fine; broadcast (stride 0) or odd strides are copied.
+        dout = _dense_rows(dout)
+        if q.device.type == "cuda":
+            q, k, v, out, dout = (_aligned(t) for t in (q, k, v, out, dout))
+        f32 = {"dtype": torch.float32, "device": q.device}
+        dq_accum = torch.zeros((B, Hq, Nq, d), **f32)
+        softmax_d = torch.empty((B, Hq, Nq), **f32)
+        gqa = Hq != Hkv
+        dk_accum = torch.zeros((B, Hkv, Nk, d), **f32) if gqa else None
+        dv_accum = torch.zeros((B, Hkv, Nk, d), **f32) if gqa else None
+        dlse = dlse.float().contiguous() if dlse is not None else None
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d)
+        if lib.bwd is None:
+            raise NotImplementedError(f"{self.name}: the backward pass is not implemented in this version "
+                                      "(forward only); call the op under torch.no_grad() or on inputs "
+                                      "that do not require grad")
+        ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+        args = FgBwdArgs(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
+            dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+            dq_accum.data_ptr(), softmax_d.data_ptr(), ptr(dk_accum), ptr(dv_accum),
+            B, Hq, Hkv, Nq, Nk, d,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *dout.stride()[:3],
+            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            scale, 0, int(deterministic), None, None, ptr(dlse),
+        )  # fmt: skip
+        if q.device.type == "cuda":
+            with torch.cuda.device(q.device):
+                args.num_sms = _num_sms(q.device.index)
+                args.stream = torch.cuda.current_stream().cuda_stream
+                status = lib.bwd(ctypes.byref(args))
+        else:
+            status = lib.bwd(ctypes.byref(args))
+        _check(lib, "bwd", status)
+        return dq, dk, dv
+
+
+def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
+    if status:
+        detail = lib.error(kind)
+        raise KernelError(f"{lib.instantiation.name}: {kind} kernel failed with {status_name(status)}"
+                          + (f": {detail}" if detail else ""))
+
+
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """t if its last dim is contiguous and no other dim is broadcast (stride 0), else a copy."""
+    if t.stride(3) == 1 and all(st != 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True)):
+        return t
+    return t.contiguous()
 
 
 def _as_dtype(d) -> ir.DType:
@@ -329,26 +386,60 @@ def _ranges(dims: tuple[int, ...]) -> str:
     return ", ".join(map(str, dims)) or "none"
 
 
-def _register(op: AttentionOp, qualname: str):
-    """Define ``flashgen::<qualname>`` with its real and fake implementations and autograd."""
-    lib_name = f"flashgen::{qualname}"
+# Every spec's op lives in the "flashgen" namespace; the Library object must outlive the ops.
+_LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
 
-    @torch.library.custom_op(lib_name, mutates_args=(), schema="(Tensor q, Tensor k, Tensor v, float scale) -> (Tensor, Tensor)")
-    def attention(q, k, v, scale):
+
+def _register(op: AttentionOp, qualname: str):
+    """Define ``flashgen::<qualname>`` with CPU/CUDA kernels, a fake implementation and autograd.
+
+    Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
+    imports torch._dynamo at the first call (seconds), which would dominate a cached load.
+    """
+    name = f"flashgen::{qualname}"
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic) -> (Tensor, Tensor)")
+
+    def forward(q, k, v, scale, deterministic):
         return op._forward(q, k, v, scale)
 
-    @attention.register_fake
-    def _(q, k, v, scale):
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(qualname, forward, key)
+
+    def fake(q, k, v, scale, deterministic):
         B, Hq, Nq, _d = q.shape
         return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
+    torch.library.register_fake(name, fake, lib=_LIBRARY)
+
     def setup_context(ctx, inputs, output):
-        pass
+        q, k, v, scale, deterministic = inputs
+        out, lse = output
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def backward(ctx, grad_out, grad_lse):
-        raise NotImplementedError(f"{lib_name}: the backward pass is not implemented in this version "
-                                  "(forward only); call the op under torch.no_grad() or on inputs "
-                                  "that do not require grad")
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = getattr(torch.ops.flashgen, qualname + "_bwd")(
+            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic)
+        need = ctx.needs_input_grad
+        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None)
 
-    attention.register_autograd(backward, setup_context=setup_context)
-    return attention
+    # The backward is an op of its own, so torch.compile and AOT autograd trace it as one node.
+    _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+                    "Tensor? dlse, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+
+    def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic):
+        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic)
+
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(qualname + "_bwd", backward_impl, key)
+
+    def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    torch.library.register_fake(name + "_bwd", backward_fake, lib=_LIBRARY)
+    torch.library.register_autograd(name, backward, setup_context=setup_context, lib=_LIBRARY)
+    return getattr(torch.ops.flashgen, qualname).default

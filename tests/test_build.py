@@ -123,12 +123,12 @@ def test_build_error_shows_compiler_output_and_source(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = flashgen.frontend.parse("attention broken { dtype fp32 }")
     inst = build.Instantiation(spec, build.cpu_target(), ir.DType.FP32, None)
-    monkeypatch.setattr(build.Instantiation, "render", lambda self: "int main( { this is not C++ }\n")
+    monkeypatch.setattr(build.Instantiation, "sources", lambda self: {"broken.cpp": "int main( { this is not C++ }\n"})
     with pytest.raises(BuildError) as e:
         build.load(inst)
     text = str(e.value)
     assert f"failed to build {inst.name}" in text
-    source = Path(text.split("generated source: ")[1].splitlines()[0])
+    source = Path(text.split("generated sources: ")[1].splitlines()[0]) / "broken.cpp"
     assert source.is_file() and "this is not C++" in source.read_text()
     assert "error" in text.split("spec:")[1]  # the compiler's own message follows
 

@@ -44,7 +44,7 @@ def test_hooks_follow_mask():
     dense = frontend.parse("attention d {}")
     causal = frontend.parse("attention c { mask = causal }")
     tl = frontend.parse("attention t { mask = causal_top_left }")
-    render = lambda s: codegen.render_instantiation(s, "cpu", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
+    render = lambda s: codegen.render_instantiation(s, "cpu", "fwd", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
     assert "kHasMask = false" in render(dense)
     assert "return kv <= q + (seqlen_k - seqlen_q);" in render(causal)
     assert "return kv <= q;" in render(tl)
@@ -86,6 +86,12 @@ def test_key_changes_with_a_template_edit(tmp_path, monkeypatch):
     build.generator_hash.cache_clear()
     try:
         assert _inst("attention c { mask = causal }").key != before
+        # a CPU kernel header edit leaves the CUDA family's keys alone
+        cuda_before = build.generator_hash("cuda")
+        header = copy / "include" / "flashgen" / "cpu" / "fwd.h"
+        header.write_text(header.read_text() + "\n// edited\n")
+        build.generator_hash.cache_clear()
+        assert build.generator_hash("cuda") == cuda_before
     finally:
         build.generator_hash.cache_clear()
 
@@ -94,7 +100,7 @@ def test_artifact_names_are_readable():
     inst = build.Instantiation(frontend.parse("attention causal { mask = causal }"), build.Target("cuda", "sm_90a"),
                                ir.DType.BF16, 128)
     assert inst.name.startswith("fg_causal_bf16_hd128_sm_90a_") and len(inst.name.rsplit("_", 1)[1]) == 12
-    assert inst.symbol == "fg_causal_fwd_bf16_hd128"
+    assert inst.symbol("fwd") == "fg_causal_fwd_bf16_hd128" and inst.symbol("bwd") == "fg_causal_bwd_bf16_hd128"
 
 
 def test_abi_version_matches_header():

@@ -85,9 +85,19 @@ def test_empty_sizes(ops, nq, nk, b):
 def test_masked_keys_holding_nan_do_not_leak(ops):
     gen = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, False, gen)
-    k2, v2 = k.clone(), v.clone()
-    k2[:, :, 150:], v2[:, :, 150:] = float("nan"), float("inf")
-    assert torch.equal(ops["causal"](q, k2, v2)[:, :, :150], ops["causal"](q, k, v)[:, :, :150])
+    k2 = k.clone()
+    k2[:, :, 150:] = float("nan")  # invisible to rows < 150
+    k2[:, :, 151, 5] = float("inf")
+    assert torch.equal(ops["causal"](q, k2, v)[:, :, :150], ops["causal"](q, k, v)[:, :, :150])
+
+
+def test_memory_past_seqlen_is_never_read(ops):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = make(1, 2, 2, 70, 130, 128, torch.float16, False, gen)
+    big_k = torch.full((1, 2, 256, 128), float("nan"), dtype=torch.float16, device="cuda")
+    big_v = big_k.clone()
+    big_k[:, :, :130], big_v[:, :, :130] = k, v
+    assert torch.equal(ops["dense"](q, big_k[:, :, :130], big_v[:, :, :130]), ops["dense"](q, k, v))
 
 
 def test_non_default_stream_and_no_host_sync(ops):
@@ -155,7 +165,7 @@ def test_errors_before_launch_and_context_survives(ops):
 def test_opcheck_and_compile(ops):
     gen = torch.Generator(device="cuda").manual_seed(10)
     q, k, v = make(1, 4, 2, 100, 130, 64, torch.bfloat16, False, gen)
-    torch.library.opcheck(ops["causal"].torch_op, (q, k, v, 0.125))
+    torch.library.opcheck(ops["causal"].torch_op, (q, k, v, 0.125, False))
     fn = torch.compile(lambda q, k, v: ops["causal"](q, k, v), fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), ops["causal"](q, k, v), rtol=0, atol=0)
 

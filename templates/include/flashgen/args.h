@@ -1,4 +1,4 @@
-// flashgen kernel ABI: the argument block every generated forward entry point takes.
+// flashgen kernel ABI: the argument blocks the generated forward and backward entry points take.
 //
 // Shared by the CPU and CUDA kernel families. Plain C layout (no torch headers) so that
 // the Python side can fill it through ctypes and kernel translation units compile
@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 1
+#define FG_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -32,6 +32,51 @@ typedef struct FgFwdArgs {
   void* stream;        // CUDA: cudaStream_t to launch on; CPU: unused
   const void* params;  // the variant's generated Params struct (may be null when it is empty)
 } FgFwdArgs;
+
+// Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved
+// lse, write dq [like q], dk, dv [like k/v]. Nothing else is saved by the forward.
+//   D = rowsum(dout ∘ out); P = exp(scale·q kᵀ (masked) − lse); dV = Pᵀ dO; dP = dO Vᵀ;
+//   dS = P ∘ (dP − D); dQ = scale · dS K; dK = scale · dSᵀ Q.
+// GQA: dk/dv of a kv head are the sums over its query heads (h // (heads_q / heads_kv)).
+// Workspaces are allocated by the caller (the Python side) and zero-filled where noted:
+//   dq_accum: fp32 [B, Hq, Nq, d] contiguous, zeroed (dQ accumulation across K/V tiles);
+//   softmax_d: fp32 [B, Hq, Nq] contiguous (D; the kernel writes it);
+//   dk_accum, dv_accum: fp32 [B, Hkv, Nk, d] contiguous, zeroed; used when heads_q != heads_kv
+//     (each query head adds its share) -- the entry point then converts them into dk, dv.
+// deterministic != 0: bitwise-repeatable results (no order-dependent floating-point atomics).
+// Rows that see no key (lse == -inf) get dq = 0 and contribute nothing.
+// dlse (nullable, fp32 [B, Hq, Nq] contiguous): the gradient flowing into the returned lse; since
+// d lse_i / d s_ij = P_ij, it enters as D_i = rowsum(dout_i ∘ out_i) − dlse_i.
+typedef struct FgBwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const void* dout;
+  const float* lse;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;
+  float* softmax_d;
+  float* dk_accum;
+  float* dv_accum;
+  int64_t batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim;
+  int64_t q_stride_b, q_stride_h, q_stride_n;
+  int64_t k_stride_b, k_stride_h, k_stride_n;
+  int64_t v_stride_b, v_stride_h, v_stride_n;
+  int64_t o_stride_b, o_stride_h, o_stride_n;
+  int64_t do_stride_b, do_stride_h, do_stride_n;
+  int64_t dq_stride_b, dq_stride_h, dq_stride_n;
+  int64_t dk_stride_b, dk_stride_h, dk_stride_n;
+  int64_t dv_stride_b, dv_stride_h, dv_stride_n;
+  float scale;
+  int32_t num_sms;
+  int32_t deterministic;
+  void* stream;
+  const void* params;
+  const float* dlse;  // nullable; see above
+} FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).
 enum FgStatus {

@@ -3,52 +3,74 @@
 //   template <class Variant, class Element>   // Element: float, c10::BFloat16, c10::Half
 //   int flashgen::cpu::run_fwd(const FgFwdArgs& args);   // returns an FgStatus (args.h)
 //
-// Algorithm: FlashAttention forward (Dao et al. 2022, Alg. 1) in the FA2 loop order. The work
-// is split over (batch, query head, query tile) with at::parallel_for; one task owns a query
-// tile and streams the kv tiles in [Variant::kv_lo, Variant::kv_hi) (clamped to [0, seqlen_k]):
+// head_dim: runtime, any multiple of 8 in [8, 256] (else FG_ERR_BAD_HEAD_DIM).
 //
-//     S = Q K^T * scale                      BLAS sgemm_ (MKL) or cpublas::brgemm, fp32
+// Algorithm: FlashAttention forward (Dao et al. 2022, Alg. 1) in the FA2 loop order. Work is
+// split over (batch, query head, query tile) with at::parallel_for; one task owns a query tile
+// and streams the kv tiles in [Variant::kv_lo, Variant::kv_hi) (clamped to [0, seqlen_k]):
+//
+//     S = Q K^T * scale                      fp32 gemm (see "gemm backends")
 //     S = score(S)                           only if Variant::kHasScoreMod
 //     S = keep ? S : -inf                    only on tiles where Variant::tile_full is false
 //     m_new = max(m, rowmax S); P = 2^(S*log2e - m_new); l = l*2^(m - m_new) + rowsum P
-//     O = O * 2^(m - m_new) + P V            same gemm, fp32 accumulator O
+//     O = O * 2^(m - m_new) + P V            fp32 gemm into the fp32 accumulator O
 //
-// then out = O / l and lse = ln(l) + m (natural log). Working in base 2: log2(e) is folded into
-// the gemm's alpha (or applied after the score hook), so the softmax uses exp2.
+// then out = O / l and lse = ln(l) + m (natural log). log2(e) is folded into the QK gemm's
+// alpha (or applied after the score hook), so the softmax runs on a vectorised exp2.
+//
+// Gemm backends (both fp32 in, fp32 out):
+//   * own (default when compiled with AVX2+FMA): register-blocked 6x16 FMA micro-kernels below.
+//     QK: K^T is packed per kv tile into 16-column panels (8x8 in-register transposes, widening
+//     16-bit K on the fly), Q rows are broadcast in place. PV: V rows are read in place
+//     (fp32) and P is broadcast from the S tile, so nothing of the q x kv tile is ever packed,
+//     and the O rescale by 2^(m_old - m_new) is folded into the kernel's accumulator load.
+//   * blas: the BLAS sgemm_ that libtorch_cpu exports (MKL in the x86 wheels; it is what
+//     at::native::cpublas::gemm<float> calls internally). Used when compiled without AVX2/FMA,
+//     or when FLASHGEN_CPU_GEMM=blas is set in the environment (A/B comparisons), and only if
+//     the symbol resolves (it is declared weak) and the row strides fit in an int.
+//   The at::native::cpublas::gemm overloads declared in ATen/native/CPUBlas.h are NOT exported
+//   from libtorch_cpu.so (no TORCH_API, torch 2.13): a kernel .so calling them fails to load
+//   with "undefined symbol". That is why this file neither calls nor includes them.
 //
 // Numerics (all dtypes): fp32 accumulation everywhere. For 16-bit Elements the Q/K/V tiles are
-// widened to fp32 scratch and the gemms run in fp32; a product of two bf16 (or two fp16) values
-// is exact in fp32, so this is bit-for-bit "16-bit inputs, fp32 accumulate", and it runs on
-// MKL's sgemm instead of the much slower 16-bit fallback gemm that an AVX2 machine gets. P is
-// rounded to Element precision (RNE) before the PV product, as the reference keeps P in the
-// input dtype; the row sum l uses the unrounded fp32 P (as torch's CPU flash kernel does).
+// widened to fp32; a product of two bf16 (or two fp16) values is exact in fp32, so the gemms are
+// exactly "16-bit inputs, fp32 accumulate" (and run at fp32 FMA speed: AVX2 has no 16-bit FMA).
+// P is rounded to Element precision (RNE) before the PV product, as the reference keeps P in
+// the input dtype; the row sum l uses the unrounded fp32 P (as torch's CPU flash kernel does).
+// exp2: Cephes minimax polynomial, relative error ~2e-7.
 //
 // Edge cases:
-//   * seqlen_q == 0 / batch == 0 / heads_q == 0: nothing to do. seqlen_k == 0, or a row that
-//     sees no key: out row exactly 0 and lse exactly -inf (never NaN).
+//   * batch == 0 / heads_q == 0 / seqlen_q == 0: nothing to do, FG_OK. seqlen_k == 0, or a row
+//     that sees no key: out row exactly 0 and lse exactly -inf (never NaN).
 //   * Masked / out-of-range keys never leak, even when K/V hold NaN or inf there:
-//       - only kv rows in [kv_lo, kv_hi) ∩ [0, seqlen_k) are ever read (gemm sizes are trimmed,
-//         nothing beyond seqlen_k is touched);
-//       - masking is by selection (S = keep ? S : -inf), so NaN scores at masked entries are
-//         discarded and P is exactly 0 there (exp2 returns exactly 0 for -inf);
-//       - on a partially masked tile, the columns that no row of the tile keeps are trimmed
-//         from both ends of the tile (the gemms only see [first kept, last kept]); interior
-//         fully-masked columns get their V row replaced by zeros in the V scratch (and P is 0
-//         there), so BLAS never computes 0 * NaN for a key that the whole tile masks;
+//       - only kv rows in [kv_lo, kv_hi) ∩ [0, seqlen_k) are ever read; nothing past seqlen_k
+//         (or before 0) is touched;
+//       - masking is by selection (S = keep ? S : -inf), so NaN/inf scores at masked entries
+//         are discarded and P is exactly 0 there (exp2 returns exactly 0 for -inf);
+//       - on a partially masked tile, columns that no row of the tile keeps are trimmed from
+//         both ends of the tile (the gemms only see [first kept, last kept]), and interior
+//         fully-masked columns get their V row replaced by zeros in the V scratch (P is 0 there
+//         too), so the PV gemm never computes 0 * NaN for a key that the whole tile masks;
 //       - a row that ends with l == 0 is written as exact zeros, not O / l.
-//     Not covered: a key that one row of a tile keeps and another masks is multiplied by P = 0
-//     for the masking row; if that V row holds NaN/inf, IEEE 0 * NaN puts NaN in the masking
-//     row too (the same result as an unfused P @ V). Real masks never rely on this.
-//   * NaN from a kept score is not propagated through the polynomial exp (it yields P = 0).
+//     Not covered: a key that one row of a tile keeps and another row masks is multiplied by
+//     P = 0 in the masking row; if that V row holds NaN/inf, IEEE 0 * NaN puts NaN in the
+//     masking row too (the same result as an unfused softmax(S) @ V).
+//   * A NaN score at a kept entry is not propagated by the polynomial exp2 (it gives P = 0).
 //   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv).
-//   * Any batch/head/seq strides (in elements, 64-bit offsets); the last dim must be contiguous.
+//   * Any batch/head/seq strides (elements, 64-bit offsets); the last dim must be contiguous.
+//     lse is fp32, contiguous [B, Hq, Nq]; out is written in Element with args' strides.
+//   * Shape errors (negative sizes, heads_q % heads_kv != 0, null pointers, seqlens > INT32_MAX)
+//     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
+//     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
-// Tiles: see choose_tiles() below. Per-thread scratch is allocated once per parallel_for chunk.
+// Tiles: see choose_tiles(). Per-thread scratch is allocated once per parallel_for chunk
+// (O(qb * kvb + (qb + kvb) * d) floats; no N x N buffer).
 //
-// Build requirements: -fopenmp (at::parallel_for is header-inline; without _OPENMP it silently
-// runs on ONE thread, hence the #warning below), -O3 and preferably -march=native (the softmax
-// pass is written with GCC vector extensions; AVX2+FMA+F16C are used when enabled, with portable
-// fallbacks otherwise). Link against libtorch_cpu / libc10 (cpublas, parallel runtime).
+// Build requirements: -fopenmp at compile AND link (at::parallel_for is header-inline; without
+// _OPENMP it silently runs on ONE thread, hence the #warning below; the .so then binds to the
+// libgomp.so.1 torch already loaded). -O3 -march=native (or at least -mavx2 -mfma -mf16c) for
+// the AVX2 micro-kernels; without them the portable vector-extension code is used and the blas
+// backend is preferred. Link: libtorch_cpu and libc10 (torch.utils.cpp_extension does this).
 #pragma once
 
 #include <stdint.h>
@@ -60,47 +82,61 @@
 #include <limits>
 #include <new>
 #include <type_traits>
+#include <vector>
 
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include "flashgen/args.h"
 #include "flashgen/variant.h"
 
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+// The 16-bit Element types are only used as tags here (data is handled as raw uint16_t bits),
+// so they are declared, not included: c10/util/Half.h alone costs ~1.7 s of parsing per TU.
+// Compatible with including the real c10 headers before or after this file.
+namespace c10 {
+struct BFloat16;
+struct Half;
+}  // namespace c10
 
 #if !defined(_OPENMP)
 #warning "flashgen/cpu/fwd.h: compiled without -fopenmp; at::parallel_for will run on one thread"
 #endif
 
-// The BLAS sgemm_ (Fortran LP64, column-major) that libtorch_cpu links and exports (MKL in the
-// x86 wheels; it is what at::native::cpublas::gemm<float> calls internally). Declared weak under
-// a private C++ name: if no loaded library provides it, the kernel falls back to
-// at::native::cpublas::brgemm (TORCH_API, oneDNN ukernel on AVX2+). NB: the cpublas::gemm
-// overloads declared in CPUBlas.h are NOT exported from libtorch_cpu.so (no TORCH_API), so a
-// kernel .so that calls them fails to load with an undefined symbol.
+// BLAS sgemm_ (Fortran LP64, column-major), weak, under a private C++ name so that it cannot
+// clash with another declaration of sgemm_. Null when no loaded library provides it.
 extern "C" void flashgen_blas_sgemm(const char* transa, const char* transb, const int* m,
                                     const int* n, const int* k, const float* alpha, const float* a,
                                     const int* lda, const float* b, const int* ldb,
                                     const float* beta, float* c, const int* ldc)
     __asm__("sgemm_") __attribute__((weak));
 
+// Without -mavx, GCC warns that 32-byte vector arguments change the psABI; every function taking
+// them here has internal linkage, so the warning does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 namespace flashgen {
 namespace cpu {
 namespace detail {
 
-// Which gemm backend run_fwd uses: BLAS sgemm_ when present (and not disabled with
-// -DFLASHGEN_CPU_FORCE_BRGEMM), else cpublas::brgemm.
-static inline bool have_blas_sgemm() {
-#if defined(FLASHGEN_CPU_FORCE_BRGEMM)
-  return false;
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr bool kOwnGemmDefault = true;
 #else
-  return &flashgen_blas_sgemm != nullptr;
+constexpr bool kOwnGemmDefault = false;
 #endif
+
+// true: use BLAS sgemm_ for this call (see "gemm backends" above).
+static inline bool use_blas(const FgFwdArgs& a) {
+  if (&flashgen_blas_sgemm == nullptr) return false;
+  const int64_t imax = INT32_MAX;
+  if (a.q_stride_n > imax || a.k_stride_n > imax || a.v_stride_n > imax) return false;
+  bool blas = !kOwnGemmDefault;
+  if (const char* e = getenv("FLASHGEN_CPU_GEMM")) {
+    if (e[0] == 'b') blas = true;
+    if (e[0] == 'o') blas = false;
+  }
+  return blas;
 }
 
 // Column-major C(m x n) = alpha * op(A) op(B) + beta * C.
@@ -163,17 +199,56 @@ static inline float exp2s(float x) {  // scalar wrapper (per-row rescale factors
 }
 
 // ------------------------------------------------------------------------------------------
-// Element <-> fp32 conversions, n a multiple of 8.
+// Element <-> fp32 conversions (n a multiple of 8). T is the storage type the kernel indexes.
+typedef int16_t s8v __attribute__((vector_size(16)));
+
+// IEEE binary16 <-> binary32 in software (used when F16C is not enabled).
+static inline float half_bits_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else {  // zero / subnormal: man * 2^-24, exact in fp32
+    float f = float(man) * 5.9604644775390625e-8f;
+    memcpy(&bits, &f, 4);
+    bits |= sign;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+static inline uint16_t float_to_half_bits(float f) {  // round to nearest even
+  uint32_t x;
+  memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+  if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (x < 0x38800000u) {  // |f| < 2^-14: subnormal half, RNE through an fp32 add
+    float a;
+    memcpy(&a, &x, 4);
+    a += 0.5f;  // ulp(0.5) = 2^-24 = the half subnormal step; the add rounds to nearest even
+    uint32_t r;
+    memcpy(&r, &a, 4);
+    return uint16_t(sign | (r - 0x3f000000u));
+  }
+  const uint32_t odd = (x >> 13) & 1u;
+  x += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return uint16_t(sign | (x >> 13));
+}
+
 template <class E>
 struct Conv;
 
 template <>
 struct Conv<float> {
+  using T = float;
   static constexpr bool kLowp = false;
+  static inline f8 load(const float* p) { return ld8(p); }
   static inline void to_f32(const float* src, float* dst, int64_t n) {
-    memcpy(dst, src, n * sizeof(float));
-  }
-  static inline void from_f32(const float* src, float* dst, int64_t n) {
     memcpy(dst, src, n * sizeof(float));
   }
   static inline void scale_from_f32(const float* src, float s, float* dst, int64_t n) {
@@ -184,21 +259,22 @@ struct Conv<float> {
 
 template <>
 struct Conv<c10::BFloat16> {
+  using T = uint16_t;
   static constexpr bool kLowp = true;
-  static inline void to_f32(const c10::BFloat16* src, float* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) {
-      h8 h;
-      memcpy(&h, src + j, sizeof h);
-      const u8 w = __builtin_convertvector(h, u8) << 16;
-      memcpy(dst + j, &w, sizeof w);
-    }
+  static inline f8 load(const uint16_t* p) {
+    h8 h;
+    memcpy(&h, p, sizeof h);
+    return (f8)(__builtin_convertvector(h, u8) << 16);
+  }
+  static inline void to_f32(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) st8(dst + j, load(src + j));
   }
   static inline u8 rne_bits(f8 x) {  // fp32 -> bf16 bits (in the low half), RNE, NaN kept
     const u8 b = (u8)x;
     const u8 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
     return x != x ? (u8)(r | 0x40u) : r;
   }
-  static inline void scale_from_f32(const float* src, float s, c10::BFloat16* dst, int64_t n) {
+  static inline void scale_from_f32(const float* src, float s, uint16_t* dst, int64_t n) {
     for (int64_t j = 0; j < n; j += 8) {
       const h8 h = __builtin_convertvector(rne_bits(ld8(src + j) * s), h8);
       memcpy(dst + j, &h, sizeof h);
@@ -215,49 +291,65 @@ struct Conv<c10::BFloat16> {
 
 template <>
 struct Conv<c10::Half> {
+  using T = uint16_t;
   static constexpr bool kLowp = true;
-  static inline void to_f32(const c10::Half* src, float* dst, int64_t n) {
-#if defined(__F16C__)
-    for (int64_t j = 0; j < n; j += 8)
-      _mm256_storeu_ps(dst + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + j))));
+  static inline f8 load(const uint16_t* p) {
+#if defined(__F16C__) && defined(__AVX__)
+    s8v h;
+    memcpy(&h, p, sizeof h);
+    return __builtin_ia32_vcvtph2ps256(h);
 #else
-    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<float>(src[j]);
+    f8 v;
+    for (int i = 0; i < 8; ++i) v[i] = half_bits_to_float(p[i]);
+    return v;
 #endif
   }
-  static inline void scale_from_f32(const float* src, float s, c10::Half* dst, int64_t n) {
-#if defined(__F16C__)
-    for (int64_t j = 0; j < n; j += 8) {
-      f8 v = ld8(src + j) * s;
-      __m256 m;
-      memcpy(&m, &v, sizeof m);
-      _mm_storeu_si128((__m128i*)(dst + j), _mm256_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT));
-    }
+  static inline void store(uint16_t* p, f8 v) {  // RNE
+#if defined(__F16C__) && defined(__AVX__)
+    const s8v h = __builtin_ia32_vcvtps2ph256(v, 0);
+    memcpy(p, &h, sizeof h);
 #else
-    for (int64_t j = 0; j < n; ++j) dst[j] = c10::Half(src[j] * s);
+    for (int i = 0; i < 8; ++i) p[i] = float_to_half_bits(v[i]);
 #endif
+  }
+  static inline void to_f32(const uint16_t* src, float* dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) st8(dst + j, load(src + j));
+  }
+  static inline void scale_from_f32(const float* src, float s, uint16_t* dst, int64_t n) {
+    for (int64_t j = 0; j < n; j += 8) store(dst + j, ld8(src + j) * s);
   }
   static inline void round_inplace(float* x, int64_t n) {
-#if defined(__F16C__)
-    for (int64_t j = 0; j < n; j += 8)
-      _mm256_storeu_ps(
-          x + j, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT)));
-#else
-    for (int64_t j = 0; j < n; ++j) x[j] = static_cast<float>(c10::Half(x[j]));
-#endif
+    uint16_t h[8];
+    for (int64_t j = 0; j < n; j += 8) {
+      store(h, ld8(x + j));
+      st8(x + j, load(h));
+    }
   }
 };
 
 // ------------------------------------------------------------------------------------------
 // Tile sizes.
 //
-// Per task the hot working set (fp32) is Q (qb x d) + K and V tiles (2 x kvb x d) + S/P
-// (qb x kvb) + O (qb x d). q tile: 64 rows (32 when there are too few tasks to keep every
-// thread busy, or for d > 128; shorter when seqlen_q is shorter). kv tile: the largest
-// multiple of 64 in [64, 512] whose working set fits in half of the per-core L2
-// (sysconf(_SC_LEVEL2_CACHE_SIZE), 512 KiB assumed when unknown) -- the other half is left to
-// the gemm's packed panels and the next tiles' prefetch. For d = 64 on a 512 KiB L2 that gives
-// kvb = 256 with qb = 64 (4*(64*64*2 + 256*(2*64+64)) = 224 KiB). Override with the environment
-// variable FLASHGEN_CPU_TILES="qb,kvb" (tuning only).
+// Per (q tile, kv tile) the skeleton pays fixed costs that do not scale with qb * kvb * d:
+// packing K^T (or, with BLAS, packing both operands of both gemms), the kernels' accumulator
+// loads/stores, per-row softmax bookkeeping. Relative to the gemm work they shrink like
+// a/qb + a/kvb; a ~ 5 was measured on Zen 3 (a 64 x 256 tile runs ~7-10% slower than
+// 256 x 512). The S/P tile (qb x kvb fp32) is written by the QK gemm, swept by the softmax and
+// read back by the PV gemm, so it should stay in the per-core L2, and so should the K and V
+// tiles (kvb x d each):
+//   kvb = 512 (torch's CPU flash kernel uses 512 too), halved while 2 * kvb * d * 4 B > L2
+//         (d = 256 -> 256), capped by seqlen_k;
+//   qb  <= L2 / (4 * kvb) clamped to [32, 256]: 256 for a 512 KiB L2 (S = 512 KiB) at d <= 128.
+// Among qb in {qb_max, qb_max/2, ..., 32} the skeleton picks the one minimising the model
+//   makespan(qb) * (1 + a/qb + a/kvb),
+// where makespan is the largest per-thread sum, over the contiguous task chunks at::parallel_for
+// hands out, of the score entries each task computes (mq x clamped kv range, from the variant's
+// kv_lo/kv_hi hooks). This trades the efficiency of big q tiles against the work a diagonal mask
+// wastes (causal: ~qb/2 masked columns per row on the diagonal tile) and against load imbalance
+// when batch * heads is small. L2 = sysconf(_SC_LEVEL2_CACHE_SIZE), 512 KiB if unknown.
+// Examples (2 threads, B*H = 16, d = 64): dense 1K/4K -> 256 x 512; causal 1K -> 64 x 512,
+// causal 4K -> 128 x 512.
+// FLASHGEN_CPU_TILES="qb,kvb" in the environment overrides the choice (tuning only).
 struct Tiles {
   int64_t qb, kvb;
 };
@@ -276,13 +368,54 @@ static inline int64_t l2_bytes() {
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-static inline Tiles choose_tiles(int64_t bh, int64_t nq, int64_t nk, int64_t d) {
-  int64_t qb = d > 128 ? 32 : 64;
-  const int64_t threads = at::get_num_threads();
-  if (qb > 32 && bh * ((nq + qb - 1) / qb) < 4 * threads) qb = 32;
-  const int64_t budget = l2_bytes() / 2;
+template <class Variant>
+static Tiles choose_tiles(const typename Variant::Params& prm, int64_t bh, int64_t nq, int64_t nk,
+                          int64_t d) {
+  const int64_t l2 = l2_bytes();
+  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
   int64_t kvb = 512;
-  while (kvb > 64 && 4 * (2 * qb * d + kvb * (2 * d + qb)) > budget) kvb -= 64;
+  while (kvb > 128 && 2 * kvb * d * 4 > l2) kvb /= 2;
+  kvb = kvb < nk8 ? kvb : nk8;
+  int64_t qb_max = l2 / (4 * kvb);
+  qb_max = qb_max < 32 ? 32 : (qb_max > 256 ? 256 : qb_max);
+
+  int64_t qb = qb_max < nq ? qb_max : nq;
+  if (nq > 32) {
+    constexpr double kAlpha = 5.0;
+    const int64_t threads = at::get_num_threads() > 0 ? at::get_num_threads() : 1;
+    double best = -1.0;
+    std::vector<double> prefix;
+    for (int64_t cand = qb_max; cand >= 32; cand /= 2) {
+      const int64_t qc = cand < nq ? cand : nq;
+      const int64_t nqt = (nq + qc - 1) / qc;
+      prefix.assign(nqt + 1, 0.0);
+      for (int64_t t = 0; t < nqt; ++t) {
+        const int64_t lo_q = t * qc, hi_q = lo_q + qc < nq ? lo_q + qc : nq;
+        int64_t lo = Variant::kv_lo(prm, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
+        int64_t hi = Variant::kv_hi(prm, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > nk ? nk : hi;
+        const double span = hi > lo ? double(hi - lo) : 0.0;
+        prefix[t + 1] = prefix[t] + double(hi_q - lo_q) * (span + 8.0);  // +8: per-row epilogue
+      }
+      const int64_t ntasks = bh * nqt;
+      const int64_t nthr = threads < ntasks ? threads : ntasks;
+      const int64_t chunk = (ntasks + nthr - 1) / nthr;
+      auto upto = [&](int64_t x) { return double(x / nqt) * prefix[nqt] + prefix[x % nqt]; };
+      double makespan = 0.0;
+      for (int64_t i = 0; i < nthr; ++i) {
+        const int64_t b0 = i * chunk, b1 = b0 + chunk < ntasks ? b0 + chunk : ntasks;
+        if (b0 >= b1) break;
+        const double c = upto(b1) - upto(b0);
+        makespan = c > makespan ? c : makespan;
+      }
+      const double cost = makespan * (1.0 + kAlpha / double(qc) + kAlpha / double(kvb));
+      if (best < 0.0 || cost < best * 0.999) {  // ties: keep the larger tile
+        best = cost;
+        qb = qc;
+      }
+    }
+  }
   if (const char* e = getenv("FLASHGEN_CPU_TILES")) {
     long a = 0, b = 0;
     char* end = nullptr;
@@ -290,11 +423,168 @@ static inline Tiles choose_tiles(int64_t bh, int64_t nq, int64_t nk, int64_t d) 
     if (end && *end == ',') b = strtol(end + 1, nullptr, 10);
     if (a >= 1 && a <= 1024) qb = a;
     if (b >= 8 && b <= 8192) kvb = round_up(b, 8);
+    qb = qb < nq ? qb : nq;
+    kvb = kvb < nk8 ? kvb : nk8;
   }
-  qb = qb < nq ? qb : nq;
-  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
-  kvb = kvb < nk8 ? kvb : nk8;
   return {qb, kvb};
+}
+
+// ------------------------------------------------------------------------------------------
+// Register-blocked fp32 micro-kernels (the default gemm backend). Row blocks of up to 6 query
+// rows against 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast = 15 of 16 ymm.
+// a * b + c; GCC and Clang contract it into one vfmadd when FMA is enabled (checked in the
+// generated code; -ffp-contract=off would cost ~2x in the kernels).
+static inline f8 fma8(f8 a, f8 b, f8 c) { return a * b + c; }
+
+// S[r][0..16) = alpha * sum_c Q[r][c] * KT[c][0..16) for r < MR. KT: one packed panel, d x 16.
+template <int MR>
+static inline void s_kernel(const float* __restrict Q, int64_t ldq, const float* __restrict KT,
+                            int64_t d, float alpha, float* __restrict S, int64_t ldS) {
+  f8 c0[MR], c1[MR];
+  {  // c = 0 initialises the accumulators (d >= 8), so there is no zero-fill
+    const f8 b0 = ld8(KT), b1 = ld8(KT + 8);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(Q[r * ldq]);
+      c0[r] = av * b0;
+      c1[r] = av * b1;
+    }
+  }
+  for (int64_t c = 1; c < d; ++c) {
+    const f8 b0 = ld8(KT + c * 16), b1 = ld8(KT + c * 16 + 8);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(Q[r * ldq + c]);
+      c0[r] = fma8(av, b0, c0[r]);
+      c1[r] = fma8(av, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    st8(S + r * ldS, c0[r] * alpha);
+    st8(S + r * ldS + 8, c1[r] * alpha);
+  }
+}
+
+// O[r][0..8*NV) = O[r][..] * A[r] + sum_k P[r][k] * V[k][0..8*NV) for r < MR.
+template <int MR, int NV>
+static inline void pv_kernel(const float* __restrict P, int64_t ldp, const float* __restrict V,
+                             int64_t ldv, int64_t nn, const float* __restrict A,
+                             float* __restrict O, int64_t ldo) {
+  f8 c[MR][NV];
+  for (int r = 0; r < MR; ++r) {
+    const f8 ar = splat(A[r]);
+    for (int v = 0; v < NV; ++v) c[r][v] = ld8(O + r * ldo + 8 * v) * ar;
+  }
+  for (int64_t k = 0; k < nn; ++k) {
+    f8 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = ld8(V + k * ldv + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(P[r * ldp + k]);
+      for (int v = 0; v < NV; ++v) c[r][v] = fma8(av, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) st8(O + r * ldo + 8 * v, c[r][v]);
+}
+
+// In-register 8x8 transpose: r[k][t] <- r[t][k].
+static inline void transpose8(f8 r[8]) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  // unpcklps/unpckhps, shufps, vperm2f128: the classic 24-shuffle AVX transpose.
+  const f8 t0 = __builtin_shufflevector(r[0], r[1], 0, 8, 1, 9, 4, 12, 5, 13);
+  const f8 t1 = __builtin_shufflevector(r[0], r[1], 2, 10, 3, 11, 6, 14, 7, 15);
+  const f8 t2 = __builtin_shufflevector(r[2], r[3], 0, 8, 1, 9, 4, 12, 5, 13);
+  const f8 t3 = __builtin_shufflevector(r[2], r[3], 2, 10, 3, 11, 6, 14, 7, 15);
+  const f8 t4 = __builtin_shufflevector(r[4], r[5], 0, 8, 1, 9, 4, 12, 5, 13);
+  const f8 t5 = __builtin_shufflevector(r[4], r[5], 2, 10, 3, 11, 6, 14, 7, 15);
+  const f8 t6 = __builtin_shufflevector(r[6], r[7], 0, 8, 1, 9, 4, 12, 5, 13);
+  const f8 t7 = __builtin_shufflevector(r[6], r[7], 2, 10, 3, 11, 6, 14, 7, 15);
+  const f8 s0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);
+  const f8 s1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
+  const f8 s2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);
+  const f8 s3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
+  const f8 s4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
+  const f8 s5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
+  const f8 s6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
+  const f8 s7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
+  r[0] = __builtin_shufflevector(s0, s4, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[1] = __builtin_shufflevector(s1, s5, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[2] = __builtin_shufflevector(s2, s6, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[3] = __builtin_shufflevector(s3, s7, 0, 1, 2, 3, 8, 9, 10, 11);
+  r[4] = __builtin_shufflevector(s0, s4, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[5] = __builtin_shufflevector(s1, s5, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[6] = __builtin_shufflevector(s2, s6, 4, 5, 6, 7, 12, 13, 14, 15);
+  r[7] = __builtin_shufflevector(s3, s7, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  f8 t[8];
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 8; ++k) t[k][i] = r[i][k];
+  for (int k = 0; k < 8; ++k) r[k] = t[k];
+#endif
+}
+
+// Packs rows [0, nn) of K (ld ldk, d columns) as K^T in 16-column panels: panel p holds
+// KT[c][0..16) = K[16p + 0..16)[c] at kt + p*d*16 + c*16. Rows past nn are zero.
+template <class E>
+static inline void pack_kt(const typename Conv<E>::T* K, int64_t ldk, int64_t nn, int64_t d,
+                           float* kt) {
+  const int64_t rows = (nn + 15) / 16 * 16;
+  for (int64_t j0 = 0; j0 < rows; j0 += 8) {
+    float* dst = kt + (j0 >> 4) * d * 16 + (j0 & 15);
+    for (int64_t c0 = 0; c0 < d; c0 += 8) {
+      f8 r[8];
+      for (int t = 0; t < 8; ++t)
+        r[t] = j0 + t < nn ? Conv<E>::load(K + (j0 + t) * ldk + c0) : splat(0.f);
+      transpose8(r);
+      for (int k = 0; k < 8; ++k) st8(dst + (c0 + k) * 16, r[k]);
+    }
+  }
+}
+
+constexpr int kMR = 6;
+
+// S (mq x 16*npanels, ld ldS) = alpha * Q (mq x d, ld ldq) * KT (npanels packed d x 16 panels).
+static inline void gemm_qk(const float* Q, int64_t ldq, const float* KT, int64_t npanels,
+                           int64_t mq, int64_t d, float alpha, float* S, int64_t ldS) {
+  for (int64_t p = 0; p < npanels; ++p) {
+    const float* kt = KT + p * d * 16;
+    float* sp = S + p * 16;
+    int64_t i = 0;
+    for (; i + kMR <= mq; i += kMR) s_kernel<kMR>(Q + i * ldq, ldq, kt, d, alpha, sp + i * ldS, ldS);
+    const float* qi = Q + i * ldq;
+    float* si = sp + i * ldS;
+    switch (mq - i) {
+      case 5: s_kernel<5>(qi, ldq, kt, d, alpha, si, ldS); break;
+      case 4: s_kernel<4>(qi, ldq, kt, d, alpha, si, ldS); break;
+      case 3: s_kernel<3>(qi, ldq, kt, d, alpha, si, ldS); break;
+      case 2: s_kernel<2>(qi, ldq, kt, d, alpha, si, ldS); break;
+      case 1: s_kernel<1>(qi, ldq, kt, d, alpha, si, ldS); break;
+      default: break;
+    }
+  }
+}
+
+template <int MR>
+static inline void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t nn,
+                           int64_t d, const float* A, float* O, int64_t ldo) {
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) pv_kernel<MR, 2>(P, ldp, V + c, ldv, nn, A, O + c, ldo);
+  if (c < d) pv_kernel<MR, 1>(P, ldp, V + c, ldv, nn, A, O + c, ldo);
+}
+
+// O (mq x d, ld d) = diag(A) O + P (mq x nn, ld ldp) * V (nn x d, ld ldv).
+static inline void gemm_pv(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t mq,
+                           int64_t nn, int64_t d, const float* A, float* O) {
+  int64_t i = 0;
+  for (; i + kMR <= mq; i += kMR) pv_rows<kMR>(P + i * ldp, ldp, V, ldv, nn, d, A + i, O + i * d, d);
+  const float* pi = P + i * ldp;
+  float* oi = O + i * d;
+  switch (mq - i) {
+    case 5: pv_rows<5>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
+    case 4: pv_rows<4>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
+    case 3: pv_rows<3>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
+    case 2: pv_rows<2>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
+    case 1: pv_rows<1>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
+    default: break;
+  }
 }
 
 // 64-byte aligned scratch, freed at scope exit.
@@ -314,19 +604,20 @@ template <class Variant, class Element>
 void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
                const bool blas, int64_t task_begin, int64_t task_end) {
   using C = Conv<Element>;
+  using T = typename C::T;  // storage: float or uint16_t bits
   constexpr bool kLowp = C::kLowp;
   const int64_t Hq = a.heads_q, Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
   const int64_t group = a.heads_q / a.heads_kv;
   const int64_t qb = t.qb, kvb = t.kvb;
   const int64_t nqt = (Nq + qb - 1) / qb;
-  const int64_t ldS = round_up(kvb, 8) + 16;  // +16 floats: avoid 4 KiB set aliasing of rows
-  const int64_t ldKT = round_up(kvb, 8);      // brgemm path: K^T tile is d x kvb
+  const int64_t ldS = round_up(kvb, 16) + 16;  // +16 floats: avoid 4 KiB set aliasing of rows
+  const int64_t kvb16 = round_up(kvb, 16);      // own path: K^T packed in d x 16 panels
   const int nq_i = (int)Nq, nk_i = (int)Nk;
 
   // Scratch, once per chunk.
   size_t off = 0;
-  const size_t o_q = off; off += (kLowp || !blas) ? al64(sizeof(float) * qb * d) : 0;
-  const size_t o_k = off; off += (kLowp || !blas) ? al64(sizeof(float) * ldKT * d) : 0;
+  const size_t o_q = off; off += kLowp ? al64(sizeof(float) * qb * d) : 0;
+  const size_t o_k = off; off += al64(sizeof(float) * kvb16 * d);
   const size_t o_v = off; off += al64(sizeof(float) * kvb * d);
   const size_t o_s = off; off += al64(sizeof(float) * qb * ldS);
   const size_t o_o = off; off += al64(sizeof(float) * qb * d);
@@ -348,10 +639,10 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
   uint8_t* mask = reinterpret_cast<uint8_t*>(base + o_mask);
   uint8_t* colkeep = reinterpret_cast<uint8_t*>(base + o_col);
 
-  const Element* Qg = static_cast<const Element*>(a.q);
-  const Element* Kg = static_cast<const Element*>(a.k);
-  const Element* Vg = static_cast<const Element*>(a.v);
-  Element* Og = static_cast<Element*>(a.out);
+  const T* Qg = static_cast<const T*>(a.q);
+  const T* Kg = static_cast<const T*>(a.k);
+  const T* Vg = static_cast<const T*>(a.v);
+  T* Og = static_cast<T*>(a.out);
 
   const float gemm_alpha = Variant::kHasScoreMod ? a.scale : a.scale * kLog2e;
 
@@ -365,9 +656,9 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
     const int64_t mq = q_hi - q_lo;
     const int bi = (int)b, hi_ = (int)h;
 
-    const Element* Qt = Qg + b * a.q_stride_b + h * a.q_stride_h + q_lo * a.q_stride_n;
-    const Element* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h;
-    const Element* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h;
+    const T* Qt = Qg + b * a.q_stride_b + h * a.q_stride_h + q_lo * a.q_stride_n;
+    const T* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h;
+    const T* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h;
 
     int64_t kv_begin = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, nq_i, nk_i);
     int64_t kv_end = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, nq_i, nk_i);
@@ -380,23 +671,12 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
     }
     memset(O, 0, sizeof(float) * mq * d);
 
-    // Q tile, fp32. BLAS path: used in place when Element is float (alpha goes to the gemm).
-    // brgemm path (no alpha argument): an fp32 copy pre-multiplied by alpha.
+    // Q tile, fp32: used in place when Element is float, else widened into qbuf.
     const float* Qf;
     int64_t ldq;
-    if (kLowp || !blas) {
-      if (kv_begin < kv_end) {
-        for (int64_t i = 0; i < mq; ++i) {
-          float* dst = qbuf + i * d;
-          if constexpr (kLowp) {
-            C::to_f32(Qt + i * a.q_stride_n, dst, d);
-          } else {
-            memcpy(dst, Qt + i * a.q_stride_n, sizeof(float) * d);
-          }
-          if (!blas)
-            for (int64_t c = 0; c < d; c += 8) st8(dst + c, ld8(dst + c) * gemm_alpha);
-        }
-      }
+    if constexpr (kLowp) {
+      if (kv_begin < kv_end)
+        for (int64_t i = 0; i < mq; ++i) C::to_f32(Qt + i * a.q_stride_n, qbuf + i * d, d);
       Qf = qbuf;
       ldq = d;
     } else {
@@ -449,20 +729,10 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
         }
         blas_sgemm(true, false, nn, mq, d, gemm_alpha, Kf, ldk, Qf, ldq, 0.f, S, ldS);
       } else {
-        // row-major: S = (alpha Q) (mq x d) * K^T (d x nn, transposed into kbuf, ld ldKT)
-        float row[256];
-        for (int64_t j = 0; j < nn; ++j) {
-          const Element* src = Kh + (kvs + j) * a.k_stride_n;
-          const float* r;
-          if constexpr (kLowp) {
-            C::to_f32(src, row, d);
-            r = row;
-          } else {
-            r = reinterpret_cast<const float*>(src);
-          }
-          for (int64_t c = 0; c < d; ++c) kbuf[c * ldKT + j] = r[c];
-        }
-        at::native::cpublas::brgemm(mq, nn, d, ldq, ldKT, ldS, false, Qf, kbuf, S);
+        // Own kernels: K^T packed into 16-column panels (zero-padded to a multiple of 16).
+        const int64_t npan = (nn + 15) / 16;
+        pack_kt<Element>(Kh + kvs * a.k_stride_n, a.k_stride_n, nn, d, kbuf);
+        gemm_qk(Qf, ldq, kbuf, npan, mq, d, gemm_alpha, S, ldS);
       }
 
       // Softmax pass, one row at a time (row stays in L1).
@@ -481,19 +751,36 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
           }
         }
         for (int64_t j = nn; j < nn8; ++j) s[j] = kNegInf;
-        f8 vm = splat(kNegInf);
-        for (int64_t j = 0; j < nn8; j += 8) vm = vmax(vm, ld8(s + j));
-        const float rmax = hmax(vm);
+        // Row max: four independent accumulators (vmaxps latency would bound a single chain).
+        f8 vm0 = splat(kNegInf), vm1 = vm0, vm2 = vm0, vm3 = vm0;
+        int64_t j = 0;
+        for (; j + 32 <= nn8; j += 32) {
+          vm0 = vmax(vm0, ld8(s + j));
+          vm1 = vmax(vm1, ld8(s + j + 8));
+          vm2 = vmax(vm2, ld8(s + j + 16));
+          vm3 = vmax(vm3, ld8(s + j + 24));
+        }
+        for (; j < nn8; j += 8) vm0 = vmax(vm0, ld8(s + j));
+        const float rmax = hmax(vmax(vmax(vm0, vm1), vmax(vm2, vm3)));
         const float m_old = M[i];
         const float m_new = rmax > m_old ? rmax : m_old;
         const float sub = m_new == kNegInf ? 0.f : m_new;  // row still empty: P = 0 below
         const f8 vsub = splat(sub);
-        f8 vs = splat(0.f);
-        for (int64_t j = 0; j < nn8; j += 8) {
-          const f8 p = exp2v(ld8(s + j) - vsub);
-          vs += p;
-          st8(s + j, p);
+        f8 vs0 = splat(0.f), vs1 = vs0;
+        for (j = 0; j + 16 <= nn8; j += 16) {
+          const f8 p0 = exp2v(ld8(s + j) - vsub);
+          const f8 p1 = exp2v(ld8(s + j + 8) - vsub);
+          vs0 += p0;
+          vs1 += p1;
+          st8(s + j, p0);
+          st8(s + j + 8, p1);
         }
+        for (; j < nn8; j += 8) {
+          const f8 p0 = exp2v(ld8(s + j) - vsub);
+          vs0 += p0;
+          st8(s + j, p0);
+        }
+        const f8 vs = vs0 + vs1;
         const float alpha = exp2s(m_old - sub);  // 0 when m_old == -inf
         A[i] = alpha;
         any_rescale |= (alpha != 1.f) & (L[i] != 0.f);
@@ -501,7 +788,7 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
         M[i] = m_new;
         if constexpr (kLowp) C::round_inplace(s, nn8);
       }
-      if (any_rescale) {
+      if (blas && any_rescale) {  // own kernels fold the rescale into the PV kernel
         for (int64_t i = 0; i < mq; ++i) {
           if (A[i] == 1.f) continue;
           float* o = O + i * d;
@@ -534,20 +821,20 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
         // column-major d x mq = V (col-major d x nn) * P (col-major nn x mq)
         blas_sgemm(false, false, d, mq, nn, 1.f, Vf, ldv, S, ldS, 1.f, O, d);
       } else {
-        at::native::cpublas::brgemm(mq, d, nn, ldS, ldv, d, true, S, Vf, O);
+        gemm_pv(S, ldS, Vf, ldv, mq, nn, d, A, O);
       }
     }
 
     // Epilogue: out = O / l, lse = ln l + m (natural units). l == 0: exact zeros and -inf.
     float* lse = a.lse + (b * Hq + h) * Nq + q_lo;
-    Element* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + q_lo * a.o_stride_n;
+    T* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + q_lo * a.o_stride_n;
     for (int64_t i = 0; i < mq; ++i) {
-      Element* orow = Ot + i * a.o_stride_n;
+      T* orow = Ot + i * a.o_stride_n;
       if (L[i] > 0.f) {
         C::scale_from_f32(O + i * d, 1.f / L[i], orow, d);
         lse[i] = (M[i] + std::log2(L[i])) * kLn2;
       } else {
-        memset(static_cast<void*>(orow), 0, sizeof(Element) * d);
+        memset(orow, 0, sizeof(T) * d);
         lse[i] = kNegInf;
       }
     }
@@ -565,20 +852,18 @@ int run_fwd(const FgFwdArgs& args) {
   const int64_t B = args.batch, Hq = args.heads_q, Hkv = args.heads_kv;
   const int64_t Nq = args.seqlen_q, Nk = args.seqlen_k, d = args.head_dim;
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
-  // Shape errors have no dedicated status code yet; they are reported as FG_ERR_LAUNCH.
-  if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > INT32_MAX || Nk > INT32_MAX) return FG_ERR_LAUNCH;
+  if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > INT32_MAX || Nk > INT32_MAX)
+    return FG_ERR_BAD_SHAPE;
   if (B == 0 || Hq == 0 || Nq == 0) return FG_OK;
-  if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_LAUNCH;
-  if (!args.q || !args.out || !args.lse || (Nk > 0 && (!args.k || !args.v))) return FG_ERR_LAUNCH;
+  if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
+  if (!args.q || !args.out || !args.lse || (Nk > 0 && (!args.k || !args.v))) return FG_ERR_BAD_SHAPE;
 
   const typename Variant::Params empty_params{};
   const typename Variant::Params& prm =
       args.params ? *static_cast<const typename Variant::Params*>(args.params) : empty_params;
 
-  const detail::Tiles t = detail::choose_tiles(B * Hq, Nq, Nk, d);
-  const int64_t imax = INT32_MAX;
-  const bool blas = detail::have_blas_sgemm() && args.q_stride_n <= imax &&
-                    args.k_stride_n <= imax && args.v_stride_n <= imax;
+  const detail::Tiles t = detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
+  const bool blas = detail::use_blas(args);
   const int64_t ntasks = B * Hq * ((Nq + t.qb - 1) / t.qb);
   try {
     at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
@@ -592,3 +877,7 @@ int run_fwd(const FgFwdArgs& args) {
 
 }  // namespace cpu
 }  // namespace flashgen
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

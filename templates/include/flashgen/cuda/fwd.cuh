@@ -22,6 +22,9 @@
 //     S = scale*log2(e) * S  (or log2(e) * score(scale*S)), masked entries := -inf by selection
 //     m_new = max(m, rowmax(S));  P = exp2(S - m_new);  alpha = exp2(m - m_new)
 //     l = alpha*l + rowsum(P);  O = alpha*O + P V_j        (P stays in registers)
+//     (O *= alpha is skipped when no row of the warp raised its max; building with
+//      FLASHGEN_FWD_RESCALE_LOG2=8 also keeps a stale m until it is exceeded by 8 (log2 units),
+//      2-4% faster but with up to ~2x the output rounding error)
 //   O /= l;  LSE = ln(2) * (m + log2(l))                   (rows with l == 0: O = 0, LSE = -inf)
 //
 // Memory pipeline: K and V tiles stream through a 2-stage ring in shared memory with cp.async.
@@ -83,6 +86,16 @@
 #define FLASHGEN_FWD_MAX_GRID 2147483647
 #endif
 
+// Lazy-rescale threshold in log2 units (see softmax_tile). 0 (default): the running max follows
+// every increase, so the largest P of a row is exactly 1 and rounds exactly. 8: the max is
+// only moved once some row of the warp exceeds it by 8 (a factor 2^8 in P), which skips most
+// O *= alpha passes (+2-4% on an H200) but puts a rounding error on every P, so the output
+// error roughly matches (instead of undercutting) a low-precision reference; the FlashAttention
+// test rule (<= 2x that reference's error) then failed on 2 of 475 small shapes.
+#ifndef FLASHGEN_FWD_RESCALE_LOG2
+#define FLASHGEN_FWD_RESCALE_LOG2 0
+#endif
+
 namespace flashgen {
 namespace cuda {
 
@@ -92,11 +105,13 @@ namespace cuda {
 // kBlockM query rows per CTA, kBlockN keys per K/V tile, kWarps warps; each warp owns
 // kBlockM/kWarps rows (16 or 32: one or two m16 "atoms"). kQInRegs keeps the warp's Q fragments
 // in registers for the whole work item; otherwise they are re-read from shared memory per tile
-// (fewer registers, more shared-memory traffic).
-template <int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_>
+// (fewer registers, more shared-memory traffic). kBlockNSm8x replaces kBlockN in device code
+// built for sm_8x (whose ptxas needs a few more registers for the same tile).
+template <int kBlockM_, int kBlockN_, int kWarps_, bool kQInRegs_, int kBlockNSm8x_ = kBlockN_>
 struct FwdTile {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockNSm8x = kBlockNSm8x_;
   static constexpr int kWarps = kWarps_;
   static constexpr bool kQInRegs = kQInRegs_;
   static constexpr int kThreads = kWarps * 32;
@@ -104,19 +119,37 @@ struct FwdTile {
   static constexpr int kMAtoms = kWarpRows / 16;
   static_assert(kBlockM % kWarps == 0 && kWarpRows % 16 == 0, "each warp owns 16*k query rows");
   static_assert(kMAtoms == 1 || kMAtoms == 2, "a warp owns 16 or 32 query rows");
-  static_assert(kBlockN % 16 == 0 && kBlockN >= 16, "kBlockN must be a multiple of 16");
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockNSm8x % 16 == 0 && kBlockNSm8x >= 16,
+                "kBlockN must be a multiple of 16");
 };
 
-// Default tile per (padded) head dim; see the report in the commit message / docs for timings.
-template <int kHeadDim>
+// Default tile per padded head dim kD, from H200 measurements (bf16, B*N = 16K tokens) and
+// ptxas reports (no local-memory spills for the example Dense/Causal variants at d = 64 and
+// 128, on sm_80 and sm_90a):
+//   kD <= 64        128 x 64, 4 warps x 32 rows, Q re-read from smem (~218 regs, 55,296 B smem)
+//   64 < kD < 128   128 x 32, same shape
+//   kD == 128       128 x 64 on sm_90 (128 x 48 on sm_8x) without a score mod (255 regs,
+//                   104,448 B); 128 x 48 with a score mod, whose per-element path needs a few
+//                   more registers (252-254 regs, 87,040 B)
+//   kD <= 192       64 x 64, 4 warps x 16 rows (O alone is kD/2 registers per thread)
+//   kD <= 256       64 x 32, 4 warps x 16 rows
+// Everything fits two CTAs per SM on sm_90 and at least one on sm_80 (kD > 128 needs more than
+// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may spill a few bytes at
+// 128 x 64 (e.g. a sliding window: 16 B on sm_90a) where 128 x 48 does not; other FwdTile shapes
+// can be passed to launch_fwd_tiled (autotuning).
+template <class Variant, int kHeadDim>
 struct DefaultFwdTile {
   static constexpr int kD = (kHeadDim + 15) / 16 * 16;
   using type = typename std::conditional<
       (kD <= 64), FwdTile<128, 64, 4, false>,
       typename std::conditional<
-          (kD <= 128), FwdTile<128, 64, 4, false>,
-          typename std::conditional<(kD <= 192), FwdTile<64, 64, 4, false>,
-                                    FwdTile<64, 32, 4, false>>::type>::type>::type;
+          (kD < 128), FwdTile<128, 32, 4, false>,
+          typename std::conditional<
+              (kD == 128),
+              typename std::conditional<!Variant::kHasScoreMod, FwdTile<128, 64, 4, false, 48>,
+                                        FwdTile<128, 48, 4, false>>::type,
+              typename std::conditional<(kD <= 192), FwdTile<64, 64, 4, false>,
+                                        FwdTile<64, 32, 4, false>>::type>::type>::type>::type;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -139,7 +172,15 @@ struct FwdKernel {
                 "Variant::Params must be trivially copyable (it is passed by value to the kernel)");
 
   static constexpr int kBlockM = Tile::kBlockM;
+  // Keys per K/V tile in this compilation pass (see FwdTile::kBlockNSm8x); the host pass sees
+  // kBlockN, and sizes shared memory per device (smem_bytes) so that either choice fits.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  static constexpr int kBlockN = Tile::kBlockNSm8x;
+#else
   static constexpr int kBlockN = Tile::kBlockN;
+#endif
+  static constexpr int kBlockNMax =
+      Tile::kBlockN > Tile::kBlockNSm8x ? Tile::kBlockN : Tile::kBlockNSm8x;
   static constexpr int kThreads = Tile::kThreads;
   static constexpr int kMinBlocks = kThreads <= 128 ? 2 : 1;
   static constexpr int kWarpRows = Tile::kWarpRows;
@@ -151,7 +192,10 @@ struct FwdKernel {
   static constexpr int kStages = 2;
   static constexpr int kQElems = kBlockM * kPitch;
   static constexpr int kKVElems = kBlockN * kPitch;
-  static constexpr int kSmemBytes = (kQElems + 2 * kStages * kKVElems) * int(sizeof(Element));
+  // Dynamic shared memory: Q tile, then the K ring, then the V ring (kStages tiles each).
+  static constexpr int smem_bytes(int block_n) {
+    return (kQElems + 2 * kStages * block_n * kPitch) * int(sizeof(Element));
+  }
   static constexpr int kNBlocks = kBlockN / 8;  // 8-key accumulator blocks of S per m-atom
   static constexpr int kDBlocks = kD / 8;       // 8-column accumulator blocks of O per m-atom
   static constexpr float kLog2e = 1.4426950408889634f;
@@ -185,10 +229,8 @@ struct FwdKernel {
       // Common case: each thread owns one 16-byte column and every kRowStep-th row, so one
       // running pointer serves all its chunks (keeps 64-bit address registers to a minimum).
       constexpr int kRowStep = kThreads / kChunksPerRow;
-      (void)tid;  // re-read below: offsets derived from it are cheaper to recompute than to keep
-      const int tid_v = int(ptx::tid_x());
-      const int cc = tid_v % kChunksPerRow;
-      const int r0 = tid_v / kChunksPerRow;
+      const int cc = tid % kChunksPerRow;
+      const int r0 = tid / kChunksPerRow;
       const bool col_ok = kD == kHeadDim || cc * 8 < kHeadDim;
       const Element* src = g + wide(row0 + r0) * stride_n + cc * 8;
 #pragma unroll
@@ -327,34 +369,35 @@ struct FwdKernel {
       raw_row_extreme<true>(s, tile_max);
     }
 
-    float alpha[kMAtoms][2];
-    bool rescale = false;
+    // The running max m moves when some row of the warp exceeds it by more than
+    // FLASHGEN_FWD_RESCALE_LOG2 log2 units (by default 0: any increase) or sees its first key;
+    // otherwise the O *= alpha pass is skipped and P is taken against the current m
+    // (P <= 2^threshold; O, l and LSE = m + log2(l) stay consistent, exact up to rounding).
+    bool need = false;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {  // rows g and g + 8 of the atom
-        const float mx = fmaxf(row_max[ma][half], tile_max[ma][half]);
-        // A row that has seen no key yet keeps max -inf; exponentiate against 0 instead so that
-        // exp2(-inf - (-inf)) = NaN never happens: P = 0 and alpha = 0 (O and l are still 0).
-        const float m_use = (mx == -INFINITY) ? 0.f : mx;
-        alpha[ma][half] = ptx::exp2_approx(row_max[ma][half] - m_use);
-        rescale |= alpha[ma][half] != 1.f;
-        row_max[ma][half] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kNBlocks; ++j) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[ma][j][2 * half + e];
-            x = kRaw ? ptx::exp2_approx(fmaf(x, c, -m_use)) : ptx::exp2_approx(x - m_use);
-            sum += x;
-          }
-        }
-        row_sum[ma][half] = row_sum[ma][half] * alpha[ma][half] + sum;
+      for (int half = 0; half < 2; ++half) {
+        // -inf - (-inf) = NaN compares false: a row with no key so far needs nothing yet.
+        need |= tile_max[ma][half] - row_max[ma][half] > float(FLASHGEN_FWD_RESCALE_LOG2);
       }
     }
-    // O *= alpha, skipped (exactly: alpha == 1) when no row of the warp changed its max.
-    if (__any_sync(0xffffffffu, rescale)) {
+    float m_use[kMAtoms][2];
+    if (__any_sync(0xffffffffu, need)) {
+      float alpha[kMAtoms][2];
+#pragma unroll
+      for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float mx = fmaxf(row_max[ma][half], tile_max[ma][half]);
+          // A row that has seen no key keeps max -inf; exponentiate against 0 instead so that
+          // exp2(-inf - (-inf)) = NaN never happens: P = 0 and alpha = 0 (O and l are 0).
+          m_use[ma][half] = (mx == -INFINITY) ? 0.f : mx;
+          alpha[ma][half] = ptx::exp2_approx(row_max[ma][half] - m_use[ma][half]);
+          row_max[ma][half] = mx;
+          row_sum[ma][half] *= alpha[ma][half];
+        }
+      }
 #pragma unroll
       for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -363,10 +406,36 @@ struct FwdKernel {
           for (int e = 0; e < 4; ++e) o[ma][dn][e] *= alpha[ma][e >> 1];
         }
       }
+    } else {
+#pragma unroll
+      for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          m_use[ma][half] = (row_max[ma][half] == -INFINITY) ? 0.f : row_max[ma][half];
+        }
+      }
+    }
+    // P = exp2(s' - m) and the row sums.
+#pragma unroll
+    for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float mu = m_use[ma][half];
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kNBlocks; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[ma][j][2 * half + e];
+            x = kRaw ? ptx::exp2_approx(fmaf(x, c, -mu)) : ptx::exp2_approx(x - mu);
+            sum += x;
+          }
+        }
+        row_sum[ma][half] += sum;
+      }
     }
   }
 
-  // One work item: query tile m_tile of (batch b, query head h).
   // Work items are numbered query-tile fastest (CTAs of one head run together and share its
   // K/V in L2), heaviest query tile first within a head (better tail balance under causal
   // masks). CTA x handles items x, x + gridDim.x, ...; `iter` counts those.
@@ -621,6 +690,21 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocks)
 
 namespace detail {
 inline bool misaligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) != 0; }
+// Compute-capability major of a device, cached (cudaDeviceGetAttribute is cheap but not free).
+inline int device_major(int dev) {
+  static std::atomic<int> cache[64];  // 0 = unknown
+  if (dev >= 0 && dev < 64) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v) return v;
+  }
+  int major = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;  // unknown: the launch itself will report the problem
+  }
+  if (dev >= 0 && dev < 64) cache[dev].store(major, std::memory_order_relaxed);
+  return major;
+}
 // A stride only matters where its dimension has more than one index.
 inline bool bad_stride(int64_t stride, int64_t extent, int64_t elems16) {
   return extent > 1 && (stride % elems16) != 0;
@@ -632,6 +716,12 @@ template <class Variant, class Element, int kHeadDim, class Tile>
 int launch_fwd_tiled(const FgFwdArgs& a) {
   using K = FwdKernel<Variant, Element, kHeadDim, Tile>;
   using P = typename K::Params;
+  // Reference every hook: the kernel skips keep() without a mask and score() without a score
+  // mod, and a generated variant in an anonymous namespace would otherwise draw "declared but
+  // never referenced" warnings for them.
+  (void)&Variant::keep;
+  (void)&Variant::score;
+  (void)&Variant::tile_full;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",
@@ -640,7 +730,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   const int64_t kIntMax = 2147483647;
   if (a.batch < 0 || a.heads_q < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.batch > kIntMax ||
       a.heads_q > kIntMax || a.seqlen_q > kIntMax - K::kBlockM ||
-      a.seqlen_k > kIntMax - K::kBlockN) {
+      a.seqlen_k > kIntMax - K::kBlockNMax) {
     return detail::fail(FG_ERR_BAD_SHAPE,
                         "sizes out of range: batch %lld, heads_q %lld, seqlen_q %lld, seqlen_k "
                         "%lld (each must be >= 0 and fit in int32)",
@@ -704,16 +794,20 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
     if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
   }
 
-  // Raise the dynamic shared-memory limit once per (instantiation, device).
+  // Raise the dynamic shared-memory limit once per (instantiation, device). Device code built
+  // for sm_8x uses Tile::kBlockNSm8x, code for sm_90+ Tile::kBlockN; a device of compute
+  // capability >= 9 may also run sm_8x code (PTX JIT), so it gets room for both.
   auto kernel = &fwd_kernel<K>;
   static std::atomic<uint64_t> configured{0};
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
+  const int major = detail::device_major(dev);  // 0 if unknown
+  const int smem = (major == 0 || major >= 9) ? K::smem_bytes(K::kBlockNMax)
+                                              : K::smem_bytes(Tile::kBlockNSm8x);
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
   if (bit == 0 || !(configured.load(std::memory_order_acquire) & bit)) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               K::kSmemBytes);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err == cudaSuccess) {
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                  int(cudaSharedmemCarveoutMaxShared));
@@ -722,14 +816,14 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
       cudaGetLastError();  // the failed attribute call must not poison the next launch check
       return detail::fail(FG_ERR_SMEM_ATTR,
                           "cannot raise dynamic shared memory to %d bytes on device %d: %s",
-                          K::kSmemBytes, dev, cudaGetErrorString(err));
+                          smem, dev, cudaGetErrorString(err));
     }
     configured.fetch_or(bit, std::memory_order_acq_rel);
   }
 
   const int64_t kMaxGrid = FLASHGEN_FWD_MAX_GRID;
   const dim3 grid(unsigned(p.total_work < kMaxGrid ? p.total_work : kMaxGrid));
-  kernel<<<grid, K::kThreads, K::kSmemBytes, static_cast<cudaStream_t>(a.stream)>>>(p);
+  kernel<<<grid, K::kThreads, smem, static_cast<cudaStream_t>(a.stream)>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "forward kernel launch", err);
   return FG_OK;
@@ -738,8 +832,8 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
 // Entry point used by generated translation units.
 template <class Variant, class Element, int kHeadDim>
 int launch_fwd(const FgFwdArgs& args) {
-  return launch_fwd_tiled<Variant, Element, kHeadDim, typename DefaultFwdTile<kHeadDim>::type>(
-      args);
+  return launch_fwd_tiled<Variant, Element, kHeadDim,
+                          typename DefaultFwdTile<Variant, kHeadDim>::type>(args);
 }
 
 }  // namespace cuda

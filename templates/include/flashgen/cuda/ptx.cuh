@@ -117,11 +117,6 @@ __device__ __forceinline__ uint32_t nctaid_x() {
   asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(r));
   return r;
 }
-__device__ __forceinline__ uint32_t tid_x() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
-  return r;
-}
 __device__ __forceinline__ uint32_t lane_id() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(r));

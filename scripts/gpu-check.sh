@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# GPU check from a cold cache: first build + cached load through `flashgen run`, then the GPU
+# test suite (its own cold cache, timed). Logs go under $OUT (default ./gpu-logs).
+set -uo pipefail
+out=${OUT:-gpu-logs}
+mkdir -p "$out"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2; date -u; } 2>&1 | tee "$out/machine.txt"
+rm -rf .fgcache-run .fgcache-tests
+run=(python3 -m flashgen run specs/causal.attn --batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bf16 --device cuda)
+FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cold.txt"
+FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
+start=$(date +%s)
+FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
+echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"

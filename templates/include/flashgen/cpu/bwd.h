@@ -1,0 +1,726 @@
+// flashgen CPU backward kernel skeleton: fused FlashAttention backward for one generated Variant.
+//
+//   template <class Variant, class Element>   // Element: float, c10::BFloat16, c10::Half
+//   int flashgen::cpu::run_bwd(const FgBwdArgs& args);   // returns an FgStatus (args.h)
+//
+// head_dim: runtime, any multiple of 8 in [8, 256] (else FG_ERR_BAD_HEAD_DIM).
+// Score modifications are not differentiated yet: a Variant with kHasScoreMod fails to compile.
+//
+// Algorithm: FlashAttention-2 backward (Dao 2023, Alg. 2), recomputing P from the saved lse; no
+// N x N buffer. Three at::parallel_for passes:
+//
+//   1. D pass, over query rows: D_i = rowsum(dout_i ∘ out_i) − dlse_i (dlse nullable) into
+//      softmax_d; zero-fills the fp32 dQ accumulators (so dq_accum need not arrive zeroed).
+//   2. Main pass, over tasks (batch, kv head, kv segment); a segment is a contiguous run of kv
+//      tiles. For each of its kv tiles a task keeps dK and dV of the tile in fp32 scratch and
+//      loops, for every query head of the kv head's group (GQA/MQA: the group's sum is formed
+//      inside the task, in a fixed order), over the query tiles that can see the tile:
+//        P  = exp(scale·Q Kᵀ − lse)              gemm, exp in its epilogue; 0 where masked
+//        dV += Pᵀ dO                             gemm
+//        dS = P ∘ (dO Vᵀ − D)                    gemm, dS in its epilogue (in place over P)
+//        dK += dSᵀ Q                             gemm   (scale applied at write-back)
+//        dQ_seg += dS K                          gemm into the segment's fp32 dQ buffer
+//      then writes dk = scale·dK, dv = dV (Element, args' strides).
+//   3. dQ pass, over query rows: dq = scale · (dQ_0 + dQ_1 + ... ) in segment order (Element,
+//      args' strides); rows with lse == -inf (or seqlen_k == 0) are written as exact zeros.
+//   Segment 0's dQ buffer is args.dq_accum; more than one segment is used only when
+//   batch * heads_kv is too small to keep every thread busy (see bwd_plan); the extra segments'
+//   buffers ((nseg − 1) x [B, Hq, Nq, d] fp32) are allocated here. No atomics anywhere: every
+//   sum has a fixed order, so results are bitwise repeatable for a given thread count whatever
+//   args.deterministic says (the segment count depends on at::get_num_threads()).
+//
+// Workspaces: dq_accum (fp32 [B, Hq, Nq, d], zero-filled here: the caller's zeroing is not
+// needed) and softmax_d (written here) are used; dk_accum and dv_accum are NOT used (may be null).
+//
+// Which (q tile, kv tile) pairs run: query tile [q_lo, q_hi) meets kv tile [k0, k1) iff
+// [Variant::kv_lo, Variant::kv_hi) (clamped to [0, seqlen_k]) intersects it; keys outside that
+// range count as masked, as in the forward. The per-element mask runs only where tile_full is
+// false; then rows and columns that keep nothing are trimmed from both ends of the tile.
+// Rows with lse == -inf are trimmed/zeroed too: they contribute nothing.
+//
+// Gemms: fp32 in, fp32 out, the same two backends as the forward (see fwd.h, "gemm
+// backends"): register-blocked 6x16 AVX2/FMA micro-kernels by default (K^T and V^T are packed
+// once per kv tile into 16-column panels by fwd.h's pack_kt; the Aᵀ·B products read P / dS
+// transposed in place, so nothing of the q x kv tile is ever packed), or BLAS sgemm_ when
+// compiled without AVX2/FMA or with FLASHGEN_CPU_GEMM=blas (and the symbol resolves).
+// 16-bit Elements are widened to fp32 tile by tile; P and dS stay fp32 (not rounded to Element).
+//
+// Edge cases: seqlen_q == 0 -> dk = dv = 0; seqlen_k == 0 -> dq = 0; batch == 0 -> nothing;
+// keys that no query sees -> dk = dv = 0 exactly; rows with lse == -inf -> dq = 0 exactly.
+// Masked K/V entries never leak: P is masked by selection, dS is selected to 0 where P is 0, and
+// for dQ += dS K on a tile with interior fully-masked columns the K rows of those columns are
+// replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Any batch/head/seq strides
+// (64-bit offsets), last dim contiguous; lse, dlse, softmax_d contiguous [B, Hq, Nq].
+// Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > INT32_MAX,
+// heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
+// inside the kernel (e.g. bad_alloc).
+//
+// Tiles: see bwd_choose_tiles(); per-thread scratch O((qb + kvb) * d + qb * kvb) floats.
+// Build requirements: as fwd.h (-fopenmp at compile and link, -O3 -march=native).
+//
+// This header includes fwd.h and reuses its detail:: helpers (f8 vectors, exp2v, Conv<E>
+// conversions, pack_kt, BLAS binding, Scratch, l2_bytes, round_up); it adds its own
+// micro-kernels (epilogue-fused A·Bᵀ, and A·B / Aᵀ·B accumulating) below.
+#pragma once
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#include <ATen/Parallel.h>
+
+#include "flashgen/args.h"
+#include "flashgen/cpu/fwd.h"
+#include "flashgen/variant.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
+namespace flashgen {
+namespace cpu {
+namespace detail {
+
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+
+// true: use BLAS sgemm_ (same policy as the forward's use_blas).
+static inline bool bwd_use_blas(const FgBwdArgs& a) {
+  if (&flashgen_blas_sgemm == nullptr) return false;
+  const int64_t imax = INT32_MAX;
+  if (a.q_stride_n > imax || a.k_stride_n > imax || a.v_stride_n > imax ||
+      a.do_stride_n > imax)
+    return false;
+  bool blas = !kOwnGemmDefault;
+  if (const char* e = getenv("FLASHGEN_CPU_GEMM")) {
+    if (e[0] == 'b') blas = true;
+    if (e[0] == 'o') blas = false;
+  }
+  return blas;
+}
+
+// ------------------------------------------------------------------------------------------
+// Micro-kernels. 6 rows x 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast.
+
+enum BwdEpilogue { kEpiExp = 0, kEpiDS = 1 };
+
+// acc[r][0..16) = sum_c A[r][c] * BT[c][0..16) for r < MR (BT: one packed d x 16 panel), then
+//   kEpiExp: C[r] = exp2(alpha * acc - rv[r])           (P; rv = lse*log2e, +inf gives P = 0)
+//   kEpiDS:  C[r] = C[r] != 0 ? C[r] * (acc - rv[r]) : 0 (dS over P in place; rv = D)
+template <int MR, int EPI>
+static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
+                                  const float* __restrict BT, int64_t d, float alpha,
+                                  const float* __restrict rv, float* __restrict C, int64_t ldc) {
+  f8 c0[MR], c1[MR];
+  {
+    const f8 b0 = ld8(BT), b1 = ld8(BT + 8);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(A[r * lda]);
+      c0[r] = av * b0;
+      c1[r] = av * b1;
+    }
+  }
+  for (int64_t c = 1; c < d; ++c) {
+    const f8 b0 = ld8(BT + c * 16), b1 = ld8(BT + c * 16 + 8);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(A[r * lda + c]);
+      c0[r] = fma8(av, b0, c0[r]);
+      c1[r] = fma8(av, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* cr = C + r * ldc;
+    const f8 s = splat(rv[r]);
+    if constexpr (EPI == kEpiExp) {
+      st8(cr, exp2v(c0[r] * alpha - s));
+      st8(cr + 8, exp2v(c1[r] * alpha - s));
+    } else {
+      const f8 z = splat(0.f);
+      const f8 p0 = ld8(cr), p1 = ld8(cr + 8);
+      st8(cr, p0 != z ? p0 * (c0[r] - s) : z);
+      st8(cr + 8, p1 != z ? p1 * (c1[r] - s) : z);
+    }
+  }
+}
+
+// C (m x 16*npan, ld ldc) = epilogue(alpha * A (m x d, ld lda) * BT (npan packed d x 16 panels)).
+template <int EPI>
+static inline void bwd_gemm_abt(const float* A, int64_t lda, const float* BT, int64_t npan,
+                                int64_t m, int64_t d, float alpha, const float* rv, float* C,
+                                int64_t ldc) {
+  for (int64_t p = 0; p < npan; ++p) {
+    const float* bt = BT + p * d * 16;
+    float* cp = C + p * 16;
+    int64_t i = 0;
+    for (; i + kMR <= m; i += kMR)
+      bwd_abt_kernel<kMR, EPI>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc);
+    const float* ai = A + i * lda;
+    float* ci = cp + i * ldc;
+    switch (m - i) {
+      case 5: bwd_abt_kernel<5, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      case 4: bwd_abt_kernel<4, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      case 3: bwd_abt_kernel<3, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      case 2: bwd_abt_kernel<2, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      case 1: bwd_abt_kernel<1, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      default: break;
+    }
+  }
+}
+
+// C[r][0..8*NV) += sum_k a(r, k) * B[k][0..8*NV) for r < MR, k < kk, where
+// a(r, k) = A[r*lda + k] (!AT) or A[k*lda + r] (AT: A is read transposed, in place).
+template <int MR, int NV, bool AT>
+static inline void bwd_acc_kernel(const float* __restrict A, int64_t lda,
+                                  const float* __restrict B, int64_t ldb, int64_t kk,
+                                  float* __restrict C, int64_t ldc) {
+  f8 c[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) c[r][v] = ld8(C + r * ldc + 8 * v);
+  for (int64_t k = 0; k < kk; ++k) {
+    f8 b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = ld8(B + k * ldb + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      const f8 av = splat(AT ? A[k * lda + r] : A[r * lda + k]);
+      for (int v = 0; v < NV; ++v) c[r][v] = fma8(av, b[v], c[r][v]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) st8(C + r * ldc + 8 * v, c[r][v]);
+}
+
+template <bool AT, int MR>
+static inline void bwd_acc_rows(const float* A, int64_t lda, const float* B, int64_t ldb,
+                                int64_t kk, int64_t d, float* C, int64_t ldc) {
+  int64_t c = 0;
+  for (; c + 16 <= d; c += 16) bwd_acc_kernel<MR, 2, AT>(A, lda, B + c, ldb, kk, C + c, ldc);
+  if (c < d) bwd_acc_kernel<MR, 1, AT>(A, lda, B + c, ldb, kk, C + c, ldc);
+}
+
+// C (m x d, ld ldc) += op(A) * B (kk x d, ld ldb); op(A) is m x kk: A itself (ld lda) when !AT,
+// or the transpose of A (kk x m, ld lda) when AT.
+template <bool AT>
+static inline void bwd_gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb,
+                                int64_t m, int64_t kk, int64_t d, float* C, int64_t ldc) {
+  int64_t i = 0;
+  for (; i + kMR <= m; i += kMR)
+    bwd_acc_rows<AT, kMR>(AT ? A + i : A + i * lda, lda, B, ldb, kk, d, C + i * ldc, ldc);
+  const float* ai = AT ? A + i : A + i * lda;
+  float* ci = C + i * ldc;
+  switch (m - i) {
+    case 5: bwd_acc_rows<AT, 5>(ai, lda, B, ldb, kk, d, ci, ldc); break;
+    case 4: bwd_acc_rows<AT, 4>(ai, lda, B, ldb, kk, d, ci, ldc); break;
+    case 3: bwd_acc_rows<AT, 3>(ai, lda, B, ldb, kk, d, ci, ldc); break;
+    case 2: bwd_acc_rows<AT, 2>(ai, lda, B, ldb, kk, d, ci, ldc); break;
+    case 1: bwd_acc_rows<AT, 1>(ai, lda, B, ldb, kk, d, ci, ldc); break;
+    default: break;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Tile sizes. A task step (q tile x kv tile) touches, besides the qb x kvb P/dS tile, per kv tile
+// K^T and V^T panels, fp32 K, and the dK/dV accumulators (~5 * kvb * d floats) and per q tile
+// Q, dO and the dQ rows (~3 * qb * d floats); all of it should stay in the per-core L2.
+//   kvb = 128, halved (down to 32) while 5 * kvb * d * 4 B > L2 / 2; capped by seqlen_k;
+//   qb  = 128, halved (down to 32) while (qb * kvb + 3 * qb * d) * 4 B > L2 / 2; capped by seqlen_q.
+// On the 2-core Zen test machine (512 KiB L2) that is 128 x 128 at d = 64.
+// FLASHGEN_CPU_BWD_TILES="qb,kvb" overrides the choice (tuning only).
+struct BwdTiles {
+  int64_t qb, kvb;
+};
+
+static inline BwdTiles bwd_choose_tiles(int64_t nq, int64_t nk, int64_t d) {
+  const int64_t l2 = l2_bytes();
+  int64_t kvb = 128;
+  while (kvb > 32 && 5 * kvb * d * 4 > l2 / 2) kvb /= 2;
+  int64_t qb = 128;
+  while (qb > 32 && (qb * kvb + 3 * qb * d) * 4 > l2 / 2) qb /= 2;
+  if (const char* e = getenv("FLASHGEN_CPU_BWD_TILES")) {
+    char* end = nullptr;
+    const long a = strtol(e, &end, 10);
+    long b = 0;
+    if (end && *end == ',') b = strtol(end + 1, nullptr, 10);
+    if (a >= 1 && a <= 1024) qb = a;
+    if (b >= 8 && b <= 1024) kvb = round_up(b, 8);
+  }
+  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
+  kvb = kvb < nk8 ? kvb : nk8;
+  qb = qb < nq ? qb : (nq > 0 ? nq : 1);
+  return {qb, kvb};
+}
+
+// ------------------------------------------------------------------------------------------
+// Plan: tiles, the kv range of every query tile, kv segments, task order.
+struct BwdPlan {
+  int64_t qb, kvb, nqt, nkvt, nseg, group;
+  bool blas;
+  std::vector<int64_t> q_kvlo, q_kvhi;  // per q tile, clamped to [0, seqlen_k]
+  std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries
+  std::vector<int64_t> tasks;           // task ids (bkv * nseg + seg), heaviest first
+  float* dq_extra = nullptr;            // (nseg - 1) x [B, Hq, Nq, d] fp32, or null
+};
+
+template <class Variant>
+static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
+  const int64_t B = a.batch, Hkv = a.heads_kv, Nq = a.seqlen_q, Nk = a.seqlen_k;
+  const BwdTiles t = bwd_choose_tiles(Nq, Nk, a.head_dim);
+  pl.qb = t.qb;
+  pl.kvb = t.kvb;
+  pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
+  pl.nkvt = Nk > 0 ? (Nk + t.kvb - 1) / t.kvb : 0;
+  pl.group = Hkv > 0 ? a.heads_q / Hkv : 0;
+  pl.q_kvlo.resize(pl.nqt);
+  pl.q_kvhi.resize(pl.nqt);
+  for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+    const int64_t q_lo = qt * t.qb, q_hi = std::min(q_lo + t.qb, Nq);
+    int64_t lo = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+    int64_t hi = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+    pl.q_kvlo[qt] = lo < 0 ? 0 : (lo > Nk ? Nk : lo);
+    pl.q_kvhi[qt] = hi > Nk ? Nk : (hi < 0 ? 0 : hi);
+  }
+  // Work per kv tile (score entries visited + a per-tile constant), its prefix sums.
+  std::vector<double> prefix(pl.nkvt + 1, 0.0);
+  for (int64_t kt = 0; kt < pl.nkvt; ++kt) {
+    const int64_t k0 = kt * t.kvb, k1 = std::min(k0 + t.kvb, Nk);
+    double w = double(k1 - k0) * 8.0;  // write-back
+    for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+      const int64_t ov = std::min(k1, pl.q_kvhi[qt]) - std::max(k0, pl.q_kvlo[qt]);
+      if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+    }
+    prefix[kt + 1] = prefix[kt] + w;
+  }
+  // Segments: the fewest such that B * Hkv * nseg tasks keep all threads >= 90% busy
+  // (assuming equal tasks), at most 4 per thread, and the extra dQ buffers below 256 MiB.
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t nbkv = B * Hkv;
+  const double seg_bytes = double(B) * double(a.heads_q) * double(Nq) * double(a.head_dim) * 4.0;
+  int64_t nseg = 1;
+  if (nbkv > 0 && pl.nkvt > 1 && T > 1) {
+    double best_eff = -1.0;
+    const int64_t smax = std::min<int64_t>(pl.nkvt, 4 * T);
+    for (int64_t s = 1; s <= smax; ++s) {
+      if (s > 1 && double(s - 1) * seg_bytes > double(256 << 20)) break;
+      const int64_t nt = nbkv * s;
+      const double eff = double(nt) / double(T) / double((nt + T - 1) / T);
+      if (eff > best_eff + 1e-9) {
+        best_eff = eff;
+        nseg = s;
+      }
+      if (eff >= 0.9) break;
+    }
+  }
+  pl.nseg = nseg;
+  pl.seg_begin.assign(nseg + 1, 0);
+  pl.seg_begin[nseg] = pl.nkvt;
+  for (int64_t s = 1; s < nseg; ++s) {  // split the work prefix into equal parts
+    const double target = prefix[pl.nkvt] * double(s) / double(nseg);
+    int64_t kt = pl.seg_begin[s - 1] + 1;
+    while (kt < pl.nkvt - (nseg - s) && prefix[kt] < target) ++kt;
+    pl.seg_begin[s] = kt;
+  }
+  std::vector<double> seg_work(nseg);
+  for (int64_t s = 0; s < nseg; ++s)
+    seg_work[s] = prefix[pl.seg_begin[s + 1]] - prefix[pl.seg_begin[s]];
+  pl.tasks.resize(nbkv * nseg);
+  for (int64_t i = 0; i < nbkv * nseg; ++i) pl.tasks[i] = i;
+  std::stable_sort(pl.tasks.begin(), pl.tasks.end(), [&](int64_t x, int64_t y) {
+    return seg_work[x % nseg] > seg_work[y % nseg];
+  });
+}
+
+// Per-worker scratch.
+struct BwdWork {
+  float *kt, *vt, *kf, *vf, *khole, *dk, *dv, *qf, *dof, *S, *dP, *L, *D;
+  uint8_t *mask, *colkeep;
+  int64_t ldS;
+};
+
+static inline size_t bwd_work_bytes(const BwdPlan& pl, int64_t d) {
+  const int64_t kvb16 = round_up(pl.kvb, 16), qb = pl.qb, kvb = pl.kvb;
+  const int64_t ldS = kvb16 + 16;
+  size_t off = 0;
+  off += 2 * al64(sizeof(float) * kvb16 * d);  // kt, vt
+  off += 5 * al64(sizeof(float) * kvb * d);    // kf, vf, khole, dk, dv
+  off += 2 * al64(sizeof(float) * qb * d);     // qf, dof
+  off += 2 * al64(sizeof(float) * qb * ldS);   // S, dP
+  off += 2 * al64(sizeof(float) * qb);         // L, D
+  off += al64(qb * kvb) + al64(kvb);           // mask, colkeep
+  return off;
+}
+
+static inline BwdWork bwd_work_carve(const BwdPlan& pl, int64_t d, char* base) {
+  const int64_t kvb16 = round_up(pl.kvb, 16), qb = pl.qb, kvb = pl.kvb;
+  BwdWork w;
+  w.ldS = kvb16 + 16;  // +16 floats: avoid 4 KiB set aliasing of rows
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* p = base + off;
+    off += al64(bytes);
+    return p;
+  };
+  w.kt = reinterpret_cast<float*>(take(sizeof(float) * kvb16 * d));
+  w.vt = reinterpret_cast<float*>(take(sizeof(float) * kvb16 * d));
+  w.kf = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.vf = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.khole = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.dk = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.dv = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.qf = reinterpret_cast<float*>(take(sizeof(float) * qb * d));
+  w.dof = reinterpret_cast<float*>(take(sizeof(float) * qb * d));
+  w.S = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
+  w.dP = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
+  w.L = reinterpret_cast<float*>(take(sizeof(float) * qb));
+  w.D = reinterpret_cast<float*>(take(sizeof(float) * qb));
+  w.mask = reinterpret_cast<uint8_t*>(take(qb * kvb));
+  w.colkeep = reinterpret_cast<uint8_t*>(take(kvb));
+  return w;
+}
+
+// One task: kv tiles [seg_begin[seg], seg_begin[seg+1]) of kv head hk in batch b.
+template <class Variant, class Element>
+static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, const BwdPlan& pl,
+                     int64_t b, int64_t hk, int64_t seg, const BwdWork& w) {
+  using C = Conv<Element>;
+  using T = typename C::T;
+  constexpr bool kLowp = C::kLowp;
+  const int64_t Hq = a.heads_q, Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
+  const int64_t qb = pl.qb, kvb = pl.kvb, ldS = w.ldS, group = pl.group;
+  const int nq_i = (int)Nq, nk_i = (int)Nk;
+  const bool blas = pl.blas;
+  const float alpha = a.scale * kLog2e;
+
+  const T* Kh = static_cast<const T*>(a.k) + b * a.k_stride_b + hk * a.k_stride_h;
+  const T* Vh = static_cast<const T*>(a.v) + b * a.v_stride_b + hk * a.v_stride_h;
+  T* dKh = static_cast<T*>(a.dk) + b * a.dk_stride_b + hk * a.dk_stride_h;
+  T* dVh = static_cast<T*>(a.dv) + b * a.dv_stride_b + hk * a.dv_stride_h;
+  float* dq_seg = seg == 0 ? a.dq_accum : pl.dq_extra + (seg - 1) * a.batch * Hq * Nq * d;
+
+  for (int64_t kt = pl.seg_begin[seg]; kt < pl.seg_begin[seg + 1]; ++kt) {
+    const int64_t k0 = kt * kvb, k1 = std::min(k0 + kvb, Nk), n = k1 - k0;
+    memset(w.dk, 0, sizeof(float) * n * d);
+    memset(w.dv, 0, sizeof(float) * n * d);
+    bool loaded = false;
+    const float* Kf = nullptr;  // K tile rows, fp32 row-major
+    const float* Vf = nullptr;  // V tile rows, fp32 row-major (BLAS only)
+    int64_t ldk = d, ldv = d;
+
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = hk * group + g;
+      const int bi = (int)b, hi_ = (int)h;
+      const float* lse_bh = a.lse + (b * Hq + h) * Nq;
+      const float* D_bh = a.softmax_d + (b * Hq + h) * Nq;
+      float* dq_bh = dq_seg + (b * Hq + h) * Nq * d;
+      const T* Qh = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h;
+      const T* dOh = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h;
+
+      for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+        const int64_t cs = std::max(k0, pl.q_kvlo[qt]), ce = std::min(k1, pl.q_kvhi[qt]);
+        if (cs >= ce) continue;
+        const int64_t q_lo = qt * qb, mq = std::min(qb, Nq - q_lo);
+        const float* lse = lse_bh + q_lo;
+        // Rows with lse == -inf (or NaN) see no key: trimmed at both ends, P = 0 inside.
+        int64_t r0 = 0, r1 = mq;
+        while (r0 < r1 && !(lse[r0] > kNegInf)) ++r0;
+        while (r1 > r0 && !(lse[r1 - 1] > kNegInf)) --r1;
+        if (r0 == r1) continue;
+        int64_t c0 = cs - k0, c1 = ce - k0;  // tile columns
+        bool full = true, holes = false;
+        if constexpr (Variant::kHasMask) {
+          full = Variant::tile_full(prm, (int)(q_lo + r0), (int)(q_lo + r1), (int)cs, (int)ce,
+                                    nq_i, nk_i);
+          if (!full) {
+            memset(w.colkeep + c0, 0, c1 - c0);
+            int64_t nr0 = r1, nr1 = r0;
+            for (int64_t i = r0; i < r1; ++i) {
+              uint8_t* mr = w.mask + i * kvb;
+              uint8_t any = 0;
+              if (lse[i] > kNegInf) {
+                const int qi = (int)(q_lo + i);
+                for (int64_t j = c0; j < c1; ++j) {
+                  const uint8_t kp = Variant::keep(prm, bi, hi_, qi, (int)(k0 + j), nq_i, nk_i);
+                  mr[j] = kp;
+                  any |= kp;
+                  w.colkeep[j] |= kp;
+                }
+              } else {
+                memset(mr + c0, 0, c1 - c0);
+              }
+              if (any) {
+                nr0 = nr0 < i ? nr0 : i;
+                nr1 = i + 1;
+              }
+            }
+            if (nr0 >= nr1) continue;  // the whole tile is masked
+            r0 = nr0;
+            r1 = nr1;
+            while (!w.colkeep[c0]) ++c0;
+            while (!w.colkeep[c1 - 1]) --c1;
+            for (int64_t j = c0; j < c1; ++j) holes |= !w.colkeep[j];
+          }
+        }
+        const int64_t m = r1 - r0, nn = c1 - c0;
+        const int64_t nn8 = round_up(nn, 8);
+        const int64_t c0a = blas ? c0 : (c0 & ~int64_t(15));  // own: panel-aligned start
+
+        if (!loaded) {  // K/V of the kv tile, once per tile (only when some q tile needs it)
+          loaded = true;
+          if (!blas) {
+            pack_kt<Element>(Kh + k0 * a.k_stride_n, a.k_stride_n, n, d, w.kt);
+            pack_kt<Element>(Vh + k0 * a.v_stride_n, a.v_stride_n, n, d, w.vt);
+          }
+          if constexpr (kLowp) {
+            for (int64_t j = 0; j < n; ++j)
+              C::to_f32(Kh + (k0 + j) * a.k_stride_n, w.kf + j * d, d);
+            Kf = w.kf;
+            ldk = d;
+            if (blas) {
+              for (int64_t j = 0; j < n; ++j)
+                C::to_f32(Vh + (k0 + j) * a.v_stride_n, w.vf + j * d, d);
+              Vf = w.vf;
+              ldv = d;
+            }
+          } else {
+            Kf = reinterpret_cast<const float*>(Kh) + k0 * a.k_stride_n;
+            ldk = a.k_stride_n;
+            Vf = reinterpret_cast<const float*>(Vh) + k0 * a.v_stride_n;
+            ldv = a.v_stride_n;
+          }
+        }
+
+        // Q and dO rows [q_lo + r0, q_lo + r1), fp32.
+        const float *Qf, *dOf;
+        int64_t ldq, lddo;
+        const T* Qt = Qh + (q_lo + r0) * a.q_stride_n;
+        const T* dOt = dOh + (q_lo + r0) * a.do_stride_n;
+        if constexpr (kLowp) {
+          for (int64_t i = 0; i < m; ++i) {
+            C::to_f32(Qt + i * a.q_stride_n, w.qf + i * d, d);
+            C::to_f32(dOt + i * a.do_stride_n, w.dof + i * d, d);
+          }
+          Qf = w.qf;
+          dOf = w.dof;
+          ldq = lddo = d;
+        } else {
+          Qf = reinterpret_cast<const float*>(Qt);
+          dOf = reinterpret_cast<const float*>(dOt);
+          ldq = a.q_stride_n;
+          lddo = a.do_stride_n;
+        }
+        for (int64_t i = 0; i < m; ++i) {
+          const float l = lse[r0 + i];
+          w.L[i] = l > kNegInf ? l * kLog2e : kPosInf;  // +inf: exp2(x - inf) = 0
+          w.D[i] = D_bh[q_lo + r0 + i];
+        }
+
+        // S tile: row i = query q_lo + r0 + i, column j = key k0 + c0a + j. P = its [.., c0 - c0a..).
+        float* S = w.S;
+        float* P = S + (c0 - c0a);
+        if (blas) {
+          blas_sgemm(true, false, nn, m, d, alpha, Kf + c0 * ldk, ldk, Qf, ldq, 0.f, S, ldS);
+          for (int64_t i = 0; i < m; ++i) {
+            float* s = S + i * ldS;
+            const f8 vl = splat(w.L[i]);
+            for (int64_t j = 0; j < nn8; j += 8) st8(s + j, exp2v(ld8(s + j) - vl));
+          }
+        } else {
+          const int64_t npan = (c1 - c0a + 15) / 16;
+          bwd_gemm_abt<kEpiExp>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, alpha, w.L, S,
+                                ldS);
+        }
+        if (!full || c0a < c0) {  // masked entries (by selection) and the panel-alignment head
+          for (int64_t i = 0; i < m; ++i) {
+            float* s = S + i * ldS;
+            for (int64_t j = 0; j < c0 - c0a; ++j) s[j] = 0.f;
+            if (!full) {
+              const uint8_t* mr = w.mask + (r0 + i) * kvb + c0;
+              float* p = s + (c0 - c0a);
+              for (int64_t j = 0; j < nn; ++j) p[j] = mr[j] ? p[j] : 0.f;
+            }
+          }
+        }
+
+        // dV[c0, c1) += P^T dO.
+        if (blas)
+          blas_sgemm(false, true, d, nn, m, 1.f, dOf, lddo, P, ldS, 1.f, w.dv + c0 * d, d);
+        else
+          bwd_gemm_acc<true>(P, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
+
+        // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0).
+        if (blas) {
+          blas_sgemm(true, false, nn, m, d, 1.f, Vf + c0 * ldv, ldv, dOf, lddo, 0.f, w.dP, ldS);
+          const f8 z = splat(0.f);
+          for (int64_t i = 0; i < m; ++i) {
+            float* p = P + i * ldS;
+            const float* dp = w.dP + i * ldS;
+            const f8 vd = splat(w.D[i]);
+            for (int64_t j = 0; j < nn8; j += 8) {
+              const f8 pv = ld8(p + j);
+              st8(p + j, pv != z ? pv * (ld8(dp + j) - vd) : z);
+            }
+          }
+        } else {
+          const int64_t npan = (c1 - c0a + 15) / 16;
+          bwd_gemm_abt<kEpiDS>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan, m, d, 1.f, w.D, S,
+                               ldS);
+        }
+
+        // dK[c0, c1) += dS^T Q (scale at write-back).
+        if (blas)
+          blas_sgemm(false, true, d, nn, m, 1.f, Qf, ldq, P, ldS, 1.f, w.dk + c0 * d, d);
+        else
+          bwd_gemm_acc<true>(P, ldS, Qf, ldq, nn, m, d, w.dk + c0 * d, d);
+
+        // dQ rows += dS K[c0, c1) (scale in the dQ pass). Interior fully-masked columns: zero K
+        // rows, so that NaN/inf there cannot leak through 0 * NaN.
+        const float* Kd = Kf + c0 * ldk;
+        int64_t ldkd = ldk;
+        if (holes) {
+          for (int64_t j = c0; j < c1; ++j) {
+            float* dst = w.khole + (j - c0) * d;
+            if (w.colkeep[j])
+              memcpy(dst, Kf + j * ldk, sizeof(float) * d);
+            else
+              memset(dst, 0, sizeof(float) * d);
+          }
+          Kd = w.khole;
+          ldkd = d;
+        }
+        float* dq_rows = dq_bh + (q_lo + r0) * d;
+        if (blas)
+          blas_sgemm(false, false, d, m, nn, 1.f, Kd, ldkd, P, ldS, 1.f, dq_rows, d);
+        else
+          bwd_gemm_acc<false>(P, ldS, Kd, ldkd, m, nn, d, dq_rows, d);
+      }
+    }
+
+    // Write-back: dk = scale * dK, dv = dV (zeros for keys no query sees).
+    for (int64_t j = 0; j < n; ++j) {
+      C::scale_from_f32(w.dk + j * d, a.scale, dKh + (k0 + j) * a.dk_stride_n, d);
+      C::scale_from_f32(w.dv + j * d, 1.f, dVh + (k0 + j) * a.dv_stride_n, d);
+    }
+  }
+}
+
+}  // namespace detail
+
+template <class Variant, class Element>
+int run_bwd(const FgBwdArgs& args) {
+  static_assert(std::is_same<Element, float>::value ||
+                    std::is_same<Element, c10::BFloat16>::value ||
+                    std::is_same<Element, c10::Half>::value,
+                "flashgen::cpu::run_bwd: Element must be float, c10::BFloat16 or c10::Half");
+  static_assert(!Variant::kHasScoreMod,
+                "flashgen::cpu::run_bwd: score modifications (Variant::kHasScoreMod) have no "
+                "backward yet; only mask-only variants can be differentiated on the CPU");
+  using namespace detail;
+  using C = Conv<Element>;
+  using T = typename C::T;
+  const FgBwdArgs& a = args;
+  const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv;
+  const int64_t Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
+  if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
+  if (B < 0 || Hq < 0 || Hkv < 0 || Nq < 0 || Nk < 0 || Nq > INT32_MAX || Nk > INT32_MAX)
+    return FG_ERR_BAD_SHAPE;
+  if (B == 0 || (Hq == 0 && Hkv == 0)) return FG_OK;
+  if (Hkv == 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
+  const bool q_side = Hq > 0 && Nq > 0, k_side = Nk > 0;
+  if (q_side && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.dq_accum || !a.softmax_d))
+    return FG_ERR_BAD_SHAPE;
+  if (k_side && (!a.k || !a.v || !a.dk || !a.dv)) return FG_ERR_BAD_SHAPE;
+  if (q_side && k_side && (!a.k || !a.v)) return FG_ERR_BAD_SHAPE;
+
+  const typename Variant::Params empty_params{};
+  const typename Variant::Params& prm =
+      a.params ? *static_cast<const typename Variant::Params*>(a.params) : empty_params;
+
+  try {
+    BwdPlan pl;
+    bwd_plan<Variant>(a, prm, pl);
+    pl.blas = bwd_use_blas(a);
+    const int64_t nrows = B * Hq * Nq;
+    std::unique_ptr<Scratch> extra;
+    if (pl.nseg > 1) {
+      extra.reset(new Scratch(sizeof(float) * (pl.nseg - 1) * nrows * d));
+      pl.dq_extra = static_cast<float*>(extra->p);
+    }
+
+    // 1. D = rowsum(dO ∘ O) − dlse; zero the dQ accumulators.
+    if (nrows > 0) {
+      at::parallel_for(0, nrows, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t i = r % Nq, bh = r / Nq, h = bh % Hq, b = bh / Hq;
+          for (int64_t s = 0; s < pl.nseg; ++s)
+            memset((s == 0 ? a.dq_accum : pl.dq_extra + (s - 1) * nrows * d) + r * d, 0,
+                   sizeof(float) * d);
+          if (Nk == 0) continue;
+          const T* o = static_cast<const T*>(a.out) + b * a.o_stride_b + h * a.o_stride_h +
+                       i * a.o_stride_n;
+          const T* g = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h +
+                       i * a.do_stride_n;
+          f8 acc = splat(0.f);
+          for (int64_t c = 0; c < d; c += 8) acc = fma8(C::load(o + c), C::load(g + c), acc);
+          a.softmax_d[r] = hsum(acc) - (a.dlse ? a.dlse[r] : 0.f);
+        }
+      });
+    }
+
+    // 2. Main pass: dynamic task queue (each task's output is independent of the thread that
+    //    runs it, so the schedule does not affect the results).
+    const int64_t ntasks = (int64_t)pl.tasks.size();
+    if (ntasks > 0 && pl.nkvt > 0) {
+      const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
+      std::atomic<int64_t> next{0};
+      const size_t wbytes = bwd_work_bytes(pl, d);
+      at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t worker = begin; worker < end; ++worker) {
+          Scratch scratch(wbytes);
+          const BwdWork w = bwd_work_carve(pl, d, static_cast<char*>(scratch.p));
+          for (;;) {
+            const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+            if (t >= ntasks) break;
+            const int64_t id = pl.tasks[t];
+            const int64_t seg = id % pl.nseg, bkv = id / pl.nseg;
+            bwd_task<Variant, Element>(a, prm, pl, bkv / Hkv, bkv % Hkv, seg, w);
+          }
+        }
+      });
+    }
+
+    // 3. dq = scale * sum of the segments' dQ (fixed order); exact zeros for empty rows.
+    if (nrows > 0) {
+      at::parallel_for(0, nrows, 128, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          const int64_t i = r % Nq, bh = r / Nq, h = bh % Hq, b = bh / Hq;
+          T* dq = static_cast<T*>(a.dq) + b * a.dq_stride_b + h * a.dq_stride_h +
+                  i * a.dq_stride_n;
+          if (Nk == 0 || !(a.lse[r] > kNegInf)) {
+            memset(dq, 0, sizeof(T) * d);
+            continue;
+          }
+          float* acc = a.dq_accum + r * d;
+          for (int64_t s = 1; s < pl.nseg; ++s) {
+            const float* part = pl.dq_extra + (s - 1) * nrows * d + r * d;
+            for (int64_t c = 0; c < d; c += 8) st8(acc + c, ld8(acc + c) + ld8(part + c));
+          }
+          C::scale_from_f32(acc, a.scale, dq, d);
+        }
+      });
+    }
+  } catch (...) {
+    return FG_ERR_LAUNCH;
+  }
+  return FG_OK;
+}
+
+}  // namespace cpu
+}  // namespace flashgen
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif

@@ -1,0 +1,1476 @@
+// flashgen CUDA backward kernel skeleton (sm_80+, runs on sm_90a): FlashAttention-2 backward
+// (Dao 2023, arXiv 2307.08691, Algorithm 2) with mma.sync tensor cores, specialised by a
+// generated Variant (flashgen/variant.h).
+//
+//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim>
+//   int flashgen::cuda::launch_bwd(const FgBwdArgs& args);   // FgStatus; no host sync
+//
+// Supported head dims: every multiple of 8 from 8 to 256 (padded internally to kD = round_up(d,
+// 16) like the forward). Score modifications (Variant::kHasScoreMod) are not supported yet (a
+// static_assert says so): the chain rule needs d score / d s.
+//
+// ---------------------------------------------------------------------------------------------
+// Launch sequence (all on args.stream, no host synchronisation):
+//
+//  1. bwd_preprocess_kernel: D = rowsum(dout ∘ out) in fp32 into softmax_d; in the
+//     non-deterministic mode it also zero-fills dq_accum (and dk_accum/dv_accum when the GQA
+//     split below is used), so the caller does NOT have to zero any workspace.
+//  2. BwdKernel (the main kernel), one CTA per (key tile of kBlockN keys, kv head [, query-head
+//     share], batch). K and V of the tile stay in shared memory; the CTA walks every query tile
+//     that can see its keys (for each query head of the GQA group), and for each:
+//        S^T = K Q^T, dP^T = V dO^T                     (warp w owns keys 16w..16w+15)
+//        P^T = exp2(scale·log2e·S^T − log2e·LSE)         (0 by selection where masked)
+//        dS^T = P^T ∘ (dP^T − D)
+//        dV += P^T dO,  dK += dS^T Q                     (P^T, dS^T straight from registers)
+//        non-deterministic: dS^T -> shared memory; after a barrier, dQ_partial = dS K on all
+//        warps, added to dq_accum with fp32 atomics (red.global.add.v2.f32 on sm_90).
+//        (BwdTile::kDeferDq moves this to the start of the next step instead.)
+//     Epilogue: dK·scale, dV in the input dtype (or fp32 atomics into dk_accum/dv_accum for a
+//     split GQA group).
+//     A device whose shared memory cannot hold the non-deterministic main kernel but can hold
+//     the deterministic one (e.g. sm_86/89, 99 KB, at kD = 80) takes the deterministic path
+//     below instead. Shared memory per CTA (bytes; non-deterministic main / deterministic main /
+//     DqKernel): kD = 64: 93,184 / 74,752 / 55,296; kD = 128: 158,720 / 140,288 / 104,448;
+//     kD = 256: 140,800 / 135,680 / 135,168. So kD >= 96 needs sm_80 or sm_90 (like the
+//     forward's larger tiles); sm_86/89 get FG_ERR_SMEM_ATTR there.
+//  3. dq: non-deterministic: bwd_convert_kernel, dq = scale · dq_accum in the input dtype.
+//     deterministic: DqKernel, one CTA per (query tile, query head, batch) recomputes S, P, dP,
+//     dS for its rows over all visible key tiles and accumulates dQ = dS K in registers (no
+//     atomics anywhere, dq_accum unused): bitwise-repeatable, ~7/5 of the tensor-core work.
+//  4. GQA split (non-deterministic only): when (key tiles × kv heads × batch) is at most half
+//     the multiprocessor count, the query heads of a group are shared among several CTAs which
+//     add dK, dV into dk_accum/dv_accum (fp32 atomics); bwd_convert_kernel then writes dk, dv.
+//     Otherwise (and always in deterministic mode) one CTA loops over the whole group and writes
+//     dk/dv directly: dk_accum/dv_accum are then unused.
+//
+// Query tiles that see a key tile are found generically with Variant::kv_lo/kv_hi: every lane
+// of a warp tests q tiles lane, lane+32, ... and the warp reduces min/max, so the CTA visits
+// [m_first, m_last] and skips (with a uniform test) any tile in between that cannot see it.
+// (With BwdTile::kRotate the walk starts at an offset proportional to the key tile index and
+// wraps around.)
+// Tile classification as in the forward: the per-element path (bounds + Variant::keep) runs
+// only on tiles that cross the query tile's [kv_lo, kv_hi), seqlen_k or seqlen_q, or where
+// Variant::tile_full says the mask is partial.
+//
+// Rows with LSE = -inf (no visible key) use +inf instead, so P = exp2(x - inf) = 0 there: their
+// dq is 0 and they add nothing to dk/dv. Keys no query sees get dk = dv = 0 exactly. K/V rows of
+// a tile outside the union of the visible ranges are zero-filled in shared memory.
+//
+// ---------------------------------------------------------------------------------------------
+// Fragment layouts: see fwd.cuh. The main kernel uses
+//   S^T = K Q^T:   A = K rows of the warp (ldmatrix, Q's pattern in the forward),
+//                  B(k=d, n=q) = Q[q][d] (ldmatrix non-trans, K's pattern in the forward)
+//   dP^T = V dO^T: same with V and dO
+//   dV += P^T dO:  A = P^T from the S^T accumulators (C->A register reuse),
+//                  B(k=q, n=d) = dO[q][d] (ldmatrix.trans, V's pattern in the forward)
+//   dK += dS^T Q:  same with dS^T and Q
+//   dQ = dS K:     A(row=q, k=kv) = sdS[kv][q] (ldmatrix.trans with K's lane pattern: matrices
+//                  (kv0-7,q0-7),(kv0-7,q8-15),(kv8-15,q0-7),(kv8-15,q8-15) = a0..a3),
+//                  B(k=kv, n=d) = K[kv][d] (ldmatrix.trans, V's pattern)
+// dS^T is stored as sdS[kv][q] with 32-bit stores of the packed A fragments (pitch kBlockM+8:
+// conflict-free stores and ldmatrix).
+#pragma once
+#include <limits.h>
+
+#include "flashgen/cuda/fwd.cuh"
+
+// Upper bound on gridDim.x of the backward kernels (tests lower it to exercise the CTA loops).
+#ifndef FLASHGEN_BWD_MAX_GRID
+#define FLASHGEN_BWD_MAX_GRID 2147483647
+#endif
+
+namespace flashgen {
+namespace cuda {
+
+namespace bwd_detail {
+
+// 4-byte async copy (zero-filled when pred is false), for the per-row LSE and D vectors whose
+// rows are not 16-byte aligned in general.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool pred) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(pred ? 4 : 0)
+               : "memory");
+}
+
+// dst[0] += a, dst[1] += b in fp32 (dst 8-byte aligned); one vector reduction on sm_90.
+__device__ __forceinline__ void atomic_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+// Copy rows [row0, row0 + kRows) of a [rows][d] matrix into shared memory (pitch kD + 8).
+// Rows outside [row_begin, row_end) and the padded columns past kHeadDim are zero-filled.
+template <class Element, int kHeadDim, int kThreads, int kRows, bool kCheckRows>
+__device__ __forceinline__ void load_rows(uint32_t s_addr, const Element* g, int64_t stride_n,
+                                          int row0, int row_begin, int row_end, int tid) {
+  constexpr int kD = (kHeadDim + 15) / 16 * 16;
+  constexpr int kPitch = kD + 8;
+  constexpr int kChunksPerRow = kD / 8;
+  constexpr int kChunks = kRows * kChunksPerRow;
+  constexpr int kE = int(sizeof(Element));
+  if constexpr (kThreads % kChunksPerRow == 0 && kChunks % kThreads == 0) {
+    constexpr int kRowStep = kThreads / kChunksPerRow;
+    const int cc = tid % kChunksPerRow;
+    const int r0 = tid / kChunksPerRow;
+    const bool col_ok = kD == kHeadDim || cc * 8 < kHeadDim;
+    const Element* src = g + wide(row0 + r0) * stride_n + cc * 8;
+#pragma unroll
+    for (int i = 0; i < kChunks / kThreads; ++i) {
+      const int row = row0 + r0 + i * kRowStep;
+      const bool ok = col_ok && (!kCheckRows || (row >= row_begin && row < row_end));
+      ptx::cp_async_16(s_addr + ((r0 + i * kRowStep) * kPitch + cc * 8) * kE, ok ? src : g, ok);
+      src += kRowStep * stride_n;
+    }
+  } else {
+    constexpr int kIters = (kChunks + kThreads - 1) / kThreads;
+#pragma unroll
+    for (int i = 0; i < kIters; ++i) {
+      const int c = tid + i * kThreads;
+      if (kChunks % kThreads == 0 || c < kChunks) {
+        const int r = c / kChunksPerRow;
+        const int cc = c % kChunksPerRow;
+        const bool ok = (!kCheckRows || (row0 + r >= row_begin && row0 + r < row_end)) &&
+                        (kD == kHeadDim || cc * 8 < kHeadDim);
+        const Element* src = ok ? g + wide(row0 + r) * stride_n + cc * 8 : g;
+        ptx::cp_async_16(s_addr + (r * kPitch + cc * 8) * kE, src, ok);
+      }
+    }
+  }
+}
+
+// threadIdx.x through volatile asm: the compiler re-reads it where it is used instead of keeping
+// values derived from it live (or spilled) across the main loop.
+__device__ __forceinline__ int tid_x() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(r));
+  return int(r);
+}
+
+// Per-element visibility on a partial tile: bounds first, so the variant's hooks only ever see
+// in-range (q, kv).
+template <class Variant>
+__device__ __forceinline__ bool visible(const typename Variant::Params& vp, int b, int h, int q,
+                                        int kv, int kv_begin, int kv_end, int Nq, int Nk) {
+  if (kv < kv_begin || kv >= kv_end || q >= Nq) return false;
+  if constexpr (Variant::kHasMask) {
+    return Variant::keep(vp, b, h, q, kv, Nq, Nk);
+  } else {
+    return true;
+  }
+}
+
+// LSE (natural log) -> log2 units, with -inf (row sees no key) mapped to +inf so that
+// P = exp2(x - inf) = 0 for the whole row.
+__device__ __forceinline__ float lse_log2(float lse) {
+  return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
+}
+
+// Lane offsets inside a 16x16 ldmatrix block (see fwd.cuh): kPattern A = rows (l&7)+((l>>3)&1)*8,
+// col (l>>4)*8 (A operands, and .trans B operands); pattern B = rows (l&7)+(l>>4)*8, col
+// ((l>>3)&1)*8 (non-trans B operands, and the .trans A operand of dQ = dS K).
+__device__ __forceinline__ uint32_t lane_off_a(uint32_t lane, int pitch, int elem) {
+  return (((lane & 7) + ((lane >> 3) & 1) * 8) * pitch + (lane >> 4) * 8) * elem;
+}
+__device__ __forceinline__ uint32_t lane_off_b(uint32_t lane, int pitch, int elem) {
+  return (((lane & 7) + (lane >> 4) * 8) * pitch + ((lane >> 3) & 1) * 8) * elem;
+}
+
+}  // namespace bwd_detail
+
+// ---------------------------------------------------------------------------------------------
+// Tile configurations.
+
+// Main kernel: kWarps warps; warp w owns the 16 keys of slab w / kWarpsD and the head-dim
+// 16-column pairs p ≡ w % kWarpsD (mod kWarpsD) of dK/dV (kWarpsD = 2 splits the dK/dV
+// accumulators of large head dims over two warps, which then both compute the slab's S^T and
+// dP^T). kBlockN = 16 * kWarps / kWarpsD keys per CTA; kBlockM query rows per inner step. In the
+// dQ = dS K GEMM the warps form a kWarpsMdq x (kWarps / kWarpsMdq) grid over (q rows, d pairs).
+// Two options, both off by default (H200, bf16, B*N = 16K tokens, d = 64/128, N = 1K..16K: each
+// within +-3% of the default, no consistent gain; kDeferDq also costs 18 KB of shared memory):
+// kDeferDq (non-deterministic mode): the dQ GEMM + atomics of step i run at the start of step
+// i+1, right after its barrier, from a double-buffered dS^T (one barrier per step instead of
+// two). Default: dQ right after the step, behind a second barrier, one dS^T buffer.
+// kRotate: CTA n starts its walk over the visible query tiles at offset n*count/num_key_tiles
+// (wrapping around), so that the CTAs of one head add into different rows of dq_accum at any
+// time. Default: every CTA walks from its first visible query tile.
+template <int kBlockM_, int kWarps_, int kWarpsD_, int kWarpsMdq_, bool kDeferDq_ = false,
+          bool kRotate_ = false>
+struct BwdTile {
+  static constexpr bool kDeferDq = kDeferDq_;
+  static constexpr bool kRotate = kRotate_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kWarpsD = kWarpsD_;
+  static constexpr int kWarpsMdq = kWarpsMdq_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockN = 16 * kWarps / kWarpsD;
+  static_assert(kWarpsD == 1 || kWarpsD == 2, "kWarpsD must be 1 or 2");
+  static_assert(kWarps % kWarpsD == 0, "kWarps must be a multiple of kWarpsD");
+  static_assert(kBlockM % 16 == 0 && kBlockM >= 16, "kBlockM must be a multiple of 16");
+  static_assert(kWarps % kWarpsMdq == 0 && kBlockM % (16 * kWarpsMdq) == 0 &&
+                    kBlockM / kWarpsMdq <= 32,
+                "the dQ GEMM gives each warp 16 or 32 query rows");
+  static_assert(2 * kBlockM <= 32 * kThreads, "LSE/D staging");
+};
+
+// Deterministic dQ kernel: kWarps warps x 16 query rows, kBlockN keys per K/V tile.
+template <int kWarps_, int kBlockN_>
+struct DqTile {
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
+};
+
+// Defaults (bf16/fp16; H200): registers per thread of the main kernel are dK + dV (kD/kWarpsD
+// fp32 per 16 keys x 2) + S^T + dP^T (kBlockM/8 x 4 each).
+//   kD <= 128: 128 keys x 64 queries, 8 warps, 1 CTA/SM (smem: see the top of the file)
+//   kD  > 128: 64 keys x 32 queries, 8 warps, kWarpsD 2
+// Measured alternatives (H200, bf16): 64 keys x 32 queries x 4 warps (2 CTAs/SM) 10-15% slower
+// at kD = 128; 64 keys x 64 queries x 4 warps 0-7% slower at kD = 64; 128 x 128 x 8 warps spills
+// at kD = 64.
+// DqKernel: 64 queries x 64 keys (kD <= 128), x 32 keys above.
+template <class Variant, int kHeadDim>
+struct DefaultBwdTile {
+  static constexpr int kD = (kHeadDim + 15) / 16 * 16;
+  using type = typename std::conditional<(kD <= 128), BwdTile<64, 8, 1, 2>,
+                                         BwdTile<32, 8, 2, 2>>::type;
+  using dq_type = typename std::conditional<(kD <= 128), DqTile<4, 64>, DqTile<4, 32>>::type;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Preprocessing: D = rowsum(dout ∘ out) (fp32), optional zero-fill of the fp32 workspaces.
+
+template <class Element>
+struct BwdPreParams {
+  const Element* o;
+  const Element* dout;
+  int64_t o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
+  float* dsum;      // [rows]
+  float* dq_accum;  // [rows, d] or null (not zeroed)
+  int64_t rows;     // B * Hq * Nq
+  int heads_q, seqlen_q;
+  float* zero_a;  // zero-filled [zero_count] when non-null (dk_accum)
+  float* zero_b;  // (dv_accum)
+  int64_t zero_count;  // multiple of 4
+};
+
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdPreParams<Element> p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kTpr = kChunks <= 1 ? 1 : kChunks <= 2 ? 2 : kChunks <= 4 ? 4 : kChunks <= 8 ? 8
+                       : kChunks <= 16 ? 16 : 32;  // threads per row
+  static_assert(kChunks <= 32, "head dim <= 256");
+  constexpr int kRowsPerBlock = 256 / kTpr;
+  const int tid = threadIdx.x;
+  const int c = tid % kTpr;
+  const int64_t stride = int64_t(gridDim.x) * kRowsPerBlock;
+  for (int64_t base = int64_t(blockIdx.x) * kRowsPerBlock; base < p.rows; base += stride) {
+    const int64_t row = base + tid / kTpr;
+    float acc = 0.f;
+    if (row < p.rows && c < kChunks) {
+      const int64_t bh = row / p.seqlen_q;
+      const int q = int(row - bh * p.seqlen_q);
+      const int h = int(bh % p.heads_q);
+      const int64_t b = bh / p.heads_q;
+      const uint4 ov = *reinterpret_cast<const uint4*>(p.o + b * p.o_sb + wide(h) * p.o_sh +
+                                                       wide(q) * p.o_sn + c * 8);
+      const uint4 dv = *reinterpret_cast<const uint4*>(p.dout + b * p.do_sb + wide(h) * p.do_sh +
+                                                       wide(q) * p.do_sn + c * 8);
+      const Element* oe = reinterpret_cast<const Element*>(&ov);
+      const Element* de = reinterpret_cast<const Element*>(&dv);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc = fmaf(float(oe[i]), float(de[i]), acc);
+      if (p.dq_accum) {
+        float4* z = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + c * 8);
+        z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+        z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int off = kTpr / 2; off >= 1; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (row < p.rows && c == 0) p.dsum[row] = acc;
+  }
+  if (p.zero_a) {
+    const int64_t n4 = p.zero_count / 4;
+    for (int64_t i = int64_t(blockIdx.x) * 256 + tid; i < n4; i += int64_t(gridDim.x) * 256) {
+      reinterpret_cast<float4*>(p.zero_a)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      reinterpret_cast<float4*>(p.zero_b)[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// dst[b, h, n, :] = Element(mul * src[(b*H + h)*N + n, :]) for all rows (src contiguous fp32).
+template <class Element>
+struct BwdConvertParams {
+  const float* src;
+  Element* dst;
+  int64_t rows;
+  int heads, seqlen;
+  int64_t sb, sh, sn;
+  float mul;
+};
+
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) bwd_convert_kernel(const BwdConvertParams<Element> p) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  constexpr int kChunks = kHeadDim / 8;
+  const int64_t total = p.rows * kChunks;
+  for (int64_t i = int64_t(blockIdx.x) * 256 + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * 256) {
+    const int64_t row = i / kChunks;
+    const int c = int(i - row * kChunks);
+    const int64_t bh = row / p.seqlen;
+    const int n = int(row - bh * p.seqlen);
+    const int h = int(bh % p.heads);
+    const int64_t b = bh / p.heads;
+    const float4* s = reinterpret_cast<const float4*>(p.src + row * kHeadDim + c * 8);
+    const float4 x = s[0], y = s[1];
+    uint4 out;
+    out.x = ptx::pack2<Element>(x.x * p.mul, x.y * p.mul);
+    out.y = ptx::pack2<Element>(x.z * p.mul, x.w * p.mul);
+    out.z = ptx::pack2<Element>(y.x * p.mul, y.y * p.mul);
+    out.w = ptx::pack2<Element>(y.z * p.mul, y.w * p.mul);
+    *reinterpret_cast<uint4*>(p.dst + b * p.sb + wide(h) * p.sh + wide(n) * p.sn + c * 8) = out;
+  }
+#else
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Main kernel.
+
+template <class Variant, class Element, int kHeadDim, class Tile, bool kComputeDq>
+struct BwdKernel {
+  static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
+                "flashgen CUDA backward supports head_dim in {8, 16, 24, ..., 256} (multiples of "
+                "8 up to 256)");
+  static_assert(std::is_same<Element, __half>::value || std::is_same<Element, __nv_bfloat16>::value,
+                "flashgen CUDA backward supports __half and __nv_bfloat16 inputs");
+  static_assert(!Variant::kHasScoreMod,
+                "flashgen CUDA backward: variants with a score modification (kHasScoreMod) are "
+                "not supported yet (the backward would need d score / d s); generate the "
+                "backward only for mask-only variants");
+  using VParams = typename Variant::Params;
+  static_assert(std::is_trivially_copyable<VParams>::value,
+                "Variant::Params must be trivially copyable (it is passed by value to the kernel)");
+
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kWarps = Tile::kWarps;
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kWarpsD = Tile::kWarpsD;
+  static constexpr int kWarpsMdq = Tile::kWarpsMdq;
+  static constexpr int kWarpsDdq = kWarps / kWarpsMdq;
+  static constexpr int kQAtomsDq = kBlockM / kWarpsMdq / 16;
+  static constexpr int kD = (kHeadDim + 15) / 16 * 16;
+  static constexpr int kPitch = kD + 8;
+  static constexpr int kChunksPerRow = kD / 8;
+  static constexpr int kDPairs = kD / 16;
+  static constexpr int kPairsKV = (kDPairs + kWarpsD - 1) / kWarpsD;   // dK/dV pairs per warp
+  static constexpr int kPairsDq = (kDPairs + kWarpsDdq - 1) / kWarpsDdq;  // dQ pairs per warp
+  static constexpr int kMBlocks = kBlockM / 8;  // 8-query accumulator blocks of S^T
+  static constexpr int kPitchS = kBlockM + 8;   // sdS pitch (elements)
+  static constexpr int kE = int(sizeof(Element));
+  // Shared memory (bytes): K, V tiles; Q and dO rings (2 stages); dS^T (1 or 2 buffers, none in
+  // the deterministic mode); LSE, D rings.
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kBlockN * kPitch * kE;
+  static constexpr int kOffQ = kOffV + kBlockN * kPitch * kE;
+  static constexpr int kStageQ = kBlockM * kPitch * kE;
+  static constexpr int kOffDO = kOffQ + 2 * kStageQ;
+  static constexpr int kOffS = kOffDO + 2 * kStageQ;
+  static constexpr bool kDeferDq = Tile::kDeferDq;
+  static constexpr int kSBufs = kComputeDq ? (kDeferDq ? 2 : 1) : 0;  // dS^T buffers
+  static constexpr int kSBuf = kBlockN * kPitchS * kE;
+  static constexpr int kOffL = kOffS + kSBufs * kSBuf;
+  static constexpr int kOffDs = kOffL + 2 * kBlockM * 4;
+  static constexpr int kSmem = kOffDs + 2 * kBlockM * 4;
+  static constexpr float kLog2e = 1.4426950408889634f;
+
+  struct Params {
+    const Element* q;
+    const Element* k;
+    const Element* v;
+    const Element* dout;
+    const float* lse;
+    const float* dsum;
+    Element* dk;
+    Element* dv;
+    float* dq_accum;
+    float* dk_accum;  // used when num_splits > 1
+    float* dv_accum;
+    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn;
+    int64_t dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
+    int64_t total_work;  // num_n_tiles * num_splits * heads_kv * batch
+    int heads_q, heads_kv, group, num_splits, heads_per_split;
+    int seqlen_q, seqlen_k, num_m_tiles, num_n_tiles;
+    float scale, scale_log2;
+    VParams vp;
+  };
+
+  struct Range {
+    int begin, end;
+  };
+  // Keys the query tile m may see, clamped to [0, seqlen_k] (as in the forward).
+  static __device__ __forceinline__ Range kv_range(const Params& p, int m) {
+    const int q_lo = m * kBlockM;
+    const int q_hi = imin(q_lo + kBlockM, p.seqlen_q);
+    Range r;
+    r.begin = imin(imax(Variant::kv_lo(p.vp, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0), p.seqlen_k);
+    r.end = imin(imax(Variant::kv_hi(p.vp, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0), p.seqlen_k);
+    return r;
+  }
+  static __device__ __forceinline__ bool sees(const Range& r, int kv0) {
+    return r.begin < r.end && r.begin < kv0 + kBlockN && r.end > kv0;
+  }
+
+  struct Item {
+    int n_tile, split, hkv, b;
+  };
+  // Key tile fastest (CTAs of one head run together and share its Q/dO in L2), lowest key tile
+  // first (the heaviest under causal / bottom-aligned masks).
+  static __device__ __forceinline__ Item decode_item(const Params& p, int iter) {
+    int64_t w = int64_t(ptx::ctaid_x()) + int64_t(iter) * ptx::nctaid_x();
+    Item it;
+    int64_t r = w / p.num_n_tiles;
+    it.n_tile = int(w - r * p.num_n_tiles);
+    w = r;
+    r = w / p.num_splits;
+    it.split = int(w - r * p.num_splits);
+    w = r;
+    r = w / p.heads_kv;
+    it.hkv = int(w - r * p.heads_kv);
+    it.b = int(r);
+    return it;
+  }
+
+  // Q, dO rows of query tile m (head h) and their LSE / D into stage `stage`.
+  static __device__ __forceinline__ void load_q_tile(const Params& p, uint32_t smem_base,
+                                                     int stage, int b, int h, int m, int tid) {
+    const int q_lo = m * kBlockM;
+    const int Nq = p.seqlen_q;
+    const Element* q_g = p.q + wide(b) * p.q_sb + wide(h) * p.q_sh;
+    const Element* do_g = p.dout + wide(b) * p.do_sb + wide(h) * p.do_sh;
+    const uint32_t sQ = smem_base + kOffQ + stage * kStageQ;
+    const uint32_t sdO = smem_base + kOffDO + stage * kStageQ;
+    if (q_lo + kBlockM <= Nq) {
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, false>(sQ, q_g, p.q_sn, q_lo, 0,
+                                                                          Nq, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, false>(sdO, do_g, p.do_sn, q_lo,
+                                                                          0, Nq, tid);
+    } else {
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sQ, q_g, p.q_sn, q_lo, 0,
+                                                                         Nq, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sdO, do_g, p.do_sn, q_lo,
+                                                                         0, Nq, tid);
+    }
+    const int64_t row0 = (wide(b) * p.heads_q + h) * Nq;
+#pragma unroll
+    for (int i = 0; i < (2 * kBlockM + kThreads - 1) / kThreads; ++i) {
+      const int c = tid + i * kThreads;
+      if (c < 2 * kBlockM) {
+        const bool is_d = c >= kBlockM;
+        const int r = is_d ? c - kBlockM : c;
+        const int q = q_lo + r;
+        const bool ok = q < Nq;
+        const float* src = (is_d ? p.dsum : p.lse) + (ok ? row0 + q : 0);
+        const uint32_t dst = smem_base + (is_d ? kOffDs : kOffL) + (stage * kBlockM + r) * 4;
+        bwd_detail::cp_async_4(dst, src, ok);
+      }
+    }
+  }
+
+  // P^T and dS^T from the S^T / dP^T accumulators of one (query tile, key slab).
+  template <bool kMasked>
+  static __device__ __forceinline__ void probs_grads(const Params& p, float (&st)[kMBlocks][4],
+                                                     float (&dpt)[kMBlocks][4], const float* sL,
+                                                     const float* sD, int b, int h, int q_lo,
+                                                     int kv_row0, const Range& r, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const float c = p.scale_log2;
+#pragma unroll
+    for (int j = 0; j < kMBlocks; ++j) {
+      const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
+      const float2 dd = *reinterpret_cast<const float2*>(sD + j * 8 + 2 * t);
+      const float l[2] = {bwd_detail::lse_log2(lse.x), bwd_detail::lse_log2(lse.y)};
+      const float d[2] = {dd.x, dd.y};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e & 1]));
+        float ds = pv * (dpt[j][e] - d[e & 1]);
+        if constexpr (kMasked) {
+          const int q = q_lo + j * 8 + 2 * t + (e & 1);
+          const int kv = kv_row0 + g + (e >> 1) * 8;
+          const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
+                                                        p.seqlen_q, p.seqlen_k);
+          pv = vis ? pv : 0.f;
+          ds = vis ? ds : 0.f;
+        }
+        st[j][e] = pv;
+        dpt[j][e] = ds;
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void run_item(const Params& p, int iter, uint32_t smem_base,
+                                                  unsigned char* smem) {
+    const Item item = decode_item(p, iter);
+    const int b = item.b;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int wd = warp % kWarpsD;
+    const int warp_kv0 = (warp / kWarpsD) * 16;
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int kv0 = item.n_tile * kBlockN;
+
+    // Which query tiles see this key tile (warp-parallel scan, every warp does it).
+    int m_first = INT_MAX, m_last = -1, vis_lo = INT_MAX, vis_hi = 0;
+    for (int m = lane; m < p.num_m_tiles; m += 32) {
+      const Range r = kv_range(p, m);
+      if (sees(r, kv0)) {
+        m_first = imin(m_first, m);
+        m_last = imax(m_last, m);
+        vis_lo = imin(vis_lo, r.begin);
+        vis_hi = imax(vis_hi, r.end);
+      }
+    }
+    m_first = __reduce_min_sync(0xffffffffu, m_first);
+    m_last = __reduce_max_sync(0xffffffffu, m_last);
+    vis_lo = __reduce_min_sync(0xffffffffu, vis_lo);
+    vis_hi = __reduce_max_sync(0xffffffffu, vis_hi);
+
+    float dk[kPairsKV * 2][4], dv[kPairsKV * 2][4];
+#pragma unroll
+    for (int i = 0; i < kPairsKV * 2; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    }
+
+    const int n_heads = p.heads_per_split;
+    const int h0 = item.hkv * p.group + item.split * n_heads;
+    const uint32_t sK = smem_base + kOffK;
+    const uint32_t sV = smem_base + kOffV;
+
+    if (m_first <= m_last) {
+      const Element* k_g = p.k + wide(b) * p.k_sb + wide(item.hkv) * p.k_sh;
+      const Element* v_g = p.v + wide(b) * p.v_sb + wide(item.hkv) * p.v_sh;
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sK, k_g, p.k_sn, kv0,
+                                                                         vis_lo, vis_hi, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sV, v_g, p.v_sn, kv0,
+                                                                         vis_lo, vis_hi, tid);
+      // First query tile of the walk (visible by construction; the walk wraps around).
+      int m_start = m_first;
+      if constexpr (Tile::kRotate) {
+        const int count = m_last - m_first + 1;
+        m_start += int(int64_t(item.n_tile) * count / p.num_n_tiles) % count;
+        while (!sees(kv_range(p, m_start), kv0)) m_start = m_start == m_last ? m_first : m_start + 1;
+      }
+      load_q_tile(p, smem_base, 0, b, h0, m_start, tid);
+      ptx::cp_async_commit();
+
+      int gi = 0, m = m_start, it = 0;
+      int h_prev = 0, m_prev = 0;  // the step whose dQ is still pending (kDeferDq)
+      for (;; ++it) {
+        const int stage = it & 1;
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+        // Next (head, query tile) of this CTA; its copies overlap all GEMMs of this step.
+        int m_n = m;
+        do {
+          m_n = m_n == m_last ? m_first : m_n + 1;
+        } while (m_n != m_start && !sees(kv_range(p, m_n), kv0));
+        const int gi_n = m_n == m_start ? gi + 1 : gi;
+        if (gi_n < n_heads) {
+          load_q_tile(p, smem_base, stage ^ 1, b, h0 + gi_n, m_n, tid);
+          ptx::cp_async_commit();
+        }
+        if constexpr (kComputeDq && kDeferDq) {
+          // dQ of the previous step: its dS^T (buffer stage ^ 1) was published by the barrier.
+          if (it > 0) dq_step(p, smem_base, stage ^ 1, b, h_prev, m_prev, warp, lane);
+        }
+        step(p, smem_base, smem, stage, b, h0 + gi, m, kv0, warp_kv0, wd, warp, lane, dk, dv);
+        if (gi_n >= n_heads) break;
+        h_prev = h0 + gi;
+        m_prev = m;
+        gi = gi_n;
+        m = m_n;
+      }
+      if constexpr (kComputeDq && kDeferDq) {
+        __syncthreads();
+        dq_step(p, smem_base, it & 1, b, h0 + gi, m, warp, lane);
+      }
+    }
+
+    // Epilogue.
+    __syncthreads();  // every warp is done with sK / sV
+    const float sc = p.scale;
+    if (p.num_splits > 1) {
+      // Part of a GQA group: add into the fp32 workspaces.
+      const int64_t base = (wide(b) * p.heads_kv + item.hkv) * int64_t(Nk);
+#pragma unroll
+      for (int pi = 0; pi < kPairsKV; ++pi) {
+        const int pp = wd + pi * kWarpsD;
+        if (kPairsKV * kWarpsD == kDPairs || pp < kDPairs) {
+#pragma unroll
+          for (int blk = 0; blk < 2; ++blk) {
+            const int col = pp * 16 + blk * 8;
+            if (kD == kHeadDim || col < kHeadDim) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                const int kv = kv0 + warp_kv0 + g + half * 8;
+                if (kv < Nk) {
+                  const int64_t off = (base + kv) * kHeadDim + col + 2 * t;
+                  bwd_detail::atomic_add2(p.dk_accum + off, dk[2 * pi + blk][2 * half] * sc,
+                                          dk[2 * pi + blk][2 * half + 1] * sc);
+                  bwd_detail::atomic_add2(p.dv_accum + off, dv[2 * pi + blk][2 * half],
+                                          dv[2 * pi + blk][2 * half + 1]);
+                }
+              }
+            }
+          }
+        }
+      }
+      return;
+    }
+    Element* sKe = reinterpret_cast<Element*>(smem + kOffK);
+    Element* sVe = reinterpret_cast<Element*>(smem + kOffV);
+#pragma unroll
+    for (int pi = 0; pi < kPairsKV; ++pi) {
+      const int pp = wd + pi * kWarpsD;
+      if (kPairsKV * kWarpsD == kDPairs || pp < kDPairs) {
+#pragma unroll
+        for (int blk = 0; blk < 2; ++blk) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int idx = (warp_kv0 + g + half * 8) * kPitch + pp * 16 + blk * 8 + 2 * t;
+            *reinterpret_cast<uint32_t*>(sKe + idx) = ptx::pack2<Element>(
+                dk[2 * pi + blk][2 * half] * sc, dk[2 * pi + blk][2 * half + 1] * sc);
+            *reinterpret_cast<uint32_t*>(sVe + idx) =
+                ptx::pack2<Element>(dv[2 * pi + blk][2 * half], dv[2 * pi + blk][2 * half + 1]);
+          }
+        }
+      }
+    }
+    __syncthreads();
+    const Item item_e = decode_item(p, iter);
+    const int tid_e = bwd_detail::tid_x();
+    Element* dk_g = p.dk + wide(item_e.b) * p.dk_sb + wide(item_e.hkv) * p.dk_sh;
+    Element* dv_g = p.dv + wide(item_e.b) * p.dv_sb + wide(item_e.hkv) * p.dv_sh;
+    constexpr int kOutChunks = kBlockN * kChunksPerRow;
+#pragma unroll
+    for (int i = 0; i < (kOutChunks + kThreads - 1) / kThreads; ++i) {
+      const int c = tid_e + i * kThreads;
+      if (kOutChunks % kThreads == 0 || c < kOutChunks) {
+        const int r = c / kChunksPerRow;
+        const int cc = c % kChunksPerRow;
+        const int kv = item_e.n_tile * kBlockN + r;
+        if (kv < Nk && (kD == kHeadDim || cc * 8 < kHeadDim)) {
+          *reinterpret_cast<uint4*>(dk_g + wide(kv) * p.dk_sn + cc * 8) =
+              *reinterpret_cast<const uint4*>(sKe + r * kPitch + cc * 8);
+          *reinterpret_cast<uint4*>(dv_g + wide(kv) * p.dv_sn + cc * 8) =
+              *reinterpret_cast<const uint4*>(sVe + r * kPitch + cc * 8);
+        }
+      }
+    }
+  }
+
+  // One (query head h, query tile m) step against the CTA's key tile.
+  static __device__ __forceinline__ void step(const Params& p, uint32_t smem_base,
+                                              unsigned char* smem, int stage, int b, int h, int m,
+                                              int kv0, int warp_kv0, int wd, int warp, int lane,
+                                              float (&dk)[kPairsKV * 2][4],
+                                              float (&dv)[kPairsKV * 2][4]) {
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int q_lo = m * kBlockM;
+    bool need_mask;
+    {
+      // Tile class first, so that only one predicate stays live across the GEMMs.
+      const int q_hi = imin(q_lo + kBlockM, Nq);
+      const Range r = kv_range(p, m);
+      need_mask = kv0 < r.begin || kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
+                  (Variant::kHasMask &&
+                   !Variant::tile_full(p.vp, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+    }
+    const uint32_t sK = smem_base + kOffK;
+    const uint32_t sV = smem_base + kOffV;
+    const uint32_t sQ = smem_base + kOffQ + stage * kStageQ;
+    const uint32_t sdO = smem_base + kOffDO + stage * kStageQ;
+    const float* sL = reinterpret_cast<const float*>(smem + kOffL) + stage * kBlockM;
+    const float* sD = reinterpret_cast<const float*>(smem + kOffDs) + stage * kBlockM;
+    const uint32_t off_a = bwd_detail::lane_off_a(lane, kPitch, kE);
+    const uint32_t off_b = bwd_detail::lane_off_b(lane, kPitch, kE);
+
+    // S^T = K Q^T and dP^T = V dO^T for the warp's 16 keys.
+    float st[kMBlocks][4], dpt[kMBlocks][4];
+#pragma unroll
+    for (int j = 0; j < kMBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[j][e] = dpt[j][e] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t ak[4];
+      ptx::ldmatrix_x4(ak, sK + (warp_kv0 * kPitch + kk * 16) * kE + off_a);
+#pragma unroll
+      for (int np = 0; np < kBlockM / 16; ++np) {
+        uint32_t bq[4];
+        ptx::ldmatrix_x4(bq, sQ + (np * 16 * kPitch + kk * 16) * kE + off_b);
+        ptx::mma_16816<Element>(st[2 * np], ak, bq[0], bq[1]);
+        ptx::mma_16816<Element>(st[2 * np + 1], ak, bq[2], bq[3]);
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t av[4];
+      ptx::ldmatrix_x4(av, sV + (warp_kv0 * kPitch + kk * 16) * kE + off_a);
+#pragma unroll
+      for (int np = 0; np < kBlockM / 16; ++np) {
+        uint32_t bo[4];
+        ptx::ldmatrix_x4(bo, sdO + (np * 16 * kPitch + kk * 16) * kE + off_b);
+        ptx::mma_16816<Element>(dpt[2 * np], av, bo[0], bo[1]);
+        ptx::mma_16816<Element>(dpt[2 * np + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    if (need_mask) {
+      probs_grads<true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, kv_range(p, m), lane);
+    } else {
+      probs_grads<false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0}, lane);
+    }
+
+    // dV += P^T dO.
+#pragma unroll
+    for (int u = 0; u < kBlockM / 16; ++u) {
+      uint32_t a[4];
+      a[0] = ptx::pack2<Element>(st[2 * u][0], st[2 * u][1]);
+      a[1] = ptx::pack2<Element>(st[2 * u][2], st[2 * u][3]);
+      a[2] = ptx::pack2<Element>(st[2 * u + 1][0], st[2 * u + 1][1]);
+      a[3] = ptx::pack2<Element>(st[2 * u + 1][2], st[2 * u + 1][3]);
+#pragma unroll
+      for (int pi = 0; pi < kPairsKV; ++pi) {
+        const int pp = wd + pi * kWarpsD;
+        if (kPairsKV * kWarpsD == kDPairs || pp < kDPairs) {
+          uint32_t bv[4];
+          ptx::ldmatrix_x4_trans(bv, sdO + (u * 16 * kPitch + pp * 16) * kE + off_a);
+          ptx::mma_16816<Element>(dv[2 * pi], a, bv[0], bv[1]);
+          ptx::mma_16816<Element>(dv[2 * pi + 1], a, bv[2], bv[3]);
+        }
+      }
+    }
+    // dK += dS^T Q (the scale is applied in the epilogue); dS^T -> shared memory for dQ.
+    Element* sdS = reinterpret_cast<Element*>(smem + kOffS);
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int u = 0; u < kBlockM / 16; ++u) {
+      uint32_t a[4];
+      a[0] = ptx::pack2<Element>(dpt[2 * u][0], dpt[2 * u][1]);
+      a[1] = ptx::pack2<Element>(dpt[2 * u][2], dpt[2 * u][3]);
+      a[2] = ptx::pack2<Element>(dpt[2 * u + 1][0], dpt[2 * u + 1][1]);
+      a[3] = ptx::pack2<Element>(dpt[2 * u + 1][2], dpt[2 * u + 1][3]);
+      if constexpr (kComputeDq) {
+        if (kWarpsD == 1 || wd == 0) {
+          Element* row_g = sdS + (kDeferDq ? stage * (kSBuf / kE) : 0) + (warp_kv0 + g) * kPitchS +
+                           u * 16 + 2 * t;
+          *reinterpret_cast<uint32_t*>(row_g) = a[0];
+          *reinterpret_cast<uint32_t*>(row_g + 8 * kPitchS) = a[1];
+          *reinterpret_cast<uint32_t*>(row_g + 8) = a[2];
+          *reinterpret_cast<uint32_t*>(row_g + 8 * kPitchS + 8) = a[3];
+        }
+      }
+#pragma unroll
+      for (int pi = 0; pi < kPairsKV; ++pi) {
+        const int pp = wd + pi * kWarpsD;
+        if (kPairsKV * kWarpsD == kDPairs || pp < kDPairs) {
+          uint32_t bq[4];
+          ptx::ldmatrix_x4_trans(bq, sQ + (u * 16 * kPitch + pp * 16) * kE + off_a);
+          ptx::mma_16816<Element>(dk[2 * pi], a, bq[0], bq[1]);
+          ptx::mma_16816<Element>(dk[2 * pi + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+
+    if constexpr (kComputeDq && !kDeferDq) {
+      __syncthreads();  // dS^T of every warp is in sdS
+      dq_step(p, smem_base, 0, b, h, m, warp, lane);
+    }
+  }
+
+  // dQ_partial = dS K for query tile m of head h (dS^T in buffer sbuf) added to dq_accum.
+  static __device__ __forceinline__ void dq_step(const Params& p, uint32_t smem_base, int sbuf,
+                                                 int b, int h, int m, int warp, int lane) {
+    {
+      const int Nq = p.seqlen_q;
+      const int q_lo = m * kBlockM;
+      const int g = lane >> 2, t = lane & 3;
+      const uint32_t sK = smem_base + kOffK;
+      const uint32_t off_a = bwd_detail::lane_off_a(lane, kPitch, kE);
+      const int wm = warp / kWarpsDdq, wq = warp % kWarpsDdq;
+      const int row0 = wm * kQAtomsDq * 16;
+      const uint32_t sS = smem_base + kOffS + sbuf * kSBuf;
+      const uint32_t off_s = bwd_detail::lane_off_b(lane, kPitchS, kE);
+      float dq[kQAtomsDq][kPairsDq * 2][4];
+#pragma unroll
+      for (int qa = 0; qa < kQAtomsDq; ++qa) {
+#pragma unroll
+        for (int i = 0; i < kPairsDq * 2; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[qa][i][e] = 0.f;
+        }
+      }
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        uint32_t a[kQAtomsDq][4];
+#pragma unroll
+        for (int qa = 0; qa < kQAtomsDq; ++qa) {
+          ptx::ldmatrix_x4_trans(a[qa], sS + (kk * 16 * kPitchS + row0 + qa * 16) * kE + off_s);
+        }
+#pragma unroll
+        for (int pi = 0; pi < kPairsDq; ++pi) {
+          const int pp = wq + pi * kWarpsDdq;
+          if (kPairsDq * kWarpsDdq == kDPairs || pp < kDPairs) {
+            uint32_t bk[4];
+            ptx::ldmatrix_x4_trans(bk, sK + (kk * 16 * kPitch + pp * 16) * kE + off_a);
+#pragma unroll
+            for (int qa = 0; qa < kQAtomsDq; ++qa) {
+              ptx::mma_16816<Element>(dq[qa][2 * pi], a[qa], bk[0], bk[1]);
+              ptx::mma_16816<Element>(dq[qa][2 * pi + 1], a[qa], bk[2], bk[3]);
+            }
+          }
+        }
+      }
+      float* dqa = p.dq_accum + (wide(b) * p.heads_q + h) * int64_t(Nq) * kHeadDim;
+#pragma unroll
+      for (int qa = 0; qa < kQAtomsDq; ++qa) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = q_lo + row0 + qa * 16 + g + half * 8;
+          if (q < Nq) {
+            float* row_p = dqa + wide(q) * kHeadDim + 2 * t;
+#pragma unroll
+            for (int pi = 0; pi < kPairsDq; ++pi) {
+              const int pp = wq + pi * kWarpsDdq;
+              if (kPairsDq * kWarpsDdq == kDPairs || pp < kDPairs) {
+#pragma unroll
+                for (int blk = 0; blk < 2; ++blk) {
+                  const int col = pp * 16 + blk * 8;
+                  if (kD == kHeadDim || col < kHeadDim) {
+                    bwd_detail::atomic_add2(row_p + col, dq[qa][2 * pi + blk][2 * half],
+                                            dq[qa][2 * pi + blk][2 * half + 1]);
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void run(const Params& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    const uint32_t base = ptx::smem_addr(smem_raw);
+    for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter) {
+      if (iter > 0) __syncthreads();  // shared memory of the previous item is free
+      run_item(p, iter, base, smem_raw);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    bwd_kernel(const __grid_constant__ typename Kernel::Params params) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  Kernel::run(params);
+#else
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic dQ kernel (query-major, recomputes S/P/dP/dS; no atomics).
+
+template <class Variant, class Element, int kHeadDim, class Tile>
+struct DqKernel {
+  using VParams = typename Variant::Params;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kD = (kHeadDim + 15) / 16 * 16;
+  static constexpr int kPitch = kD + 8;
+  static constexpr int kChunksPerRow = kD / 8;
+  static constexpr int kNBlocks = kBlockN / 8;
+  static constexpr int kDBlocks = kD / 8;
+  static constexpr int kE = int(sizeof(Element));
+  static constexpr int kQElems = kBlockM * kPitch;
+  static constexpr int kKVElems = kBlockN * kPitch;
+  // sQ, sdO, then K ring (2 stages), V ring (2 stages).
+  static constexpr int kSmem = (2 * kQElems + 4 * kKVElems) * kE;
+
+  struct Params {
+    const Element* q;
+    const Element* k;
+    const Element* v;
+    const Element* dout;
+    const float* lse;
+    const float* dsum;
+    Element* dq;
+    int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn;
+    int64_t dq_sb, dq_sh, dq_sn;
+    int64_t total_work;  // num_m_tiles * heads_q * batch
+    int heads_q, group, seqlen_q, seqlen_k, num_m_tiles;
+    float scale, scale_log2;
+    VParams vp;
+  };
+
+  static __device__ __forceinline__ void load_kv(const Params& p, uint32_t sK, uint32_t sV,
+                                                 const Element* k_g, const Element* v_g, int kv0,
+                                                 int kv_begin, int kv_end, int tid) {
+    if (kv0 >= kv_begin && kv0 + kBlockN <= kv_end) {
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, false>(sK, k_g, p.k_sn, kv0,
+                                                                          kv_begin, kv_end, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, false>(sV, v_g, p.v_sn, kv0,
+                                                                          kv_begin, kv_end, tid);
+    } else {
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sK, k_g, p.k_sn, kv0,
+                                                                         kv_begin, kv_end, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sV, v_g, p.v_sn, kv0,
+                                                                         kv_begin, kv_end, tid);
+    }
+  }
+
+  template <bool kMasked>
+  static __device__ __forceinline__ void probs_grads(const Params& p, float (&s)[kNBlocks][4],
+                                                     float (&dp)[kNBlocks][4],
+                                                     const float (&l2)[2], const float (&dd)[2],
+                                                     int b, int h, int q_row0, int kv0,
+                                                     int kv_begin, int kv_end, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const float c = p.scale_log2;
+#pragma unroll
+    for (int j = 0; j < kNBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
+        float ds = pv * (dp[j][e] - dd[e >> 1]);
+        if constexpr (kMasked) {
+          const int q = q_row0 + g + (e >> 1) * 8;
+          const int kv = kv0 + j * 8 + 2 * t + (e & 1);
+          const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
+                                                        p.seqlen_q, p.seqlen_k);
+          ds = vis ? ds : 0.f;
+        }
+        dp[j][e] = ds;
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void run_item(const Params& p, int iter, Element* smem) {
+    const int64_t w = int64_t(ptx::ctaid_x()) + int64_t(iter) * ptx::nctaid_x();
+    const int64_t bh = w / p.num_m_tiles;
+    const int m_tile = p.num_m_tiles - 1 - int(w - bh * p.num_m_tiles);
+    const int h = int(bh % p.heads_q);
+    const int b = int(bh / p.heads_q);
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int warp_row0 = warp * 16;
+
+    const uint32_t sQ = ptx::smem_addr(smem);
+    const uint32_t sdO = sQ + kQElems * kE;
+    const uint32_t sK0 = sdO + kQElems * kE;
+    const uint32_t sV0 = sK0 + 2 * kKVElems * kE;
+    const uint32_t off_a = bwd_detail::lane_off_a(lane, kPitch, kE);
+    const uint32_t off_b = bwd_detail::lane_off_b(lane, kPitch, kE);
+
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int q_lo = m_tile * kBlockM;
+    const int q_hi = imin(q_lo + kBlockM, Nq);
+    const int h_kv = h / p.group;
+    const Element* q_g = p.q + wide(b) * p.q_sb + wide(h) * p.q_sh;
+    const Element* do_g = p.dout + wide(b) * p.do_sb + wide(h) * p.do_sh;
+    const Element* k_g = p.k + wide(b) * p.k_sb + wide(h_kv) * p.k_sh;
+    const Element* v_g = p.v + wide(b) * p.v_sb + wide(h_kv) * p.v_sh;
+
+    const int kv_begin = imin(imax(Variant::kv_lo(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
+    const int kv_end = imin(imax(Variant::kv_hi(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
+    int n_hi = 0, n_tiles = 0;
+    if (kv_end > kv_begin) {
+      n_hi = (kv_end - 1) / kBlockN;
+      n_tiles = n_hi - kv_begin / kBlockN + 1;
+    }
+
+    float dq[kDBlocks][4];
+#pragma unroll
+    for (int i = 0; i < kDBlocks; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dq[i][e] = 0.f;
+    }
+
+    if (n_tiles > 0) {
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sQ, q_g, p.q_sn, q_lo, 0,
+                                                                         Nq, tid);
+      bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sdO, do_g, p.do_sn, q_lo,
+                                                                         0, Nq, tid);
+      load_kv(p, sK0, sV0, k_g, v_g, n_hi * kBlockN, kv_begin, kv_end, tid);
+      ptx::cp_async_commit();
+
+      // Per-row LSE (log2 units, +inf for rows without keys or past seqlen_q) and D.
+      float l2[2], dd[2];
+      const int64_t row_base = (wide(b) * p.heads_q + h) * int64_t(Nq);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int q = q_lo + warp_row0 + g + half * 8;
+        l2[half] = q < Nq ? bwd_detail::lse_log2(p.lse[row_base + q]) : INFINITY;
+        dd[half] = q < Nq ? p.dsum[row_base + q] : 0.f;
+      }
+
+      for (int it = 0; it < n_tiles; ++it) {
+        const int kv0 = (n_hi - it) * kBlockN;
+        const uint32_t sK = sK0 + (it & 1) * kKVElems * kE;
+        const uint32_t sV = sV0 + (it & 1) * kKVElems * kE;
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < n_tiles) {
+          const uint32_t st = ((it + 1) & 1) * kKVElems * kE;
+          load_kv(p, sK0 + st, sV0 + st, k_g, v_g, kv0 - kBlockN, kv_begin, kv_end, tid);
+          ptx::cp_async_commit();
+        }
+
+        // S = Q K^T, dP = dO V^T for the warp's 16 rows.
+        float s[kNBlocks][4], dp[kNBlocks][4];
+#pragma unroll
+        for (int j = 0; j < kNBlocks; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < kD / 16; ++kk) {
+          uint32_t aq[4], ao[4];
+          ptx::ldmatrix_x4(aq, sQ + (warp_row0 * kPitch + kk * 16) * kE + off_a);
+          ptx::ldmatrix_x4(ao, sdO + (warp_row0 * kPitch + kk * 16) * kE + off_a);
+#pragma unroll
+          for (int np = 0; np < kBlockN / 16; ++np) {
+            uint32_t bk[4], bv[4];
+            ptx::ldmatrix_x4(bk, sK + (np * 16 * kPitch + kk * 16) * kE + off_b);
+            ptx::ldmatrix_x4(bv, sV + (np * 16 * kPitch + kk * 16) * kE + off_b);
+            ptx::mma_16816<Element>(s[2 * np], aq, bk[0], bk[1]);
+            ptx::mma_16816<Element>(s[2 * np + 1], aq, bk[2], bk[3]);
+            ptx::mma_16816<Element>(dp[2 * np], ao, bv[0], bv[1]);
+            ptx::mma_16816<Element>(dp[2 * np + 1], ao, bv[2], bv[3]);
+          }
+        }
+        const bool need_mask =
+            kv0 < kv_begin || kv0 + kBlockN > kv_end || q_hi - q_lo < kBlockM ||
+            (Variant::kHasMask && !Variant::tile_full(p.vp, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+        if (need_mask) {
+          probs_grads<true>(p, s, dp, l2, dd, b, h, q_lo + warp_row0, kv0, kv_begin, kv_end, lane);
+        } else {
+          probs_grads<false>(p, s, dp, l2, dd, b, h, q_lo + warp_row0, kv0, kv_begin, kv_end,
+                             lane);
+        }
+        // dQ += dS K.
+#pragma unroll
+        for (int u = 0; u < kBlockN / 16; ++u) {
+          uint32_t a[4];
+          a[0] = ptx::pack2<Element>(dp[2 * u][0], dp[2 * u][1]);
+          a[1] = ptx::pack2<Element>(dp[2 * u][2], dp[2 * u][3]);
+          a[2] = ptx::pack2<Element>(dp[2 * u + 1][0], dp[2 * u + 1][1]);
+          a[3] = ptx::pack2<Element>(dp[2 * u + 1][2], dp[2 * u + 1][3]);
+#pragma unroll
+          for (int dpp = 0; dpp < kD / 16; ++dpp) {
+            uint32_t bk[4];
+            ptx::ldmatrix_x4_trans(bk, sK + (u * 16 * kPitch + dpp * 16) * kE + off_a);
+            ptx::mma_16816<Element>(dq[2 * dpp], a, bk[0], bk[1]);
+            ptx::mma_16816<Element>(dq[2 * dpp + 1], a, bk[2], bk[3]);
+          }
+        }
+      }
+    }
+
+    // Epilogue: scale, stage the warp's own rows through its slice of sQ, 16-byte stores.
+    __syncwarp();
+    const float sc = p.scale;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+#pragma unroll
+      for (int dn = 0; dn < kDBlocks; ++dn) {
+        *reinterpret_cast<uint32_t*>(smem + row * kPitch + dn * 8 + 2 * t) =
+            ptx::pack2<Element>(dq[dn][2 * half] * sc, dq[dn][2 * half + 1] * sc);
+      }
+    }
+    __syncwarp();
+    Element* dq_g = p.dq + wide(b) * p.dq_sb + wide(h) * p.dq_sh;
+    constexpr int kOutChunks = 16 * kChunksPerRow;
+#pragma unroll
+    for (int i = 0; i < (kOutChunks + 31) / 32; ++i) {
+      const int c = lane + i * 32;
+      if (kOutChunks % 32 == 0 || c < kOutChunks) {
+        const int r = c / kChunksPerRow;
+        const int cc = c % kChunksPerRow;
+        const int q = q_lo + warp_row0 + r;
+        if (q < Nq && (kD == kHeadDim || cc * 8 < kHeadDim)) {
+          *reinterpret_cast<uint4*>(dq_g + wide(q) * p.dq_sn + cc * 8) =
+              *reinterpret_cast<const uint4*>(smem + (warp_row0 + r) * kPitch + cc * 8);
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void run(const Params& p) {
+    extern __shared__ __align__(128) unsigned char smem_raw[];
+    Element* smem = reinterpret_cast<Element*>(smem_raw);
+    for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter) {
+      if (iter > 0) __syncthreads();
+      run_item(p, iter, smem);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 2)
+    bwd_dq_kernel(const __grid_constant__ typename Kernel::Params params) {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+  Kernel::run(params);
+#else
+  __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side.
+
+namespace bwd_detail {
+
+// Raise a kernel's dynamic shared-memory limit once per (kernel, device).
+template <class KernelPtr>
+inline int ensure_smem(KernelPtr kernel, int smem, std::atomic<uint64_t>& configured, int dev,
+                       const char* what) {
+  const uint64_t bit = dev >= 0 && dev < 64 ? (uint64_t(1) << dev) : 0;
+  if (bit != 0 && (configured.load(std::memory_order_acquire) & bit)) return FG_OK;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               int(cudaSharedmemCarveoutMaxShared));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return detail::fail(FG_ERR_SMEM_ATTR,
+                        "cannot raise dynamic shared memory of the %s to %d bytes on device %d: %s",
+                        what, smem, dev, cudaGetErrorString(err));
+  }
+  configured.fetch_or(bit, std::memory_order_acq_rel);
+  return FG_OK;
+}
+
+// Largest dynamic shared memory a block may opt into on a device, cached (0 if unknown).
+inline int max_smem_optin(int dev) {
+  static std::atomic<int> cache[64];
+  if (dev >= 0 && dev < 64) {
+    const int v = cache[dev].load(std::memory_order_relaxed);
+    if (v) return v;
+  }
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (dev >= 0 && dev < 64) cache[dev].store(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
+inline int grid_for(int64_t work, int64_t cap) {
+  if (work < 1) work = 1;
+  return int(work < cap ? work : cap);
+}
+
+}  // namespace bwd_detail
+
+// launch_bwd with explicit tiles (tests / autotuning); launch_bwd picks the defaults.
+template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT>
+int launch_bwd_tiled(const FgBwdArgs& a) {
+  using KA = BwdKernel<Variant, Element, kHeadDim, Tile, true>;   // atomics for dQ
+  using KD = BwdKernel<Variant, Element, kHeadDim, Tile, false>;  // deterministic: no dQ
+  using KQ = DqKernel<Variant, Element, kHeadDim, DqTileT>;
+  (void)&Variant::keep;
+  (void)&Variant::score;
+  (void)&Variant::tile_full;
+  detail::clear_error();
+  if (a.head_dim != kHeadDim) {
+    return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",
+                        (long long)a.head_dim, kHeadDim);
+  }
+  const int64_t kIntMax = 2147483647;
+  const int64_t kPad = 256;
+  if (a.batch < 0 || a.heads_q < 0 || a.heads_kv < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 ||
+      a.batch > kIntMax || a.heads_q > kIntMax || a.heads_kv > kIntMax ||
+      a.seqlen_q > kIntMax - kPad || a.seqlen_k > kIntMax - kPad) {
+    return detail::fail(FG_ERR_BAD_SHAPE,
+                        "sizes out of range: batch %lld, heads_q %lld, heads_kv %lld, seqlen_q "
+                        "%lld, seqlen_k %lld (each must be >= 0 and fit in int32)",
+                        (long long)a.batch, (long long)a.heads_q, (long long)a.heads_kv,
+                        (long long)a.seqlen_q, (long long)a.seqlen_k);
+  }
+  if (a.heads_q > 0 && (a.heads_kv <= 0 || a.heads_q % a.heads_kv != 0)) {
+    return detail::fail(FG_ERR_BAD_SHAPE, "heads_q %lld is not a multiple of heads_kv %lld",
+                        (long long)a.heads_q, (long long)a.heads_kv);
+  }
+  if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
+
+  const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
+  bool det = a.deterministic != 0;
+  if ((has_q && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.softmax_d)) ||
+      (has_k && (!a.k || !a.v || !a.dk || !a.dv)) ||
+      (has_q && !det && !a.dq_accum)) {
+    return detail::fail(FG_ERR_BAD_SHAPE,
+                        "null pointer among q/k/v/out/dout/lse/dq/dk/dv/softmax_d/dq_accum");
+  }
+  constexpr int64_t kE16 = 16 / int64_t(sizeof(Element));
+  using detail::bad_stride;
+  using detail::misaligned;
+  auto bad_q = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
+    return has_q && (misaligned(ptr) || bad_stride(sb, a.batch, kE16) ||
+                     bad_stride(sh, a.heads_q, kE16) || bad_stride(sn, a.seqlen_q, kE16));
+  };
+  auto bad_k = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
+    return has_k && (misaligned(ptr) || bad_stride(sb, a.batch, kE16) ||
+                     bad_stride(sh, a.heads_kv, kE16) || bad_stride(sn, a.seqlen_k, kE16));
+  };
+  const char* bad = nullptr;
+  if (bad_q(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n)) bad = "q";
+  else if (bad_k(a.k, a.k_stride_b, a.k_stride_h, a.k_stride_n)) bad = "k";
+  else if (bad_k(a.v, a.v_stride_b, a.v_stride_h, a.v_stride_n)) bad = "v";
+  else if (bad_q(a.out, a.o_stride_b, a.o_stride_h, a.o_stride_n)) bad = "out";
+  else if (bad_q(a.dout, a.do_stride_b, a.do_stride_h, a.do_stride_n)) bad = "dout";
+  else if (bad_q(a.dq, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n)) bad = "dq";
+  else if (bad_k(a.dk, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n)) bad = "dk";
+  else if (bad_k(a.dv, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n)) bad = "dv";
+  else if (has_q && ((reinterpret_cast<uintptr_t>(a.lse) & 3u) ||
+                     (reinterpret_cast<uintptr_t>(a.softmax_d) & 3u)))
+    bad = "lse/softmax_d";
+  else if (has_q && !det && misaligned(a.dq_accum)) bad = "dq_accum";
+  if (bad) {
+    return detail::fail(FG_ERR_ALIGNMENT,
+                        "%s: base pointers must be 16-byte aligned (lse/softmax_d 4-byte) and "
+                        "batch/head/row strides multiples of %lld elements (last dim contiguous)",
+                        bad, (long long)kE16);
+  }
+
+  const int Hq = int(a.heads_q), Hkv = int(a.heads_kv), Nq = int(a.seqlen_q),
+            Nk = int(a.seqlen_k);
+  const int group = Hq / Hkv;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
+  int num_sms = a.num_sms;
+  if (num_sms <= 0) {
+    if (cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      cudaGetLastError();
+      num_sms = 108;
+    }
+  }
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  // The non-deterministic main kernel needs the most shared memory (its dS^T buffer); on a device
+  // that cannot give it take the deterministic path, which is correct in either mode (and needs
+  // no dq_accum).
+  if (!det && has_q && has_k) {
+    const int optin = bwd_detail::max_smem_optin(dev);
+    if (optin > 0 && KA::kSmem > optin) det = true;
+  }
+  const int64_t kMaxGrid = FLASHGEN_BWD_MAX_GRID;
+  const int64_t kElemGrid = int64_t(num_sms) * 16 < kMaxGrid ? int64_t(num_sms) * 16 : kMaxGrid;
+
+  // GQA split (non-deterministic only; needs the dk/dv workspaces).
+  const int num_n_tiles = has_k ? int((a.seqlen_k + KA::kBlockN - 1) / KA::kBlockN) : 0;
+  int splits = 1;
+  if (!det && has_q && has_k && group > 1 && a.dk_accum && a.dv_accum &&
+      !misaligned(a.dk_accum) && !misaligned(a.dv_accum)) {
+    const int64_t items = int64_t(num_n_tiles) * Hkv * a.batch;
+    if (2 * items <= num_sms) {
+      for (int s = 2; s <= group; ++s) {
+        if (group % s == 0 && items * s <= num_sms) splits = s;
+      }
+    }
+  }
+
+  // 1. D = rowsum(dout ∘ out); zero the workspaces this call accumulates into.
+  if (has_q) {
+    BwdPreParams<Element> pp;
+    memset(&pp, 0, sizeof(pp));
+    pp.o = static_cast<const Element*>(a.out);
+    pp.dout = static_cast<const Element*>(a.dout);
+    pp.o_sb = a.o_stride_b, pp.o_sh = a.o_stride_h, pp.o_sn = a.o_stride_n;
+    pp.do_sb = a.do_stride_b, pp.do_sh = a.do_stride_h, pp.do_sn = a.do_stride_n;
+    pp.dsum = a.softmax_d;
+    pp.dq_accum = det ? nullptr : a.dq_accum;
+    pp.rows = a.batch * a.heads_q * a.seqlen_q;
+    pp.heads_q = Hq;
+    pp.seqlen_q = Nq;
+    if (splits > 1) {
+      pp.zero_a = a.dk_accum;
+      pp.zero_b = a.dv_accum;
+      pp.zero_count = a.batch * a.heads_kv * a.seqlen_k * kHeadDim;
+    }
+    constexpr int kTpr = kHeadDim / 8 <= 1 ? 1 : kHeadDim / 8 <= 2 ? 2 : kHeadDim / 8 <= 4 ? 4
+                         : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
+    const int64_t blocks = (pp.rows + 256 / kTpr - 1) / (256 / kTpr);
+    bwd_preprocess_kernel<Element, kHeadDim>
+        <<<bwd_detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(pp);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "backward preprocess launch", err);
+  }
+
+  // 2. Main kernel: dK, dV (and dQ atomics when not deterministic).
+  if (has_k) {
+    auto launch_main = [&](auto kernel, auto tag) -> int {
+      using K = typename decltype(tag)::type;
+      static std::atomic<uint64_t> configured{0};
+      const int st = bwd_detail::ensure_smem(kernel, K::kSmem, configured, dev, "backward kernel");
+      if (st != FG_OK) return st;
+      typename K::Params p;
+      memset(&p, 0, sizeof(p));
+      p.q = static_cast<const Element*>(has_q ? a.q : a.k);  // never read when seqlen_q == 0
+      p.k = static_cast<const Element*>(a.k);
+      p.v = static_cast<const Element*>(a.v);
+      p.dout = static_cast<const Element*>(has_q ? a.dout : a.k);
+      p.lse = has_q ? a.lse : nullptr;
+      p.dsum = a.softmax_d;
+      p.dk = static_cast<Element*>(a.dk);
+      p.dv = static_cast<Element*>(a.dv);
+      p.dq_accum = a.dq_accum;
+      p.dk_accum = a.dk_accum;
+      p.dv_accum = a.dv_accum;
+      p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+      p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+      p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+      p.do_sb = a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
+      p.dk_sb = a.dk_stride_b, p.dk_sh = a.dk_stride_h, p.dk_sn = a.dk_stride_n;
+      p.dv_sb = a.dv_stride_b, p.dv_sh = a.dv_stride_h, p.dv_sn = a.dv_stride_n;
+      p.heads_q = Hq;
+      p.heads_kv = Hkv;
+      p.group = group;
+      p.num_splits = splits;
+      p.heads_per_split = group / splits;
+      p.seqlen_q = Nq;
+      p.seqlen_k = Nk;
+      p.num_m_tiles = int((a.seqlen_q + K::kBlockM - 1) / K::kBlockM);
+      p.num_n_tiles = num_n_tiles;
+      p.total_work = int64_t(num_n_tiles) * splits * Hkv * a.batch;
+      p.scale = a.scale;
+      p.scale_log2 = a.scale * K::kLog2e;
+      if constexpr (!std::is_empty<typename Variant::Params>::value) {
+        if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
+      }
+      kernel<<<bwd_detail::grid_for(p.total_work, kMaxGrid), K::kThreads, K::kSmem, stream>>>(p);
+      const cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "backward kernel launch", e);
+      return FG_OK;
+    };
+    int st;
+    if (det) {
+      st = launch_main(&bwd_kernel<KD>, std::common_type<KD>{});
+    } else {
+      st = launch_main(&bwd_kernel<KA>, std::common_type<KA>{});
+    }
+    if (st != FG_OK) return st;
+  }
+
+  // 3. dq.
+  if (has_q) {
+    if (det) {
+      auto kernel = &bwd_dq_kernel<KQ>;
+      static std::atomic<uint64_t> configured{0};
+      const int st = bwd_detail::ensure_smem(kernel, KQ::kSmem, configured, dev,
+                                             "deterministic dq kernel");
+      if (st != FG_OK) return st;
+      typename KQ::Params p;
+      memset(&p, 0, sizeof(p));
+      p.q = static_cast<const Element*>(a.q);
+      p.k = static_cast<const Element*>(has_k ? a.k : a.q);
+      p.v = static_cast<const Element*>(has_k ? a.v : a.q);
+      p.dout = static_cast<const Element*>(a.dout);
+      p.lse = a.lse;
+      p.dsum = a.softmax_d;
+      p.dq = static_cast<Element*>(a.dq);
+      p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+      p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+      p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+      p.do_sb = a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
+      p.dq_sb = a.dq_stride_b, p.dq_sh = a.dq_stride_h, p.dq_sn = a.dq_stride_n;
+      p.heads_q = Hq;
+      p.group = group;
+      p.seqlen_q = Nq;
+      p.seqlen_k = Nk;
+      p.num_m_tiles = int((a.seqlen_q + KQ::kBlockM - 1) / KQ::kBlockM);
+      p.total_work = int64_t(p.num_m_tiles) * Hq * a.batch;
+      p.scale = a.scale;
+      p.scale_log2 = a.scale * KA::kLog2e;
+      if constexpr (!std::is_empty<typename Variant::Params>::value) {
+        if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
+      }
+      kernel<<<bwd_detail::grid_for(p.total_work, kMaxGrid), KQ::kThreads, KQ::kSmem, stream>>>(p);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "dq kernel launch", err);
+    } else {
+      BwdConvertParams<Element> cp;
+      cp.src = a.dq_accum;
+      cp.dst = static_cast<Element*>(a.dq);
+      cp.rows = a.batch * a.heads_q * a.seqlen_q;
+      cp.heads = Hq;
+      cp.seqlen = Nq;
+      cp.sb = a.dq_stride_b, cp.sh = a.dq_stride_h, cp.sn = a.dq_stride_n;
+      cp.mul = a.scale;
+      const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
+      bwd_convert_kernel<Element, kHeadDim>
+          <<<bwd_detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "dq convert launch", err);
+    }
+  }
+
+  // 4. dk, dv from the workspaces when the GQA group was split.
+  if (splits > 1) {
+    for (int which = 0; which < 2; ++which) {
+      BwdConvertParams<Element> cp;
+      cp.src = which == 0 ? a.dk_accum : a.dv_accum;
+      cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
+      cp.rows = a.batch * a.heads_kv * a.seqlen_k;
+      cp.heads = Hkv;
+      cp.seqlen = Nk;
+      cp.sb = which == 0 ? a.dk_stride_b : a.dv_stride_b;
+      cp.sh = which == 0 ? a.dk_stride_h : a.dv_stride_h;
+      cp.sn = which == 0 ? a.dk_stride_n : a.dv_stride_n;
+      cp.mul = 1.f;  // dk_accum already holds scale * dS^T Q
+      const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
+      bwd_convert_kernel<Element, kHeadDim>
+          <<<bwd_detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "dk/dv convert launch", err);
+    }
+  }
+  return FG_OK;
+}
+
+// Entry point used by generated translation units.
+template <class Variant, class Element, int kHeadDim>
+int launch_bwd(const FgBwdArgs& args) {
+  using D = DefaultBwdTile<Variant, kHeadDim>;
+  return launch_bwd_tiled<Variant, Element, kHeadDim, typename D::type, typename D::dq_type>(args);
+}
+
+}  // namespace cuda
+}  // namespace flashgen
