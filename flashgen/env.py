@@ -1,4 +1,9 @@
-"""Every environment variable flashgen reads, in one place. Nothing else reads os.environ."""
+"""Every environment variable flashgen reads, in one place. Nothing else reads os.environ.
+
+Two tuning knobs are read by the CPU kernel header itself (templates/include/flashgen/cpu/fwd.h),
+for benchmarking only: FLASHGEN_CPU_TILES=qb,kvb forces the tile sizes, FLASHGEN_CPU_GEMM=blas
+forces MKL's sgemm instead of the built-in micro-kernels.
+"""
 
 from __future__ import annotations
 

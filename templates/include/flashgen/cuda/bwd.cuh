@@ -12,7 +12,8 @@
 // ---------------------------------------------------------------------------------------------
 // Launch sequence (all on args.stream, no host synchronisation):
 //
-//  1. bwd_preprocess_kernel: D = rowsum(dout ∘ out) in fp32 into softmax_d; in the
+//  1. bwd_preprocess_kernel: D = rowsum(dout ∘ out) − dlse (dlse when non-null: the gradient of
+//     the returned lse, d lse_i / d s_ij = P_ij) in fp32 into softmax_d; in the
 //     non-deterministic mode it also zero-fills dq_accum (and dk_accum/dv_accum when the GQA
 //     split below is used), so the caller does NOT have to zero any workspace.
 //  2. BwdKernel (the main kernel), one CTA per (key tile of kBlockN keys, kv head [, query-head
@@ -251,7 +252,8 @@ struct BwdPreParams {
   const Element* o;
   const Element* dout;
   int64_t o_sb, o_sh, o_sn, do_sb, do_sh, do_sn;
-  float* dsum;      // [rows]
+  float* dsum;        // [rows]
+  const float* dlse;  // [rows] or null: D = rowsum(dout ∘ out) - dlse
   float* dq_accum;  // [rows, d] or null (not zeroed)
   int64_t rows;     // B * Hq * Nq
   int heads_q, seqlen_q;
@@ -295,7 +297,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdPreParams<
     }
 #pragma unroll
     for (int off = kTpr / 2; off >= 1; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (row < p.rows && c == 0) p.dsum[row] = acc;
+    if (row < p.rows && c == 0) p.dsum[row] = p.dlse ? acc - p.dlse[row] : acc;
   }
   if (p.zero_a) {
     const int64_t n4 = p.zero_count / 4;
@@ -1260,12 +1262,13 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   else if (bad_k(a.dk, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n)) bad = "dk";
   else if (bad_k(a.dv, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n)) bad = "dv";
   else if (has_q && ((reinterpret_cast<uintptr_t>(a.lse) & 3u) ||
-                     (reinterpret_cast<uintptr_t>(a.softmax_d) & 3u)))
-    bad = "lse/softmax_d";
+                     (reinterpret_cast<uintptr_t>(a.softmax_d) & 3u) ||
+                     (reinterpret_cast<uintptr_t>(a.dlse) & 3u)))
+    bad = "lse/softmax_d/dlse";
   else if (has_q && !det && misaligned(a.dq_accum)) bad = "dq_accum";
   if (bad) {
     return detail::fail(FG_ERR_ALIGNMENT,
-                        "%s: base pointers must be 16-byte aligned (lse/softmax_d 4-byte) and "
+                        "%s: base pointers must be 16-byte aligned (lse/softmax_d/dlse 4-byte) and "
                         "batch/head/row strides multiples of %lld elements (last dim contiguous)",
                         bad, (long long)kE16);
   }
@@ -1316,6 +1319,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     pp.o_sb = a.o_stride_b, pp.o_sh = a.o_stride_h, pp.o_sn = a.o_stride_n;
     pp.do_sb = a.do_stride_b, pp.do_sh = a.do_stride_h, pp.do_sn = a.do_stride_n;
     pp.dsum = a.softmax_d;
+    pp.dlse = a.dlse;
     pp.dq_accum = det ? nullptr : a.dq_accum;
     pp.rows = a.batch * a.heads_q * a.seqlen_q;
     pp.heads_q = Hq;
