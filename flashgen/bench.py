@@ -27,6 +27,7 @@ class Row:
     head_dim: int
     dtype: str
     mask: str
+    direction: str  # 'fwd' or 'fwd+bwd'
     device: str
     ms: float | None
     tflops: float | None
@@ -131,27 +132,38 @@ def _flex(spec: ir.Spec):
 
 def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DType, device: torch.device,
         *, reps: int = 10, include: set[str] | None = None, eager_max_bytes: float = 8e9,
-        log: Callable[[str], None] = print) -> list[Row]:
-    """Time ours and the peers on each (batch, heads, seqlen, head_dim), forward only."""
+        backward: bool = False, log: Callable[[str], None] = print) -> list[Row]:
+    """Time ours and the peers on each (batch, heads, seqlen, head_dim): the forward, or with
+    ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
+    forward's, the backward counted as 2.5× as in FlashAttention's benchmarks)."""
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
     impls = {"flashgen": lambda q, k, v: op(q, k, v)} | peers(op.spec, device)
     for B, H, N, d in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
-        q, k, v = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(3))
-        flops = 4 * B * H * d * reference.visible_pairs(op.spec, N, N)
+        q, k, v, dout = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(4))
+        flops = 4 * B * H * d * reference.visible_pairs(op.spec, N, N) * (3.5 if backward else 1.0)
+        if backward:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
         for name, fn in impls.items():
             if include and name not in include and name != "flashgen":
                 continue
-            row = Row(name, B, H, N, d, dtype.value, op.spec.mask.value, device.type, None, None)
+            row = Row(name, B, H, N, d, dtype.value, op.spec.mask.value, "fwd+bwd" if backward else "fwd",
+                      device.type, None, None)
             if fn is None:
                 row.note = "unavailable"
-            elif name == "eager" and B * H * N * N * 12 > eager_max_bytes:
+            elif name == "eager" and B * H * N * N * (36 if backward else 12) > eager_max_bytes:
                 row.note = "skipped (N×N scores too large)"
             else:
                 try:
-                    with torch.no_grad():
-                        ms = time_fn(lambda fn=fn: fn(q, k, v), device, reps=reps)
+                    if backward:
+                        def step(fn=fn):
+                            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+
+                        ms = time_fn(step, device, reps=reps)
+                    else:
+                        with torch.no_grad():
+                            ms = time_fn(lambda fn=fn: fn(q, k, v), device, reps=reps)
                     row.ms, row.tflops = ms, flops / ms / 1e9
                 except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                     row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
@@ -167,7 +179,8 @@ def format_row(r: Row) -> str:
         perf = f"{r.ms:9.2f} ms {r.tflops * 1e3:8.1f} GFLOP/s"
     else:
         perf = f"{r.ms:9.3f} ms {r.tflops:8.1f} TFLOP/s"
-    return f"{r.impl:15s} B={r.batch:<3d} H={r.heads:<3d} N={r.seqlen:<6d} d={r.head_dim:<4d} {r.dtype} {r.mask:8s} {perf} {r.note}"
+    return (f"{r.impl:15s} B={r.batch:<3d} H={r.heads:<3d} N={r.seqlen:<6d} d={r.head_dim:<4d} {r.dtype} "
+            f"{r.mask:8s} {r.direction:8s} {perf} {r.note}")
 
 
 def default_shapes(device: torch.device, head_dims: list[int] | None, seqlens: list[int] | None,

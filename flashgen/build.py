@@ -74,7 +74,7 @@ def cuda_target(device_index: int) -> Target:
 
 
 # Translation units per instantiation. The backward joins once both kernel families have one.
-KINDS = ("fwd",)
+KINDS = ("fwd", "bwd")
 
 
 @dataclass(frozen=True)

@@ -62,3 +62,50 @@ def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None) -
         nan=bool(torch.isnan(out).any() or torch.isnan(lse).any()),
         empty_rows_ok=empty_ok,
     )
+
+
+@dataclass
+class GradComparison:
+    errors: dict[str, float]
+    bounds: dict[str, float]
+    nan: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.nan and all(self.errors[n] <= self.bounds[n] for n in self.errors)
+
+    def __str__(self) -> str:
+        verdict = "ok" if self.ok else "FAILED"
+        parts = [f"max|{n}-ref64| = {self.errors[n]:.3e} (bound {self.bounds[n]:.3e})" for n in self.errors]
+        return f"{verdict}: " + ", ".join(parts) + (", NaN present" if self.nan else "")
+
+
+def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None):
+    """(dq, dk, dv) of the reference by autograd, in the dtype of q/k/v (float64 for the oracle).
+
+    With fp16/bf16 inputs the products and their gradients run in that dtype (FlashAttention's
+    test reference for the backward), softmax in fp32."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = reference.attention(spec, q, k, v, scale=scale, return_lse=True,
+                                   lowp_matmuls=q.dtype in (torch.float16, torch.bfloat16))
+    loss = (out.to(dout.dtype) * dout).sum()
+    if dlse is not None:
+        finite = torch.isfinite(lse)
+        loss = loss + torch.where(finite, lse, torch.zeros_like(lse)).mul(dlse.to(lse.dtype)).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return dq, dk, dv
+
+
+def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: float = 1e-5) -> GradComparison:
+    """Compare a kernel's (dq, dk, dv) for loss = Σ out·dout (+ Σ lse·dlse) with the reference's."""
+    g64 = reference_grads(spec, q.double(), k.double(), v.double(), dout.double(), scale=scale,
+                          dlse=None if dlse is None else dlse.double())
+    if q.dtype == torch.float32:
+        glo = [g.float() for g in g64]
+    else:
+        glo = reference_grads(spec, q, k, v, dout, scale=scale, dlse=dlse)
+    errors, bounds = {}, {}
+    for name, g, ref, lo in zip(("dq", "dk", "dv"), grads, g64, glo, strict=True):
+        errors[name] = _max_abs(g.double() - ref)
+        bounds[name] = 2 * _max_abs(lo.double() - ref) + atol
+    return GradComparison(errors, bounds, nan=any(bool(torch.isnan(g).any()) for g in grads))

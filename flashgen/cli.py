@@ -52,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim")
     be.add_argument("--peers", nargs="*", help="only these peers (e.g. sdpa-flash flex)")
     be.add_argument("--reps", type=int, default=10)
+    be.add_argument("--backward", action="store_true", help="time forward+backward instead of the forward")
     be.add_argument("--json", type=Path, help="also write the rows as JSON here")
     return p
 
@@ -63,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     except FlashgenError as e:
         print(f"flashgen: {e}", file=sys.stderr)
         return 1
-    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
-        print(f"flashgen: error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, NotImplementedError, OSError, RuntimeError, AssertionError) as e:
+        print(f"flashgen: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 
@@ -161,6 +162,18 @@ def cmd_run(args) -> int:
 
     if args.param:
         raise ValueError(f"--param {args.param[0]}: this version's specs declare no parameters")
+    for name in ("batch", "heads", "seqlen", "head_dim", "reps"):
+        if getattr(args, name) < (1 if name in ("heads", "reps") else 0):
+            raise ValueError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
+    if args.kv_heads is not None and args.kv_heads < 1:
+        raise ValueError(f"--kv-heads: {args.kv_heads} is out of range (expected ≥ 1)")
+    if args.seqlen_k is not None and args.seqlen_k < 0:
+        raise ValueError(f"--seqlen-k: {args.seqlen_k} is out of range")
+    if args.device.startswith("cuda"):
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            raise ValueError("--device cuda: CUDA is not available in this torch build or machine")
     op = fg_compile(args.spec)
     device = torch.device(args.device)
     dtype = TORCH_DTYPE[DTYPE_ARG[args.dtype]]
@@ -203,11 +216,12 @@ def cmd_bench(args) -> int:
     dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
     shapes = bench.default_shapes(device, args.head_dim, args.seqlen, args.batch, args.heads)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    print(f"# {op.name} forward on {where}, torch {torch.__version__}, {dtype.value}, "
+    print(f"# {op.name} {'forward+backward' if args.backward else 'forward'} on {where}, torch {torch.__version__}, {dtype.value}, "
           f"threads={torch.get_num_threads()}")
     with torch.no_grad():
         op(*(torch.randn(1, 1, 8, shapes[0][3], device=device, dtype=bench.TORCH_DTYPE[dtype]) for _ in range(3)))
-    rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None)
+    rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
+                     backward=args.backward)
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
     return 0

@@ -32,6 +32,7 @@ MASK_NAMES = {m.value: m for m in ir.MaskKind}
 EXPRESSION_NAMES = ("b", "h", "q", "kv", "score", "seqlen_q", "seqlen_k")
 
 HEAD_DIM_MAX = 256
+MAX_NAME = 64
 
 _TERMINAL_TEXT = {
     "_NL": "end of line", "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
@@ -64,7 +65,12 @@ def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
     if text is None:
         if isinstance(source, Path) or ("\n" not in source and "{" not in source):
             path = Path(source)
-            text, file = path.read_text(), str(path)
+            if path.is_dir():
+                raise IsADirectoryError(f"spec: {path} is a directory (expected a .attn file or spec text)")
+            try:
+                text, file = path.read_text(encoding="utf-8"), str(path)
+            except UnicodeDecodeError as e:
+                raise ValueError(f"spec: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         else:
             text, file = source, "<spec>"
     else:
@@ -187,6 +193,9 @@ class _Lowering:
                 raise self.error(st, f"duplicate '{key}' statement (first on line {seen[key].meta.line})")
             seen[key] = st
             getattr(self, "stmt_" + key)(st, fields)
+        if len(str(name_tok)) > MAX_NAME:
+            raise self.error(name_tok, f"spec name is {len(str(name_tok))} characters long",
+                             expected=f"at most {MAX_NAME} (it names files and symbols)")
         return ir.Spec(name=str(name_tok), span=ir.Span(self.file, name_tok.line, name_tok.column), **fields)
 
     def stmt_head_dim(self, st: Tree, fields: dict) -> None:

@@ -36,6 +36,8 @@ BACKEND_DTYPES = {
 CPU_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
 CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
 
+FLOAT32_MAX = 3.4028234663852886e38
+
 # Fill outputs with NaN before each launch, so an element the kernel fails to write shows.
 # A testing aid (tests switch it on); off by default because it costs a memory pass.
 poison_outputs = False
@@ -53,6 +55,10 @@ def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the publ
     Raises:
         SpecError: the spec does not parse or validate (message has file:line:col).
     """
+    if not isinstance(spec, str | Path | ir.Spec):
+        raise TypeError(f"spec: expected a path or spec text, got {type(spec).__name__}")
+    if isinstance(spec, str) and not spec.strip():
+        raise ValueError("spec: empty string (expected a path or spec text)")
     ir_spec = spec if isinstance(spec, ir.Spec) else parse(spec)
     qualname = f"{ir_spec.name}_{ir_spec.fingerprint()[:12]}"
     with _registry_lock:
@@ -135,18 +141,26 @@ class AttentionOp:
                             ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
                             ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
-                what = "block-sparse attention" if name == "block_mask" else "packed (varlen) batches"
-                raise NotImplementedError(f"{name}: {what} are not supported in this version")
+                what = "block-sparse attention is" if name == "block_mask" else "packed (varlen) batches are"
+                raise NotImplementedError(f"{name}: {what} not supported in this version")
         if params:
             raise TypeError(f"unknown parameter '{next(iter(params))}': spec '{self.spec.name}' declares "
                             "no parameters")
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
         self.check_inputs(q, k, v)
         if scale is None:
-            scale = default_scale(self.spec, q.shape[-1])
-        elif isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
-            raise ValueError(f"scale: expected a finite float, got {scale!r}")
+            try:
+                scale = default_scale(self.spec, q.shape[-1])
+            except ValueError as e:
+                raise ValueError(f"scale: the spec's scale expression fails at head_dim {q.shape[-1]}: {e}") from None
+            if not (0 < scale < FLOAT32_MAX):
+                raise ValueError(f"scale: the spec's scale is {scale!r} at head_dim {q.shape[-1]} "
+                                 "(expected a positive float within fp32 range)")
+        elif isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
+            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
         out, lse = self.torch_op(q, k, v, float(scale), deterministic)
         return (out, lse) if return_lse else out
 
@@ -228,7 +242,19 @@ class AttentionOp:
         Returns the instantiations, now loaded in this process.
         """
         device = torch.device(device)
+        if device.type not in BACKEND_DTYPES:
+            raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: CUDA is not available in this torch build or machine")
         dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(device.type))
+        for dt in dts:
+            if dt not in self.dtypes(device.type):
+                raise ValueError(f"dtypes: {dt.value} is not supported by spec '{self.spec.name}' on {device.type}")
+        if head_dims is not None:
+            for hd in head_dims:
+                if hd not in self.head_dims(device.type):
+                    raise ValueError(f"head_dims: {hd} is not supported by spec '{self.spec.name}' on "
+                                     f"{device.type} (expected one of {_ranges(self.head_dims(device.type))})")
         if device.type == "cpu":
             hds: list[int] = [8]
         else:
@@ -400,6 +426,9 @@ def _register(op: AttentionOp, qualname: str):
     _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic) -> (Tensor, Tensor)")
 
     def forward(q, k, v, scale, deterministic):
+        op.check_inputs(q, k, v)  # the raw op (torch.ops.flashgen.*) is callable directly too
+        if not abs(scale) < FLOAT32_MAX:
+            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
         return op._forward(q, k, v, scale)
 
     for key in ("CPU", "CUDA"):

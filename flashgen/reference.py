@@ -36,7 +36,7 @@ def default_scale(spec: ir.Spec, head_dim: int) -> float:
 
 
 def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              return_lse: bool = False):
+              return_lse: bool = False, lowp_matmuls: bool = False):
     """Exact attention of ``spec`` (an ``ir.Spec``, spec text, a path or a compiled op).
 
     Args:
@@ -44,6 +44,8 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
            reads kv head h // (Hq // Hkv)). Any floating dtype, any device.
         scale: softmax scale; default the spec's (1/sqrt(d) unless the spec sets one).
         return_lse: also return the log-sum-exp (natural log, fp32 or float64, [B, Hq, Nq]).
+        lowp_matmuls: with fp16/bf16 inputs, run the two products (and so their gradients) in
+           the input dtype, as FlashAttention's own test reference does; softmax stays fp32.
 
     Returns:
         out [B, Hq, Nq, d] in q's dtype, or (out, lse). Rows that see no key: out 0, lse -inf.
@@ -58,17 +60,37 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         v = v.repeat_interleave(Hq // Hkv, dim=1)
     scale = default_scale(spec, d) if scale is None else scale
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    s = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
+    mm = q.dtype if lowp_matmuls else acc
+    s = torch.matmul(q.to(mm), k.to(mm).transpose(-1, -2)).to(acc)
+    if q.dtype != acc:  # the kernels' dQ = dS·K and dK = dSᵀ·Q take dS in the input dtype
+        s = _RoundGrad.apply(s, q.dtype)
+    s = s * scale
     keep = keep_mask(spec, Nq, Nk, q.device)
-    if keep is not None:
-        s = torch.where(keep, s, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1) if Nk else torch.full((B, Hq, Nq), float("-inf"), dtype=acc, device=q.device)
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1)
-    p = torch.exp(s - safe)
-    if keep is not None:
-        p = torch.where(keep, p, torch.zeros_like(p))
-    out = torch.matmul(p.to(q.dtype).to(acc), v.to(acc)).to(q.dtype)
+    if keep is None:
+        keep = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
+    # Masking by selection ("double where"): rows with no visible key get a finite stand-in for the
+    # logsumexp, then LSE −inf and P = 0, so values *and* autograd gradients stay finite there.
+    row_any = keep.any(-1)
+    s = torch.where(keep, s, float("-inf"))
+    lse_raw = torch.logsumexp(torch.where(row_any.unsqueeze(-1), s, torch.zeros_like(s)), dim=-1)
+    lse = torch.where(row_any, lse_raw, float("-inf"))
+    safe = torch.where(row_any, lse_raw, torch.zeros_like(lse_raw)).unsqueeze(-1)
+    p = torch.where(keep, torch.exp(s - safe), torch.zeros_like(s))
+    out = torch.matmul(p.to(q.dtype).to(mm), v.to(mm)).to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+class _RoundGrad(torch.autograd.Function):
+    """Identity forward; rounds the incoming gradient to ``dtype`` (a low-precision matmul input)."""
+
+    @staticmethod
+    def forward(ctx, x, dtype):
+        ctx.dtype = dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.to(ctx.dtype).to(g.dtype), None
 
 
 def _as_spec(spec) -> ir.Spec:

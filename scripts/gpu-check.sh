@@ -14,9 +14,11 @@ FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
 start=$(date +%s)
 FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
 echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"
-if [ "${BENCH:-1}" = 1 ]; then
+# BENCH: "fwd", "bwd" (forward+backward), "fwd bwd" (default) or "" (none)
+for dir in ${BENCH-fwd bwd}; do
+  flag=$([ "$dir" = bwd ] && echo --backward)
   for s in dense causal; do
-    FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/$s.attn --device cuda --reps 30 \
-      --json "$out/bench-$s.json" 2>&1 | grep -v Warning | tee "$out/bench-$s.txt"
+    FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/$s.attn --device cuda --reps 30 $flag \
+      ${BENCH_ARGS:-} --json "$out/bench-$dir-$s.json" 2>&1 | grep -v Warning | tee "$out/bench-$dir-$s.txt"
   done
-fi
+done

@@ -12,7 +12,7 @@ from flashgen import build, cli, codegen, frontend, ir, paths
 def test_every_spec_renders(spec):
     files = cli.generated_files(spec.relative_to(ROOT))
     name = frontend.parse(spec).name
-    assert {"cpu_fwd_fp32.cpp", "cpu_fwd_bf16.cpp", "cuda_fwd_bf16_hd128.cu", "cuda_fwd_fp16_hd64.cu"} <= set(files)
+    assert {"cpu_fwd_fp32.cpp", "cpu_bwd_bf16.cpp", "cuda_fwd_bf16_hd128.cu", "cuda_bwd_fp16_hd64.cu"} <= set(files)
     for fname, text in files.items():
         # every generated file names itself: spec, fingerprint, family
         assert f"// spec:        {name} (specs/{spec.name}:" in text

@@ -201,14 +201,6 @@ def test_dynamic_shapes_do_not_recompile(causal_op):
     assert counter.frame_count == 1
 
 
-def test_grad_mode_forward_and_backward_message(dense_op):
-    q, k, v = (t.requires_grad_() for t in inputs(1, 1, 1, 8, 8, 32, torch.float32, seed=11))
-    out = dense_op(q, k, v)
-    assert out.requires_grad
-    with pytest.raises(NotImplementedError, match="backward pass is not implemented"):
-        out.sum().backward()
-
-
 def test_deterministic_forward_is_bitwise_repeatable(causal_op):
     q, k, v = inputs(2, 4, 4, 200, 300, 64, torch.bfloat16, seed=12)
     a = causal_op(q, k, v, deterministic=True)

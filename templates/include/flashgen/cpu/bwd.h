@@ -49,8 +49,12 @@
 // keys that no query sees -> dk = dv = 0 exactly; rows with lse == -inf -> dq = 0 exactly.
 // Masked K/V entries never leak: P is masked by selection, dS is selected to 0 where P is 0, and
 // for dQ += dS K on a tile with interior fully-masked columns the K rows of those columns are
-// replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Any batch/head/seq strides
-// (64-bit offsets), last dim contiguous; lse, dlse, softmax_d contiguous [B, Hq, Nq].
+// replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Not covered (as in the
+// forward): a key that one row of a tile keeps and another masks enters the masking row's dQ as
+// 0 * K, so NaN/inf in that K row reaches it (an unfused autograd gives the same); a NaN score at
+// a kept entry gives P = 0 (polynomial exp2), and a NaN lse is treated like -inf (empty row).
+// Any batch/head/seq strides (64-bit offsets), last dim contiguous; lse, dlse, softmax_d
+// contiguous [B, Hq, Nq].
 // Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > INT32_MAX,
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
@@ -226,21 +230,52 @@ static inline void bwd_gemm_acc(const float* A, int64_t lda, const float* B, int
 // ------------------------------------------------------------------------------------------
 // Tile sizes. A task step (q tile x kv tile) touches, besides the qb x kvb P/dS tile, per kv tile
 // K^T and V^T panels, fp32 K, and the dK/dV accumulators (~5 * kvb * d floats) and per q tile
-// Q, dO and the dQ rows (~3 * qb * d floats); all of it should stay in the per-core L2.
+// Q, dO and the dQ rows (~3 * qb * d floats); all of it should stay in the per-core L2:
 //   kvb = 128, halved (down to 32) while 5 * kvb * d * 4 B > L2 / 2; capped by seqlen_k;
-//   qb  = 128, halved (down to 32) while (qb * kvb + 3 * qb * d) * 4 B > L2 / 2; capped by seqlen_q.
-// On the 2-core Zen test machine (512 KiB L2) that is 128 x 128 at d = 64.
+//   qb_max = 128, halved (down to 32) while (qb * kvb + 3 * qb * d) * 4 B > L2 / 2.
+// Among qb in {qb_max, qb_max / 2, ..., 32} the one minimising
+//   area(qb) * (1 + a / qb + a / kvb),   a = 5 (fixed per-tile costs, as in fwd.h)
+// is used, where area(qb) = sum over q tiles of rows x |[kv_lo, kv_hi)| (from the variant's
+// hooks): the score entries the backward computes. Dense: qb = qb_max; a diagonal mask trades
+// the masked half of the diagonal tiles against the per-tile overheads (causal 1K: 64, 4K: 128).
+// On the 2-core Zen 3 test machine (512 KiB L2) at d = 64: kvb = 128, qb_max = 128.
 // FLASHGEN_CPU_BWD_TILES="qb,kvb" overrides the choice (tuning only).
 struct BwdTiles {
   int64_t qb, kvb;
 };
 
-static inline BwdTiles bwd_choose_tiles(int64_t nq, int64_t nk, int64_t d) {
+template <class Variant>
+static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int64_t nq,
+                                        int64_t nk, int64_t d) {
   const int64_t l2 = l2_bytes();
   int64_t kvb = 128;
   while (kvb > 32 && 5 * kvb * d * 4 > l2 / 2) kvb /= 2;
-  int64_t qb = 128;
-  while (qb > 32 && (qb * kvb + 3 * qb * d) * 4 > l2 / 2) qb /= 2;
+  int64_t qb_max = 128;
+  while (qb_max > 32 && (qb_max * kvb + 3 * qb_max * d) * 4 > l2 / 2) qb_max /= 2;
+  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
+  kvb = kvb < nk8 ? kvb : nk8;
+  int64_t qb = qb_max < nq ? qb_max : (nq > 0 ? nq : 1);
+  if (nq > 32) {
+    constexpr double kAlpha = 5.0;
+    double best = -1.0;
+    for (int64_t cand = qb_max; cand >= 32; cand /= 2) {
+      const int64_t qc = cand < nq ? cand : nq;
+      double area = 0.0;
+      for (int64_t q_lo = 0; q_lo < nq; q_lo += qc) {
+        const int64_t q_hi = q_lo + qc < nq ? q_lo + qc : nq;
+        int64_t lo = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
+        int64_t hi = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
+        lo = lo < 0 ? 0 : lo;
+        hi = hi > nk ? nk : hi;
+        if (hi > lo) area += double(q_hi - q_lo) * double(hi - lo);
+      }
+      const double cost = area * (1.0 + kAlpha / double(qc) + kAlpha / double(kvb));
+      if (best < 0.0 || cost < best * 0.999) {  // ties: keep the larger tile
+        best = cost;
+        qb = qc;
+      }
+    }
+  }
   if (const char* e = getenv("FLASHGEN_CPU_BWD_TILES")) {
     char* end = nullptr;
     const long a = strtol(e, &end, 10);
@@ -248,10 +283,9 @@ static inline BwdTiles bwd_choose_tiles(int64_t nq, int64_t nk, int64_t d) {
     if (end && *end == ',') b = strtol(end + 1, nullptr, 10);
     if (a >= 1 && a <= 1024) qb = a;
     if (b >= 8 && b <= 1024) kvb = round_up(b, 8);
+    kvb = kvb < nk8 ? kvb : nk8;
+    qb = qb < nq ? qb : (nq > 0 ? nq : 1);
   }
-  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
-  kvb = kvb < nk8 ? kvb : nk8;
-  qb = qb < nq ? qb : (nq > 0 ? nq : 1);
   return {qb, kvb};
 }
 
@@ -269,7 +303,7 @@ struct BwdPlan {
 template <class Variant>
 static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const int64_t B = a.batch, Hkv = a.heads_kv, Nq = a.seqlen_q, Nk = a.seqlen_k;
-  const BwdTiles t = bwd_choose_tiles(Nq, Nk, a.head_dim);
+  const BwdTiles t = bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim);
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
@@ -633,7 +667,6 @@ int run_bwd(const FgBwdArgs& args) {
   if (q_side && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.dq_accum || !a.softmax_d))
     return FG_ERR_BAD_SHAPE;
   if (k_side && (!a.k || !a.v || !a.dk || !a.dv)) return FG_ERR_BAD_SHAPE;
-  if (q_side && k_side && (!a.k || !a.v)) return FG_ERR_BAD_SHAPE;
 
   const typename Variant::Params empty_params{};
   const typename Variant::Params& prm =
@@ -658,7 +691,6 @@ int run_bwd(const FgBwdArgs& args) {
           for (int64_t s = 0; s < pl.nseg; ++s)
             memset((s == 0 ? a.dq_accum : pl.dq_extra + (s - 1) * nrows * d) + r * d, 0,
                    sizeof(float) * d);
-          if (Nk == 0) continue;
           const T* o = static_cast<const T*>(a.out) + b * a.o_stride_b + h * a.o_stride_h +
                        i * a.o_stride_n;
           const T* g = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h +
@@ -677,17 +709,17 @@ int run_bwd(const FgBwdArgs& args) {
       const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
       std::atomic<int64_t> next{0};
       const size_t wbytes = bwd_work_bytes(pl, d);
+      // One worker per invocation (a nested call gets the whole range: one worker, all tasks).
       at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t worker = begin; worker < end; ++worker) {
-          Scratch scratch(wbytes);
-          const BwdWork w = bwd_work_carve(pl, d, static_cast<char*>(scratch.p));
-          for (;;) {
-            const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-            if (t >= ntasks) break;
-            const int64_t id = pl.tasks[t];
-            const int64_t seg = id % pl.nseg, bkv = id / pl.nseg;
-            bwd_task<Variant, Element>(a, prm, pl, bkv / Hkv, bkv % Hkv, seg, w);
-          }
+        if (begin >= end) return;
+        Scratch scratch(wbytes);
+        const BwdWork w = bwd_work_carve(pl, d, static_cast<char*>(scratch.p));
+        for (;;) {
+          const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+          if (t >= ntasks) break;
+          const int64_t id = pl.tasks[t];
+          const int64_t seg = id % pl.nseg, bkv = id / pl.nseg;
+          bwd_task<Variant, Element>(a, prm, pl, bkv / Hkv, bkv % Hkv, seg, w);
         }
       });
     }

@@ -83,6 +83,12 @@
 namespace flashgen {
 namespace cuda {
 
+// Explicit element -> float conversions: torch's extension builds define
+// __CUDA_NO_HALF_CONVERSIONS__ / __CUDA_NO_BFLOAT16_CONVERSIONS__, which remove the implicit ones.
+__device__ __forceinline__ float elem_to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float elem_to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+
 namespace bwd_detail {
 
 // 4-byte async copy (zero-filled when pred is false), for the per-row LSE and D vectors whose
@@ -288,7 +294,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdPreParams<
       const Element* oe = reinterpret_cast<const Element*>(&ov);
       const Element* de = reinterpret_cast<const Element*>(&dv);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc = fmaf(float(oe[i]), float(de[i]), acc);
+      for (int i = 0; i < 8; ++i) acc = fmaf(elem_to_float(oe[i]), elem_to_float(de[i]), acc);
       if (p.dq_accum) {
         float4* z = reinterpret_cast<float4*>(p.dq_accum + row * kHeadDim + c * 8);
         z[0] = make_float4(0.f, 0.f, 0.f, 0.f);
