@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import filelock
@@ -86,7 +86,6 @@ class Instantiation:
     dtype: ir.DType
     head_dim: int | None
     config: tuple[tuple[str, int], ...] = ()
-    _memo: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def symbol(self, kind: str = "fwd") -> str:
         """The C entry point of ``kind`` ('fwd' or 'bwd'), stable across machines (it appears in
@@ -94,11 +93,9 @@ class Instantiation:
         hd = f"_hd{self.head_dim}" if self.head_dim else ""
         return f"fg_{self.spec.name}_{kind}_{self.dtype.value}{hd}"
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
-        if "key" not in self._memo:
-            self._memo["key"] = hashlib.sha256(json.dumps(self._key_fields(), sort_keys=True).encode()).hexdigest()
-        return self._memo["key"]
+        return hashlib.sha256(json.dumps(self._key_fields(), sort_keys=True).encode()).hexdigest()
 
     @property
     def name(self) -> str:

@@ -75,20 +75,17 @@ def main(argv: list[str] | None = None) -> int:
 def generated_files(spec_path: Path) -> dict[str, str]:
     """File name → text of everything ``generate`` writes for one spec (its generated/ folder)."""
     from . import build, frontend
-    from .ops import BACKEND_DTYPES
+    from .ops import spec_dtypes
 
     spec = frontend.parse(spec_path)
     files = {}
     cpu = build.Target("cpu", "any")
-    for dt in BACKEND_DTYPES["cpu"]:
-        if spec.dtypes is None or dt in spec.dtypes:
-            files.update(build.Instantiation(spec, cpu, dt, None).sources())
+    for dt in spec_dtypes(spec, "cpu"):
+        files.update(build.Instantiation(spec, cpu, dt, None).sources())
     cuda = build.Target("cuda", "any")
-    hds = spec.head_dims or (64, 128)
-    for dt in BACKEND_DTYPES["cuda"]:
-        if spec.dtypes is None or dt in spec.dtypes:
-            for hd in hds:
-                files.update(build.Instantiation(spec, cuda, dt, hd).sources())
+    for dt in spec_dtypes(spec, "cuda"):
+        for hd in spec.head_dims or (64, 128):
+            files.update(build.Instantiation(spec, cuda, dt, hd).sources())
     return files
 
 

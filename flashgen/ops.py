@@ -34,6 +34,11 @@ BACKEND_DTYPES = {
     "cuda": (ir.DType.FP16, ir.DType.BF16),
 }
 CPU_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+
+
+def spec_dtypes(spec: ir.Spec, backend: str) -> tuple[ir.DType, ...]:
+    """The dtypes ``spec`` may run on ``backend``: the family's, narrowed by a ``dtype`` line."""
+    return tuple(d for d in BACKEND_DTYPES[backend] if spec.dtypes is None or d in spec.dtypes)
 CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
 
 FLOAT32_MAX = 3.4028234663852886e38
@@ -183,7 +188,7 @@ class AttentionOp:
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype:
                 raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        allowed = [d for d in BACKEND_DTYPES[backend] if self.spec.dtypes is None or d in self.spec.dtypes]
+        allowed = spec_dtypes(self.spec, backend)
         if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
             names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
             raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{self.spec.name}' on {backend} "
@@ -216,7 +221,7 @@ class AttentionOp:
         return tuple(d for d in family if self.spec.head_dims is None or d in self.spec.head_dims)
 
     def dtypes(self, backend: str) -> tuple[ir.DType, ...]:
-        return tuple(d for d in BACKEND_DTYPES[backend] if self.spec.dtypes is None or d in self.spec.dtypes)
+        return spec_dtypes(self.spec, backend)
 
     # ------------------------------------------------------------ build
 
