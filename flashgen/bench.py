@@ -138,7 +138,10 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
     forward's, the backward counted as 2.5× as in FlashAttention's benchmarks)."""
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
-    impls = {"flashgen": lambda q, k, v: op(q, k, v)} | peers(op.spec, device)
+    impls = {"flashgen": lambda q, k, v: op(q, k, v)}
+    if backward:  # the cost of bitwise-repeatable gradients, next to the default
+        impls["flashgen-det"] = lambda q, k, v: op(q, k, v, deterministic=True)
+    impls |= peers(op.spec, device)
     for B, H, N, d in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(4))
@@ -146,7 +149,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
         if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
         for name, fn in impls.items():
-            if include and name not in include and name != "flashgen":
+            if include and name not in include and not name.startswith("flashgen"):
                 continue
             row = Row(name, B, H, N, d, dtype.value, op.spec.mask.value, "fwd+bwd" if backward else "fwd",
                       device.type, None, None)

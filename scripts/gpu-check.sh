@@ -12,7 +12,7 @@ run=(python3 -m flashgen run specs/causal.attn --batch 4 --heads 16 --seqlen 409
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cold.txt"
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
 start=$(date +%s)
-FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
+FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -s -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
 echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"
 # BENCH: "fwd", "bwd" (forward+backward), "fwd bwd" (default) or "" (none)
 for dir in ${BENCH-fwd bwd}; do
