@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from . import expr as X
 from . import ir, reference
 from .ops import TORCH_DTYPE, AttentionOp
 
@@ -63,24 +64,58 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     return statistics.median(times)
 
 
+def _additive_bias(spec: ir.Spec) -> ir.Expr | None:
+    """``f`` when the score expression is ``score + f`` (f free of score): what SDPA takes as a
+    float attn_mask; None otherwise."""
+    e = spec.score
+    if isinstance(e, ir.BinOp) and e.op == "+":
+        for s_side, f in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+            if s_side == ir.Name("score") and not X.uses(f, "score"):
+                return f
+    return None
+
+
+def sdpa_mask(spec: ir.Spec, B: int, H: int, Nq: int, Nk: int, device, dtype, params: dict):
+    """The materialised attn_mask a user of SDPA would build for ``spec``: bool for a mask alone,
+    float (bias, −inf where masked) for an additive score modification; None for no mask;
+    raises NotImplementedError for score modifications SDPA cannot express (e.g. softcap)."""
+    keep = reference.keep_mask(spec, Nq, Nk, device, batch=B, heads=H, **params)
+    if spec.score is None:
+        return keep
+    f = _additive_bias(spec)
+    if f is None:
+        raise NotImplementedError("score modification not expressible as an SDPA attn_mask")
+    env = reference.positions(B, H, Nq, Nk, device)
+    bias = reference.evaluate(f, spec, env, params, torch.float32, check_bounds=False)
+    bias = torch.broadcast_to(bias, torch.broadcast_shapes(bias.shape, (1, 1, Nq, Nk)))
+    if keep is not None:
+        bias = torch.where(keep, bias, float("-inf"))
+    return bias.to(dtype)
+
+
 def peers(spec: ir.Spec, device: torch.device) -> dict[str, Callable | None]:
-    """Name → fn(q, k, v) for the implementations we compare against (None if unavailable)."""
-    causal = spec.mask is ir.MaskKind.CAUSAL
-    if spec.mask is ir.MaskKind.CAUSAL_TOP_LEFT:
-        causal = "top_left"
+    """Name → fn(q, k, v, params) for the implementations we compare against (None if
+    unavailable). SDPA gets is_causal for causal masks, else a materialised mask (built once per
+    shape, outside the timing: what its users do)."""
+    kind = spec.mask_kind
+    masks: dict = {}
 
     def sdpa(backend=None):
-        def run(q, k, v):
+        def run(q, k, v, params):
             kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
             mask = None
             is_causal = False
-            if causal == "top_left":
+            B, Hq, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+            if spec.score is None and kind is ir.MaskKind.CAUSAL_TOP_LEFT:
                 is_causal = True  # SDPA's is_causal is top-left aligned
-            elif causal:
-                if q.shape[2] == k.shape[2]:
-                    is_causal = True
-                else:
-                    mask = reference.keep_mask(spec, q.shape[2], k.shape[2], q.device)
+            elif spec.score is None and kind is ir.MaskKind.CAUSAL and Nq == Nk:
+                is_causal = True
+            elif spec.mask is not None or spec.score is not None:
+                key = (B, Hq, Nq, Nk, q.dtype, id(params))
+                if key not in masks:
+                    masks.clear()
+                    masks[key] = sdpa_mask(spec, B, Hq, Nq, Nk, q.device, q.dtype, params)
+                mask = masks[key]
             if backend is None:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **kwargs)
             from torch.nn.attention import sdpa_kernel
@@ -90,8 +125,8 @@ def peers(spec: ir.Spec, device: torch.device) -> dict[str, Callable | None]:
 
         return run
 
-    def eager(q, k, v):
-        return reference.attention(spec, q, k, v)
+    def eager(q, k, v, params):
+        return reference.attention(spec, q, k, v, **params)
 
     out: dict[str, Callable | None] = {}
     if device.type == "cuda":
@@ -108,6 +143,9 @@ def peers(spec: ir.Spec, device: torch.device) -> dict[str, Callable | None]:
 
 
 def _flex(spec: ir.Spec):
+    """FlexAttention (compiled) with the spec's mask as mask_mod (and its block mask, built once
+    per shape outside the timing) and the score expression as score_mod, both evaluated from the
+    same IR as the kernels."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
@@ -115,43 +153,65 @@ def _flex(spec: ir.Spec):
     compiled = torch.compile(flex_attention)
     masks: dict = {}
 
-    def run(q, k, v):
-        Nq, Nk = q.shape[2], k.shape[2]
-        block_mask = None
-        if spec.mask is not ir.MaskKind.NONE:
-            key = (Nq, Nk)
+    def run(q, k, v, params):
+        B, Hq, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        sizes = {"seqlen_q": Nq, "seqlen_k": Nk}
+
+        def env(b, h, qi, kv):
+            return {"b": b, "h": h, "q": qi, "kv": kv} | sizes
+
+        block_mask = score_mod = None
+        if spec.mask is not None:
+            key = (B, Hq, Nq, Nk, id(params))
             if key not in masks:
-                delta = Nk - Nq if spec.mask is ir.MaskKind.CAUSAL else 0
-                masks[key] = create_block_mask(lambda b, h, qi, kv: kv <= qi + delta, None, None, Nq, Nk,
+                masks.clear()
+
+                def mask_mod(b, h, qi, kv):
+                    return reference.evaluate(spec.mask, spec, env(b, h, qi, kv), params, torch.float32,
+                                              check_bounds=False)
+
+                per_b = X.uses(spec.mask, "b") or any(
+                    isinstance(n, ir.Index) for n in X.walk(spec.mask))
+                per_h = X.uses(spec.mask, "h")
+                masks[key] = create_block_mask(mask_mod, B if per_b else None, Hq if per_h else None, Nq, Nk,
                                                device=q.device)
             block_mask = masks[key]
-        return compiled(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+        if spec.score is not None:
+            def score_mod(score, b, h, qi, kv):
+                return reference.evaluate(spec.score, spec, env(b, h, qi, kv) | {"score": score}, params,
+                                          score.dtype, check_bounds=False)
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
 
     return run
 
 
 def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DType, device: torch.device,
         *, reps: int = 10, include: set[str] | None = None, eager_max_bytes: float = 8e9,
-        backward: bool = False, log: Callable[[str], None] = print) -> list[Row]:
+        backward: bool = False, log: Callable[[str], None] = print, params: dict | None = None) -> list[Row]:
     """Time ours and the peers on each (batch, heads, seqlen, head_dim): the forward, or with
     ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
-    forward's, the backward counted as 2.5× as in FlashAttention's benchmarks)."""
+    forward's, the backward counted as 2.5× as in FlashAttention's benchmarks). Spec parameters
+    come from ``params`` where given, else flashgen.params.example_params (per shape)."""
+    from .params import example_params
+
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
-    impls = {"flashgen": lambda q, k, v: op(q, k, v)}
+    impls = {"flashgen": lambda q, k, v, p: op(q, k, v, **p)}
     if backward:  # the cost of bitwise-repeatable gradients, next to the default
-        impls["flashgen-det"] = lambda q, k, v: op(q, k, v, deterministic=True)
+        impls["flashgen-det"] = lambda q, k, v, p: op(q, k, v, deterministic=True, **p)
     impls |= peers(op.spec, device)
     for B, H, N, d in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(4))
-        flops = 4 * B * H * d * reference.visible_pairs(op.spec, N, N) * (3.5 if backward else 1.0)
+        pv = example_params(op.spec, B, H, N, N, device, gen, **(params or {}))
+        flops = 4 * B * H * d * reference.visible_pairs(op.spec, N, N, batch=B, heads=H, **pv) * (
+            3.5 if backward else 1.0)
         if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
         for name, fn in impls.items():
             if include and name not in include and not name.startswith("flashgen"):
                 continue
-            row = Row(name, B, H, N, d, dtype.value, op.spec.mask.value, "fwd+bwd" if backward else "fwd",
+            row = Row(name, B, H, N, d, dtype.value, op.spec.name, "fwd+bwd" if backward else "fwd",
                       device.type, None, None)
             if fn is None:
                 row.note = "unavailable"
@@ -161,12 +221,12 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
                 try:
                     if backward:
                         def step(fn=fn):
-                            torch.autograd.grad(fn(q, k, v), (q, k, v), dout)
+                            torch.autograd.grad(fn(q, k, v, pv), (q, k, v), dout)
 
                         ms = time_fn(step, device, reps=reps)
                     else:
                         with torch.no_grad():
-                            ms = time_fn(lambda fn=fn: fn(q, k, v), device, reps=reps)
+                            ms = time_fn(lambda fn=fn: fn(q, k, v, pv), device, reps=reps)
                     row.ms, row.tflops = ms, flops / ms / 1e9
                 except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                     row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
@@ -183,7 +243,7 @@ def format_row(r: Row) -> str:
     else:
         perf = f"{r.ms:9.3f} ms {r.tflops:8.1f} TFLOP/s"
     return (f"{r.impl:15s} B={r.batch:<3d} H={r.heads:<3d} N={r.seqlen:<6d} d={r.head_dim:<4d} {r.dtype} "
-            f"{r.mask:8s} {r.direction:8s} {perf} {r.note}")
+            f"{r.mask:14s} {r.direction:8s} {perf} {r.note}")
 
 
 def default_shapes(device: torch.device, head_dims: list[int] | None, seqlens: list[int] | None,

@@ -54,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--reps", type=int, default=10)
     be.add_argument("--backward", action="store_true", help="time forward+backward instead of the forward")
     be.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    be.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
     return p
 
 
@@ -149,6 +150,26 @@ def cmd_build(args) -> int:
 # ---------------------------------------------------------------- run
 
 
+def parse_params(spec: ir.Spec, items: list[str]) -> dict:
+    """``--param name=value`` items → {name: int | float} (a number fills a tensor parameter)."""
+    out: dict = {}
+    declared = {p.name: p for p in spec.params}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--param {item}: expected NAME=VALUE")
+        p = declared.get(name)
+        if p is None:
+            names = ", ".join(declared) or "none"
+            raise ValueError(f"--param {item}: spec '{spec.name}' has no parameter '{name}' (it declares: {names})")
+        try:
+            integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
+            out[name] = int(text) if integral else float(text)
+        except ValueError:
+            raise ValueError(f"--param {item}: '{text}' is not {'an int' if integral else 'a number'}") from None
+    return out
+
+
 def cmd_run(args) -> int:
     import torch
 
@@ -157,8 +178,6 @@ def cmd_run(args) -> int:
     from .ops import TORCH_DTYPE
     from .ops import compile as fg_compile
 
-    if args.param:
-        raise ValueError(f"--param {args.param[0]}: this version's specs declare no parameters")
     for name in ("batch", "heads", "seqlen", "head_dim", "reps"):
         if getattr(args, name) < (1 if name in ("heads", "reps") else 0):
             raise ValueError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
@@ -172,6 +191,7 @@ def cmd_run(args) -> int:
         if not _torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available in this torch build or machine")
     op = fg_compile(args.spec)
+    given = parse_params(op.spec, args.param)
     device = torch.device(args.device)
     dtype = TORCH_DTYPE[DTYPE_ARG[args.dtype]]
     hkv = args.kv_heads or args.heads
@@ -179,20 +199,27 @@ def cmd_run(args) -> int:
     q = torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device=device, dtype=dtype)
     k = torch.randn(args.batch, hkv, nk, args.head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
+    from .params import example_params
+
+    params = example_params(op.spec, args.batch, args.heads, args.seqlen, nk, device, **given)
+    shown = " ".join(f"{n}={x if not isinstance(x, torch.Tensor) else tuple(x.shape)}" for n, x in params.items())
     print(f"{op.name}: batch={args.batch} heads={args.heads} kv_heads={hkv} seqlen_q={args.seqlen} "
-          f"seqlen_k={nk} head_dim={args.head_dim} dtype={args.dtype} device={device}")
+          f"seqlen_k={nk} head_dim={args.head_dim} dtype={args.dtype} device={device}"
+          + (f" params: {shown}" if shown else ""))
     t0 = time.perf_counter()
     with torch.no_grad():
-        out, lse = op(q, k, v, return_lse=True)
+        out, lse = op(q, k, v, return_lse=True, **params)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     first = time.perf_counter() - t0
     print(f"first call (build or cache load included): {first:.2f} s")
-    cmp = check.compare(op.spec, q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu())
+    cpu_params = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in params.items()}
+    cmp = check.compare(op.spec, q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu(), **cpu_params)
     print(f"check against float64 reference: {cmp}")
     with torch.no_grad():
-        ms = time_fn(lambda: op(q, k, v), device, reps=args.reps)
-    flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(op.spec, args.seqlen, nk)
+        ms = time_fn(lambda: op(q, k, v, **params), device, reps=args.reps)
+    flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(
+        op.spec, args.seqlen, nk, batch=args.batch, heads=args.heads, **cpu_params)
     print(f"time: {ms:.3f} ms   {flops / ms / 1e6:.1f} GFLOP/s ({flops / ms / 1e9:.2f} TFLOP/s)")
     return 0 if cmp.ok else 1
 
@@ -215,10 +242,10 @@ def cmd_bench(args) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"# {op.name} {'forward+backward' if args.backward else 'forward'} on {where}, torch {torch.__version__}, {dtype.value}, "
           f"threads={torch.get_num_threads()}")
-    with torch.no_grad():
-        op(*(torch.randn(1, 1, 8, shapes[0][3], device=device, dtype=bench.TORCH_DTYPE[dtype]) for _ in range(3)))
+    given = parse_params(op.spec, args.param)
+    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None)
     rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
-                     backward=args.backward)
+                     backward=args.backward, params=given)
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import __version__, ir
+from . import __version__, expr, ir
 from .paths import templates_dir
 
 # Element type spelled per family (tables, not if-chains).
@@ -18,27 +18,71 @@ CPU_ELEMENT = {ir.DType.FP32: "float", ir.DType.BF16: "c10::BFloat16", ir.DType.
 CUDA_ELEMENT = {ir.DType.BF16: "__nv_bfloat16", ir.DType.FP16: "__half"}
 
 
+# C++ element type of a tensor parameter (bool is read as one byte, torch's layout).
+PARAM_CTYPE = {"f32": "float", "i32": "int32_t", "i64": "int64_t", "bool": "uint8_t"}
+
+
 @dataclass(frozen=True)
-class MaskHooks:
-    """C++ bodies of the variant hooks for one mask (see templates/include/flashgen/variant.h)."""
+class Field:
+    """One member of a variant's Params struct (mirrored by ops.py with ctypes)."""
 
-    has_mask: bool
-    kv_lo: str
-    kv_hi: str
-    tile_full: str
-    keep: str
+    name: str
+    ctype: str  # 'int64', 'float', 'ptr', 'gradptr', 'int64[N]'
+    cxx: str  # the C++ declaration
 
 
-# Closed forms per structured mask: key range of a query tile, fully-kept test, element test.
-MASK_HOOKS = {
-    ir.MaskKind.NONE: MaskHooks(
-        has_mask=False, kv_lo="0", kv_hi="seqlen_k", tile_full="true", keep="true"),
-    ir.MaskKind.CAUSAL: MaskHooks(
-        has_mask=True, kv_lo="0", kv_hi="q_hi + (seqlen_k - seqlen_q)",
-        tile_full="kv_hi - 1 <= q_lo + (seqlen_k - seqlen_q)", keep="kv <= q + (seqlen_k - seqlen_q)"),
-    ir.MaskKind.CAUSAL_TOP_LEFT: MaskHooks(
-        has_mask=True, kv_lo="0", kv_hi="q_hi", tile_full="kv_hi - 1 <= q_lo", keep="kv <= q"),
-}  # fmt: skip
+def param_fields(spec: ir.Spec) -> list[Field]:
+    """The Params struct of a spec, in order: per parameter, a scalar (int64_t / float), or for a
+    tensor its element pointer, sizes, strides (in elements) and, when its gradient can be asked
+    for, an fp32 gradient pointer (contiguous, the parameter's own shape; null when not needed)."""
+    grads = {p.name for p in expr.grad_params(spec)}
+    out = []
+    for p in spec.params:
+        if p.kind == "int":
+            out.append(Field(p.name, "int64", f"int64_t {p.name};"))
+        elif p.kind == "float":
+            out.append(Field(p.name, "float", f"float {p.name};"))
+        else:
+            n = len(p.shape)
+            out.append(Field(p.name, "ptr", f"const {PARAM_CTYPE[p.dtype]}* {p.name};"))
+            out.append(Field(f"{p.name}_size", f"int64[{n}]", f"int64_t {p.name}_size[{n}];"))
+            out.append(Field(f"{p.name}_stride", f"int64[{n}]", f"int64_t {p.name}_stride[{n}];"))
+            if p.name in grads:
+                out.append(Field(f"{p.name}_grad", "gradptr", f"float* {p.name}_grad;"))
+    return out
+
+
+def hook_bodies(spec: ir.Spec) -> dict[str, str]:
+    """C++ return expressions / statements of every hook (see include/flashgen/variant.h)."""
+    cx = expr.Cxx(spec)
+    rng = expr.key_range(spec)
+    out = {
+        "has_mask": spec.mask is not None,
+        "has_score_mod": spec.score is not None,
+        "has_param_grad": bool(expr.grad_params(spec)),
+        "kv_lo": f"fg_clamp_kv({rng.lo}, seqlen_k)" if rng.lo else "0",
+        "kv_hi": f"fg_clamp_kv({rng.hi}, seqlen_k)" if rng.hi else "seqlen_k",
+        "tile_full": rng.full,
+        "keep": cx(spec.mask) if spec.mask is not None else "true",
+        "score": cx(spec.score, expr.FLOAT) if spec.score is not None else "s",
+        "dscore": "1.f",
+        "param_grad": [],
+    }
+    if spec.score is not None:
+        scope = cx.scope
+        d = expr.diff(spec.score, lambda n: n == ir.Name("score"), scope)
+        out["dscore"] = cx(d, expr.FLOAT) if d is not None else "0.f"
+        for p in expr.grad_params(spec):
+            stmts = []
+            for read in expr.param_reads(spec, p):
+                d = expr.diff(spec.score, lambda n, r=read: n == r, scope)
+                if d is None:
+                    continue
+                _, flat = cx.index_code(read)
+                stmts.append(f"fg_atomic_add(p.{p.name}_grad + ({flat}), ds * ({cx(d, expr.FLOAT)}));")
+            if stmts:
+                out["param_grad"].append((f"p.{p.name}_grad", stmts))
+    return out
 
 
 @functools.cache
@@ -68,14 +112,18 @@ def render(template: str, **context) -> str:
 
 
 def variant_context(spec: ir.Spec) -> dict:
-    """What variant.h.jinja needs: the spec's name, where its mask came from, the hook bodies."""
-    span = spec.mask_span
+    """What variant.h.jinja needs: the spec's name, where mask/score came from, the hook bodies."""
+
+    def origin(span):
+        return f"{span.file}:{span.line}" if span else "not set"
+
     return {
         "spec": spec,
         "struct": f"Variant_{spec.name}",
-        "mask": spec.mask.value,
-        "mask_origin": f"{span.file}:{span.line}" if span else "default (no mask line)",
-        "hooks": MASK_HOOKS[spec.mask],
+        "mask_origin": origin(spec.mask_span),
+        "score_origin": origin(spec.score_span),
+        "fields": param_fields(spec),
+        "hooks": hook_bodies(spec),
         "fingerprint": spec.fingerprint()[:12],
         "version": __version__,
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 import lark
 from lark import Lark, Token, Tree
 
+from . import expr as X
 from . import ir
 from .errors import SpecError, did_you_mean
 
@@ -25,18 +26,23 @@ DTYPE_NAMES = {
     "fp32": ir.DType.FP32, "float32": ir.DType.FP32, "float": ir.DType.FP32,
 }  # fmt: skip
 
-MASK_NAMES = {m.value: m for m in ir.MaskKind}
-
-# Names that expressions will see once mask/score expressions land; used to tell "not yet" from
-# "unknown name".
-EXPRESSION_NAMES = ("b", "h", "q", "kv", "score", "seqlen_q", "seqlen_k")
+# Spellings accepted for parameter types: scalars (kernel arguments) and tensor element types.
+PARAM_TYPES = {
+    "int": "int", "float": "float",
+    "f32": "f32", "float32": "f32", "i32": "i32", "int32": "i32", "i64": "i64", "int64": "i64",
+    "bool": "bool",
+}  # fmt: skip
+# Names a parameter may not take (functions and call-style built-ins live apart: `window` may
+# name a parameter and `window(l, r)` still means the built-in).
+RESERVED = set(X.POSITION_NAMES) | set(X.CONSTANTS) | {
+    n for n, k in X.MASK_BUILTINS.items() if k == 0} | {"score", "none", "head_dim", "batch", "heads"}
 
 HEAD_DIM_MAX = 256
 MAX_NAME = 64
 
 _TERMINAL_TEXT = {
     "_NL": "end of line", "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
-    "COMP_OP": "a comparison operator", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/' or '%'",
+    "COMP_OP": "a comparison operator", "ADD_OP": "'+' or '-'", "MUL_OP": "'*', '/', '//' or '%'",
     "$END": "end of file",
 }  # fmt: skip
 
@@ -229,29 +235,114 @@ class _Lowering:
             raise self.error(st.children[0], f"scale must be a positive finite number, got {value}")
         fields["scale"] = expr
 
+    def _checked(self, node, e: ir.Expr, fields: dict, *, allow_score: bool) -> tuple[ir.Expr, str]:
+        params = {p.name: p for p in fields.get("params", ())}
+        try:
+            e = X.expand_builtins(e)
+            return e, X.type_of(e, X.Scope(params, allow_score=allow_score))
+        except X.ExprError as err:
+            raise self.error_at(err.node, node, err.message, expected=err.expected, hint=err.hint) from None
+
+    def error_at(self, e, fallback, message: str, **kw) -> SpecError:
+        span = getattr(e, "span", None)
+        if span is None:
+            return self.error(fallback, message, **kw)
+        return SpecError(message, file=self.file, source=self.text, line=span.line, column=span.column, **kw)
+
     def stmt_mask(self, st: Tree, fields: dict) -> None:
         node = st.children[0]
-        expr = self.expr(node)
-        if isinstance(expr, ir.Name) and expr.id in MASK_NAMES:
-            fields["mask"] = MASK_NAMES[expr.id]
-            fields["mask_span"] = expr.span
+        e = self.expr(node)
+        if e == ir.Name("none"):
+            fields["mask_span"] = e.span
             return
-        if isinstance(expr, ir.Name) and expr.id not in EXPRESSION_NAMES:
-            raise self.error(node, f"unknown mask '{expr.id}'", expected="one of " + ", ".join(MASK_NAMES),
-                             hint=did_you_mean(expr.id, MASK_NAMES))
-        raise self.error(node, "mask expressions are not supported in this version",
-                         expected="one of " + ", ".join(MASK_NAMES))
+        if isinstance(e, ir.Name) and e.id not in X.MASK_BUILTINS and e.id not in X.CONSTANTS and \
+                e.id not in X.POSITION_NAMES and not any(p.name == e.id for p in fields.get("params", ())):
+            names = ["none", *[n for n, k in X.MASK_BUILTINS.items() if k == 0]]
+            raise self.error(node, f"unknown mask '{e.id}'",
+                             expected="a mask expression or one of " + ", ".join(names),
+                             hint=did_you_mean(e.id, names + list(X.MASK_BUILTINS)))
+        e, t = self._checked(node, e, fields, allow_score=False)
+        if t != X.BOOL:
+            raise self.error(node, f"mask must be a condition (true keeps the score), got a {t} expression",
+                             expected="a comparison such as 'kv <= q' combined with and/or/not")
+        fields["mask"] = e
+        fields["mask_span"] = self.span(node)
 
     def stmt_score(self, st: Tree, fields: dict) -> None:
-        expr = self.expr(st.children[0])
-        if expr != ir.Name("score"):
-            raise self.error(st.children[0], "score modifications are not supported in this version",
-                             expected="'score = score'")
+        node = st.children[0]
+        e, t = self._checked(node, self.expr(node), fields, allow_score=True)
+        if t == X.BOOL:
+            raise self.error(node, "score must be a number, got a condition",
+                             expected="an expression of score, e.g. 'score + bias[b, h, q, kv]'")
+        if e == ir.Name("score"):
+            return  # the identity
+        fields["score"] = e
+        fields["score_span"] = self.span(node)
+
+    def stmt_param(self, st: Tree, fields: dict) -> None:
+        name_tok, type_tok, *rest = st.children
+        shape = rest[0] if rest else None
+        name, tname = str(name_tok), str(type_tok)
+        params = list(fields.get("params", ()))
+        if name in RESERVED:
+            raise self.error(name_tok, f"'{name}' is a reserved name and cannot name a parameter")
+        if len(name) > MAX_NAME:
+            raise self.error(name_tok, f"parameter name is {len(name)} characters long", expected=f"at most {MAX_NAME}")
+        if any(p.name == name for p in params):
+            raise self.error(name_tok, f"parameter '{name}' is declared twice")
+        if "mask" in fields or "score" in fields:
+            raise self.error(st, f"parameter '{name}' is declared after the expressions that could use it",
+                             expected="'param' lines before 'mask' and 'score'")
+        kind = PARAM_TYPES.get(tname)
+        if kind is None:
+            raise self.error(type_tok, f"unknown parameter type '{tname}'",
+                             expected="int, float (scalars) or f32, i32, i64, bool with a shape",
+                             hint=did_you_mean(tname, PARAM_TYPES))
+        span = self.span(name_tok)
+        if kind in ir.SCALAR_KINDS:
+            if shape is not None:
+                raise self.error(shape, f"scalar parameter '{name}' ({kind}) takes no shape",
+                                 expected=f"'param {name}: f32[...]' for a tensor")
+            params.append(ir.Param(name, kind, span=span))
+        else:
+            if shape is None or not shape.children or shape.children == [None]:
+                raise self.error(type_tok, f"tensor parameter '{name}' needs a shape",
+                                 expected=f"e.g. 'param {name}: {tname}[batch, heads]'")
+            dims = tuple(self.dim(d, params) for d in shape.children)
+            params.append(ir.Param(name, "tensor", kind, dims, span=span))
+        fields["params"] = tuple(params)
+
+    def dim(self, node: Tree, params: list[ir.Param]) -> ir.Dim:
+        size_node, *rest = node.children
+        alt = rest[0] if rest else None
+        size = self.expr(size_node)
+        ints = {p.name for p in params if p.kind == "int"}
+        allowed = set(X.SHAPE_DIMS) | ints
+        for n in X.walk(size):
+            if isinstance(n, ir.Name) and n.id not in allowed:
+                raise self.error_at(n, size_node, f"unknown dimension '{n.id}'",
+                                    expected="batch, heads, seqlen_q, seqlen_k, integers or int parameters",
+                                    hint=did_you_mean(n.id, sorted(allowed)))
+            if isinstance(n, ir.Num) and not isinstance(n.value, int):
+                raise self.error_at(n, size_node, "dimensions are integers")
+            if not isinstance(n, ir.Num | ir.Name | ir.BinOp | ir.Unary) or (
+                    isinstance(n, ir.BinOp) and n.op not in ("+", "-", "*", "//")):
+                raise self.error_at(n, size_node, "unsupported operation in a dimension",
+                                    expected="+, -, * and // of integers")
+        if isinstance(size, ir.Num) and size.value < 1:
+            raise self.error(size_node, f"dimension {size.value} is not positive")
+        broadcast = False
+        if alt is not None:
+            a = self.expr(alt)
+            if a != ir.Num(1):
+                raise self.error(alt, "only '|1' is allowed after a dimension (it may also be 1: broadcast)")
+            broadcast = True
+        return ir.Dim(size, broadcast, self.span(size_node))
 
     def _not_yet(self, st: Tree, fields: dict) -> None:
         raise self.error(st, f"'{st.data.removesuffix('_stmt')}' is not supported in this version")
 
-    stmt_param = stmt_dropout = stmt_block_size = _not_yet
+    stmt_dropout = stmt_block_size = _not_yet
 
 
 _SCALE_FUNCS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs}

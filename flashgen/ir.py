@@ -76,11 +76,13 @@ Expr = Num | Name | Unary | BinOp | Call | Index
 
 
 class MaskKind(enum.Enum):
-    """The masks this version lowers (more arrive as mask expressions)."""
+    """The structured masks that peers express natively (SDPA's is_causal), recognised in a
+    spec's mask expression; anything else is ``OTHER``."""
 
     NONE = "none"
     CAUSAL = "causal"  # bottom-right aligned: kv <= q + seqlen_k - seqlen_q
     CAUSAL_TOP_LEFT = "causal_top_left"  # kv <= q
+    OTHER = "other"
 
 
 class DType(enum.Enum):
@@ -89,25 +91,80 @@ class DType(enum.Enum):
     FP32 = "fp32"
 
 
+# Element types a tensor parameter may declare; the value is the expression type it reads as.
+TENSOR_DTYPES = {"f32": "float", "i32": "int", "i64": "int", "bool": "bool"}
+SCALAR_KINDS = ("int", "float")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One dimension of a tensor parameter: an integer expression over batch, heads (query
+    heads), seqlen_q, seqlen_k, integer literals and integer scalar parameters. ``broadcast``:
+    declared ``dim|1``, so a size of 1 is accepted too (broadcast over that dimension)."""
+
+    size: Expr
+    broadcast: bool = False
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Param:
+    """A call-time parameter: ``kind`` 'int' or 'float' (a scalar kernel argument), or 'tensor'
+    with ``dtype`` one of TENSOR_DTYPES and a ``shape``."""
+
+    name: str
+    kind: str
+    dtype: str | None = None
+    shape: tuple[Dim, ...] = ()
+    span: Span | None = _span()
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.kind == "tensor"
+
+
+def _causal(top_left: bool = False) -> Expr:
+    rhs = Name("q") if top_left else BinOp("+", Name("q"), BinOp("-", Name("seqlen_k"), Name("seqlen_q")))
+    return BinOp("<=", Name("kv"), rhs)
+
+
 @dataclass(frozen=True)
 class Spec:
     """A validated attention variant.
 
-    ``head_dims`` / ``dtypes`` are None when the spec does not restrict them. ``scale`` is None
-    for the default 1/sqrt(head_dim).
+    ``mask`` is a bool expression over b, h, q, kv, seqlen_q, seqlen_k and parameters (built-ins
+    already expanded), None for no mask; ``score`` a float expression over ``score`` (the scaled
+    score) and the same names, None for the identity. ``head_dims`` / ``dtypes`` are None when the
+    spec does not restrict them. ``scale`` is None for the default 1/sqrt(head_dim).
     """
 
     name: str
-    mask: MaskKind = MaskKind.NONE
+    mask: Expr | None = None
+    score: Expr | None = None
+    params: tuple[Param, ...] = ()
     scale: Expr | None = None
     head_dims: tuple[int, ...] | None = None
     dtypes: tuple[DType, ...] | None = None
     span: Span | None = _span()
     mask_span: Span | None = _span()
+    score_span: Span | None = _span()
 
     def fingerprint(self) -> str:
         """sha256 (hex) of the canonical dump; independent of formatting, comments and spans."""
         return hashlib.sha256(canonical_json(self).encode()).hexdigest()
+
+    @property
+    def mask_kind(self) -> MaskKind:
+        if self.mask is None:
+            return MaskKind.NONE
+        if self.mask == _causal():
+            return MaskKind.CAUSAL
+        if self.mask == _causal(top_left=True):
+            return MaskKind.CAUSAL_TOP_LEFT
+        return MaskKind.OTHER
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
 
 
 def canonical(node):

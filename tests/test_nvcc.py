@@ -13,7 +13,8 @@ from conftest import ROOT
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 ARCHS = ["80", "90a"]
 CASES = [("dense", "cuda_fwd_bf16_hd128.cu"), ("causal", "cuda_fwd_fp16_hd64.cu"),
-         ("dense", "cuda_bwd_fp16_hd64.cu"), ("causal", "cuda_bwd_bf16_hd128.cu")]
+         ("dense", "cuda_bwd_fp16_hd64.cu"), ("causal", "cuda_bwd_bf16_hd128.cu"),
+         ("alibi", "cuda_bwd_bf16_hd128.cu")]  # a score mod with a parameter gradient (atomics)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

@@ -4,7 +4,6 @@
 //   int flashgen::cpu::run_bwd(const FgBwdArgs& args);   // returns an FgStatus (args.h)
 //
 // head_dim: runtime, any multiple of 8 in [8, 256] (else FG_ERR_BAD_HEAD_DIM).
-// Score modifications are not differentiated yet: a Variant with kHasScoreMod fails to compile.
 //
 // Algorithm: FlashAttention-2 backward (Dao 2023, Alg. 2), recomputing P from the saved lse; no
 // N x N buffer. Three at::parallel_for passes:
@@ -25,18 +24,52 @@
 //      args' strides); rows with lse == -inf (or seqlen_k == 0) are written as exact zeros.
 //   Segment 0's dQ buffer is args.dq_accum; more than one segment is used only when
 //   batch * heads_kv is too small to keep every thread busy (see bwd_plan); the extra segments'
-//   buffers ((nseg − 1) x [B, Hq, Nq, d] fp32) are allocated here. No atomics anywhere: every
-//   sum has a fixed order, so results are bitwise repeatable for a given thread count whatever
-//   args.deterministic says (the segment count depends on at::get_num_threads()).
+//   buffers ((nseg − 1) x [B, Hq, Nq, d] fp32) are allocated here. The kernel itself uses no
+//   atomics: every sum has a fixed order, so dq, dk, dv (and, without a parameter gradient,
+//   everything) are bitwise repeatable for a given thread count whatever args.deterministic
+//   says (the segment count depends on at::get_num_threads()). Parameter gradients are the
+//   exception: param_grad adds into them atomically, in an order that depends on the schedule.
+//
+// Score mods (Variant::kHasScoreMod; the "mod path", also taken for kHasParamGrad alone, where
+// score() is the identity): the chain rule through s' = score(s), as the contract's "Backward
+// with a score mod" says. Per (q tile, kv tile):
+//        s  = scale·Q Kᵀ                         gemm (natural units), into the S tile
+//        per in-bounds kept entry: S = score(s)·log2e and G = dscore(s) (or G = s, see below);
+//        masked entries: S = −inf. Then P = 2^(S − lse·log2e) (vectorised; exactly 0 where
+//        masked). Rows with lse == −inf get P = 0 without any hook call.
+//        dV += Pᵀ dO                             as above (P of the modified scores)
+//        dS' = P ∘ (dO Vᵀ − D)                   gemm with epilogue, as above
+//        dS = dS' ∘ G, selected to 0 where dS' == 0 (a non-finite dscore never makes NaN)
+//        dK, dQ from dS                          as above
+//   G is one extra fp32 qb x kvb tile per thread, laid out like S. Without a parameter gradient
+//   it holds dscore(s), computed next to score(s) with no store in between (so the compiler can
+//   share their common subexpressions: one tanh for a softcap, measured ~12% faster than
+//   calling dscore in a later pass), and the dS' epilogue multiplies it in. With
+//   Variant::kHasParamGrad it holds s, and a pass after the dS' epilogue calls, on every entry
+//   with dS' != 0 (in bounds and kept by construction: dS' is 0 wherever P is),
+//   dscore(s), then param_grad(dS', s, b, h, q, kv, ..), and sets dS = dS'·dscore(s).
+//   Recomputing s instead of keeping it would cost another d-long dot product per entry.
+//   Without a score mod or parameter gradient none of this is compiled: the P exp stays in the
+//   gemm epilogue and no G tile is allocated.
+//
+// Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
+// value-initialised Params when args.params is null (allowed when Params is empty).
+// score / dscore / param_grad are only called on in-bounds (q < seqlen_q, kv < seqlen_k) entries
+// that the mask keeps. kv_lo / kv_hi / tile_full take the real (b, h) of the work: h is the
+// query head, and since a task serves all query heads of its kv head (GQA), each task evaluates
+// kv_lo / kv_hi for each of its query heads h and each q tile, and visits (q tile, kv tile) for
+// head h iff [kv_lo(b, h, ..), kv_hi(b, h, ..)) meets the kv tile; so the mask may depend on h.
+// The tile-size and segment cost models (bwd_choose_tiles, bwd_plan) have no particular work
+// item and evaluate kv_lo / kv_hi at b = h = 0.
 //
 // Workspaces: dq_accum (fp32 [B, Hq, Nq, d], zero-filled here: the caller's zeroing is not
 // needed) and softmax_d (written here) are used; dk_accum and dv_accum are NOT used (may be null).
 //
-// Which (q tile, kv tile) pairs run: query tile [q_lo, q_hi) meets kv tile [k0, k1) iff
-// [Variant::kv_lo, Variant::kv_hi) (clamped to [0, seqlen_k]) intersects it; keys outside that
-// range count as masked, as in the forward. The per-element mask runs only where tile_full is
-// false; then rows and columns that keep nothing are trimmed from both ends of the tile.
-// Rows with lse == -inf are trimmed/zeroed too: they contribute nothing.
+// Which (q tile, kv tile) pairs run: query tile [q_lo, q_hi) of head h meets kv tile [k0, k1) iff
+// [Variant::kv_lo, Variant::kv_hi) for (b, h) (clamped to [0, seqlen_k]) intersects it; keys
+// outside that range count as masked, as in the forward. The per-element mask runs only where
+// tile_full is false; then rows and columns that keep nothing are trimmed from both ends of the
+// tile. Rows with lse == -inf are trimmed/zeroed too: they contribute nothing.
 //
 // Gemms: fp32 in, fp32 out, the same two backends as the forward (see fwd.h, "gemm
 // backends"): register-blocked 6x16 AVX2/FMA micro-kernels by default (K^T and V^T are packed
@@ -52,18 +85,20 @@
 // replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Not covered (as in the
 // forward): a key that one row of a tile keeps and another masks enters the masking row's dQ as
 // 0 * K, so NaN/inf in that K row reaches it (an unfused autograd gives the same); a NaN score at
-// a kept entry gives P = 0 (polynomial exp2), and a NaN lse is treated like -inf (empty row).
+// a kept entry (from the gemm or from score()) gives P = 0 (polynomial exp2), and a NaN lse is
+// treated like -inf (empty row). A non-finite dscore(s) reaches dS only where dS' != 0.
 // Any batch/head/seq strides (64-bit offsets), last dim contiguous; lse, dlse, softmax_d
 // contiguous [B, Hq, Nq].
 // Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > INT32_MAX,
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
 //
-// Tiles: see bwd_choose_tiles(); per-thread scratch O((qb + kvb) * d + qb * kvb) floats.
+// Tiles: see bwd_choose_tiles(); per-thread scratch O((qb + kvb) * d + qb * kvb) floats (one
+// more qb x kvb tile on the mod path).
 // Build requirements: as fwd.h (-fopenmp at compile and link, -O3 -march=native).
 //
 // This header includes fwd.h and reuses its detail:: helpers (f8 vectors, exp2v, Conv<E>
-// conversions, pack_kt, BLAS binding, Scratch, l2_bytes, round_up); it adds its own
+// conversions, pack_kt, gemm_qk, BLAS binding, Scratch, l2_bytes, round_up); it adds its own
 // micro-kernels (epilogue-fused A·Bᵀ, and A·B / Aᵀ·B accumulating) below.
 #pragma once
 
@@ -113,15 +148,17 @@ static inline bool bwd_use_blas(const FgBwdArgs& a) {
 // ------------------------------------------------------------------------------------------
 // Micro-kernels. 6 rows x 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast.
 
-enum BwdEpilogue { kEpiExp = 0, kEpiDS = 1 };
+enum BwdEpilogue { kEpiExp = 0, kEpiDS = 1, kEpiDSG = 2 };
 
 // acc[r][0..16) = sum_c A[r][c] * BT[c][0..16) for r < MR (BT: one packed d x 16 panel), then
 //   kEpiExp: C[r] = exp2(alpha * acc - rv[r])           (P; rv = lse*log2e, +inf gives P = 0)
 //   kEpiDS:  C[r] = C[r] != 0 ? C[r] * (acc - rv[r]) : 0 (dS over P in place; rv = D)
+//   kEpiDSG: as kEpiDS, then C[r] = C[r] != 0 ? C[r] * G[r] : 0 (G: dscore(s), laid out like C)
 template <int MR, int EPI>
 static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
                                   const float* __restrict BT, int64_t d, float alpha,
-                                  const float* __restrict rv, float* __restrict C, int64_t ldc) {
+                                  const float* __restrict rv, float* __restrict C, int64_t ldc,
+                                  const float* __restrict G) {
   f8 c0[MR], c1[MR];
   {
     const f8 b0 = ld8(BT), b1 = ld8(BT + 8);
@@ -148,31 +185,42 @@ static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
     } else {
       const f8 z = splat(0.f);
       const f8 p0 = ld8(cr), p1 = ld8(cr + 8);
-      st8(cr, p0 != z ? p0 * (c0[r] - s) : z);
-      st8(cr + 8, p1 != z ? p1 * (c1[r] - s) : z);
+      f8 d0 = p0 != z ? p0 * (c0[r] - s) : z;
+      f8 d1 = p1 != z ? p1 * (c1[r] - s) : z;
+      if constexpr (EPI == kEpiDSG) {  // select, not multiply: dscore may be inf/NaN where dS' == 0
+        const float* gr = G + r * ldc;
+        d0 = d0 != z ? d0 * ld8(gr) : z;
+        d1 = d1 != z ? d1 * ld8(gr + 8) : z;
+      }
+      st8(cr, d0);
+      st8(cr + 8, d1);
     }
   }
 }
 
 // C (m x 16*npan, ld ldc) = epilogue(alpha * A (m x d, ld lda) * BT (npan packed d x 16 panels)).
+// G (kEpiDSG only, else null): same shape and ld as C.
 template <int EPI>
 static inline void bwd_gemm_abt(const float* A, int64_t lda, const float* BT, int64_t npan,
                                 int64_t m, int64_t d, float alpha, const float* rv, float* C,
-                                int64_t ldc) {
+                                int64_t ldc, const float* G = nullptr) {
   for (int64_t p = 0; p < npan; ++p) {
     const float* bt = BT + p * d * 16;
     float* cp = C + p * 16;
+    const float* gp = EPI == kEpiDSG ? G + p * 16 : nullptr;
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
-      bwd_abt_kernel<kMR, EPI>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc);
+      bwd_abt_kernel<kMR, EPI>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc,
+                               EPI == kEpiDSG ? gp + i * ldc : nullptr);
     const float* ai = A + i * lda;
     float* ci = cp + i * ldc;
+    const float* gi = EPI == kEpiDSG ? gp + i * ldc : nullptr;
     switch (m - i) {
-      case 5: bwd_abt_kernel<5, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
-      case 4: bwd_abt_kernel<4, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
-      case 3: bwd_abt_kernel<3, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
-      case 2: bwd_abt_kernel<2, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
-      case 1: bwd_abt_kernel<1, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc); break;
+      case 5: bwd_abt_kernel<5, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
+      case 4: bwd_abt_kernel<4, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
+      case 3: bwd_abt_kernel<3, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
+      case 2: bwd_abt_kernel<2, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
+      case 1: bwd_abt_kernel<1, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
       default: break;
     }
   }
@@ -228,30 +276,41 @@ static inline void bwd_gemm_acc(const float* A, int64_t lda, const float* B, int
 }
 
 // ------------------------------------------------------------------------------------------
-// Tile sizes. A task step (q tile x kv tile) touches, besides the qb x kvb P/dS tile, per kv tile
-// K^T and V^T panels, fp32 K, and the dK/dV accumulators (~5 * kvb * d floats) and per q tile
-// Q, dO and the dQ rows (~3 * qb * d floats); all of it should stay in the per-core L2:
+// Tile sizes. A task step (q tile x kv tile) touches, besides the qb x kvb P/dS tile (and, with a
+// score mod, the qb x kvb G tile), per kv tile K^T and V^T panels, fp32 K, and the dK/dV
+// accumulators (~5 * kvb * d floats) and per q tile Q, dO and the dQ rows (~3 * qb * d floats);
+// all of it should stay in the per-core L2:
 //   kvb = 128, halved (down to 32) while 5 * kvb * d * 4 B > L2 / 2; capped by seqlen_k;
-//   qb_max = 128, halved (down to 32) while (qb * kvb + 3 * qb * d) * 4 B > L2 / 2.
+//   qb_max = 128, halved (down to 32) while (t * qb * kvb + 3 * qb * d) * 4 B > L2 / 2, t = 1
+//   (2 with a score mod).
 // Among qb in {qb_max, qb_max / 2, ..., 32} the one minimising
 //   area(qb) * (1 + a / qb + a / kvb),   a = 5 (fixed per-tile costs, as in fwd.h)
 // is used, where area(qb) = sum over q tiles of rows x |[kv_lo, kv_hi)| (from the variant's
-// hooks): the score entries the backward computes. Dense: qb = qb_max; a diagonal mask trades
-// the masked half of the diagonal tiles against the per-tile overheads (causal 1K: 64, 4K: 128).
+// hooks, evaluated for b = h = 0: a model, not a visit list): the score entries the backward
+// computes. Dense: qb = qb_max; a diagonal mask trades the masked half of the diagonal tiles
+// against the per-tile overheads (causal 1K: 64, 4K: 128).
 // On the 2-core Zen 3 test machine (512 KiB L2) at d = 64: kvb = 128, qb_max = 128.
 // FLASHGEN_CPU_BWD_TILES="qb,kvb" overrides the choice (tuning only).
 struct BwdTiles {
   int64_t qb, kvb;
 };
 
+// The score-mod path of the backward (raw scores kept in a G tile, hooks per element): taken with
+// a score mod, and also for a parameter gradient without one (score() is then the identity).
+template <class Variant>
+constexpr bool bwd_mod_path() {
+  return Variant::kHasScoreMod || Variant::kHasParamGrad;
+}
+
 template <class Variant>
 static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int64_t nq,
                                         int64_t nk, int64_t d) {
   const int64_t l2 = l2_bytes();
+  const int64_t tiles_qk = bwd_mod_path<Variant>() ? 2 : 1;  // P/dS (+ G)
   int64_t kvb = 128;
   while (kvb > 32 && 5 * kvb * d * 4 > l2 / 2) kvb /= 2;
   int64_t qb_max = 128;
-  while (qb_max > 32 && (qb_max * kvb + 3 * qb_max * d) * 4 > l2 / 2) qb_max /= 2;
+  while (qb_max > 32 && (tiles_qk * qb_max * kvb + 3 * qb_max * d) * 4 > l2 / 2) qb_max /= 2;
   const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
   kvb = kvb < nk8 ? kvb : nk8;
   int64_t qb = qb_max < nq ? qb_max : (nq > 0 ? nq : 1);
@@ -263,8 +322,8 @@ static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int
       double area = 0.0;
       for (int64_t q_lo = 0; q_lo < nq; q_lo += qc) {
         const int64_t q_hi = q_lo + qc < nq ? q_lo + qc : nq;
-        int64_t lo = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
-        int64_t hi = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
+        int64_t lo = Variant::kv_lo(prm, 0, 0, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
+        int64_t hi = Variant::kv_hi(prm, 0, 0, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
         lo = lo < 0 ? 0 : lo;
         hi = hi > nk ? nk : hi;
         if (hi > lo) area += double(q_hi - q_lo) * double(hi - lo);
@@ -293,8 +352,7 @@ static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int
 // Plan: tiles, the kv range of every query tile, kv segments, task order.
 struct BwdPlan {
   int64_t qb, kvb, nqt, nkvt, nseg, group;
-  bool blas;
-  std::vector<int64_t> q_kvlo, q_kvhi;  // per q tile, clamped to [0, seqlen_k]
+  bool blas, mod;                       // mod: the score-mod path (bwd_mod_path)
   std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries
   std::vector<int64_t> tasks;           // task ids (bkv * nseg + seg), heaviest first
   float* dq_extra = nullptr;            // (nseg - 1) x [B, Hq, Nq, d] fp32, or null
@@ -309,14 +367,16 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
   pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
   pl.nkvt = Nk > 0 ? (Nk + t.kvb - 1) / t.kvb : 0;
   pl.group = Hkv > 0 ? a.heads_q / Hkv : 0;
-  pl.q_kvlo.resize(pl.nqt);
-  pl.q_kvhi.resize(pl.nqt);
+  pl.mod = bwd_mod_path<Variant>();
+  // kv range of every q tile for b = h = 0: a work model only (tasks evaluate the hooks for
+  // their own batch and query heads).
+  std::vector<int64_t> q_kvlo(pl.nqt), q_kvhi(pl.nqt);
   for (int64_t qt = 0; qt < pl.nqt; ++qt) {
     const int64_t q_lo = qt * t.qb, q_hi = std::min(q_lo + t.qb, Nq);
-    int64_t lo = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
-    int64_t hi = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
-    pl.q_kvlo[qt] = lo < 0 ? 0 : (lo > Nk ? Nk : lo);
-    pl.q_kvhi[qt] = hi > Nk ? Nk : (hi < 0 ? 0 : hi);
+    int64_t lo = Variant::kv_lo(prm, 0, 0, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+    int64_t hi = Variant::kv_hi(prm, 0, 0, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+    q_kvlo[qt] = lo < 0 ? 0 : (lo > Nk ? Nk : lo);
+    q_kvhi[qt] = hi > Nk ? Nk : (hi < 0 ? 0 : hi);
   }
   // Work per kv tile (score entries visited + a per-tile constant), its prefix sums.
   std::vector<double> prefix(pl.nkvt + 1, 0.0);
@@ -324,7 +384,7 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
     const int64_t k0 = kt * t.kvb, k1 = std::min(k0 + t.kvb, Nk);
     double w = double(k1 - k0) * 8.0;  // write-back
     for (int64_t qt = 0; qt < pl.nqt; ++qt) {
-      const int64_t ov = std::min(k1, pl.q_kvhi[qt]) - std::max(k0, pl.q_kvlo[qt]);
+      const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
       if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
     }
     prefix[kt + 1] = prefix[kt] + w;
@@ -371,6 +431,8 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
 // Per-worker scratch.
 struct BwdWork {
   float *kt, *vt, *kf, *vf, *khole, *dk, *dv, *qf, *dof, *S, *dP, *L, *D;
+  float* G;                // mod path: s or dscore(s), laid out like S (else null)
+  int64_t *rlo, *rhi;      // the task's kv range per (query head of the group, q tile)
   uint8_t *mask, *colkeep;
   int64_t ldS;
 };
@@ -383,6 +445,8 @@ static inline size_t bwd_work_bytes(const BwdPlan& pl, int64_t d) {
   off += 5 * al64(sizeof(float) * kvb * d);    // kf, vf, khole, dk, dv
   off += 2 * al64(sizeof(float) * qb * d);     // qf, dof
   off += 2 * al64(sizeof(float) * qb * ldS);   // S, dP
+  off += pl.mod ? al64(sizeof(float) * qb * ldS) : 0;  // G
+  off += 2 * al64(sizeof(int64_t) * pl.group * pl.nqt);  // rlo, rhi
   off += 2 * al64(sizeof(float) * qb);         // L, D
   off += al64(qb * kvb) + al64(kvb);           // mask, colkeep
   return off;
@@ -409,6 +473,13 @@ static inline BwdWork bwd_work_carve(const BwdPlan& pl, int64_t d, char* base) {
   w.dof = reinterpret_cast<float*>(take(sizeof(float) * qb * d));
   w.S = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
   w.dP = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
+  w.G = nullptr;
+  if (pl.mod) {  // zeroed once: the DS epilogue reads whole panels of it
+    w.G = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
+    memset(w.G, 0, sizeof(float) * qb * w.ldS);
+  }
+  w.rlo = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * pl.group * pl.nqt));
+  w.rhi = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * pl.group * pl.nqt));
   w.L = reinterpret_cast<float*>(take(sizeof(float) * qb));
   w.D = reinterpret_cast<float*>(take(sizeof(float) * qb));
   w.mask = reinterpret_cast<uint8_t*>(take(qb * kvb));
@@ -428,6 +499,23 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
   const int nq_i = (int)Nq, nk_i = (int)Nk;
   const bool blas = pl.blas;
   const float alpha = a.scale * kLog2e;
+  // Score-mod path: G holds dscore(s) (no parameter gradient: the DS epilogue multiplies it in)
+  // or s itself (parameter gradient: dscore and param_grad run together after the DS epilogue).
+  constexpr bool kMod = bwd_mod_path<Variant>();
+  constexpr bool kStoreS = Variant::kHasParamGrad;
+  const int bi = (int)b;
+
+  // kv range [rlo, rhi) of every (query head of the group, q tile), clamped to [0, seqlen_k].
+  for (int64_t g = 0; g < group; ++g) {
+    const int hq = (int)(hk * group + g);
+    for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+      const int64_t q_lo = qt * qb, q_hi = std::min(q_lo + qb, Nq);
+      const int64_t lo = Variant::kv_lo(prm, bi, hq, (int)q_lo, (int)q_hi, nq_i, nk_i);
+      const int64_t hi = Variant::kv_hi(prm, bi, hq, (int)q_lo, (int)q_hi, nq_i, nk_i);
+      w.rlo[g * pl.nqt + qt] = lo < 0 ? 0 : (lo > Nk ? Nk : lo);
+      w.rhi[g * pl.nqt + qt] = hi > Nk ? Nk : (hi < 0 ? 0 : hi);
+    }
+  }
 
   const T* Kh = static_cast<const T*>(a.k) + b * a.k_stride_b + hk * a.k_stride_h;
   const T* Vh = static_cast<const T*>(a.v) + b * a.v_stride_b + hk * a.v_stride_h;
@@ -446,7 +534,9 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
 
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = hk * group + g;
-      const int bi = (int)b, hi_ = (int)h;
+      const int hi_ = (int)h;
+      const int64_t* rlo = w.rlo + g * pl.nqt;
+      const int64_t* rhi = w.rhi + g * pl.nqt;
       const float* lse_bh = a.lse + (b * Hq + h) * Nq;
       const float* D_bh = a.softmax_d + (b * Hq + h) * Nq;
       float* dq_bh = dq_seg + (b * Hq + h) * Nq * d;
@@ -454,7 +544,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
       const T* dOh = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h;
 
       for (int64_t qt = 0; qt < pl.nqt; ++qt) {
-        const int64_t cs = std::max(k0, pl.q_kvlo[qt]), ce = std::min(k1, pl.q_kvhi[qt]);
+        const int64_t cs = std::max(k0, rlo[qt]), ce = std::min(k1, rhi[qt]);
         if (cs >= ce) continue;
         const int64_t q_lo = qt * qb, mq = std::min(qb, Nq - q_lo);
         const float* lse = lse_bh + q_lo;
@@ -466,8 +556,8 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         int64_t c0 = cs - k0, c1 = ce - k0;  // tile columns
         bool full = true, holes = false;
         if constexpr (Variant::kHasMask) {
-          full = Variant::tile_full(prm, (int)(q_lo + r0), (int)(q_lo + r1), (int)cs, (int)ce,
-                                    nq_i, nk_i);
+          full = Variant::tile_full(prm, bi, hi_, (int)(q_lo + r0), (int)(q_lo + r1), (int)cs,
+                                    (int)ce, nq_i, nk_i);
           if (!full) {
             memset(w.colkeep + c0, 0, c1 - c0);
             int64_t nr0 = r1, nr1 = r0;
@@ -553,29 +643,70 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         }
 
         // S tile: row i = query q_lo + r0 + i, column j = key k0 + c0a + j. P = its [.., c0 - c0a..).
+        // G (mod path) has the same layout; Gp = its P part.
         float* S = w.S;
         float* P = S + (c0 - c0a);
-        if (blas) {
-          blas_sgemm(true, false, nn, m, d, alpha, Kf + c0 * ldk, ldk, Qf, ldq, 0.f, S, ldS);
-          for (int64_t i = 0; i < m; ++i) {
-            float* s = S + i * ldS;
-            const f8 vl = splat(w.L[i]);
-            for (int64_t j = 0; j < nn8; j += 8) st8(s + j, exp2v(ld8(s + j) - vl));
+        float* Gp = kMod ? w.G + (c0 - c0a) : nullptr;
+        const int64_t npan = (c1 - c0a + 15) / 16;  // own kernels: panels from c0a
+        if constexpr (!kMod) {
+          if (blas) {
+            blas_sgemm(true, false, nn, m, d, alpha, Kf + c0 * ldk, ldk, Qf, ldq, 0.f, S, ldS);
+            for (int64_t i = 0; i < m; ++i) {
+              float* s = S + i * ldS;
+              const f8 vl = splat(w.L[i]);
+              for (int64_t j = 0; j < nn8; j += 8) st8(s + j, exp2v(ld8(s + j) - vl));
+            }
+          } else {
+            bwd_gemm_abt<kEpiExp>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, alpha, w.L, S,
+                                  ldS);
+          }
+          if (!full || c0a < c0) {  // masked entries (by selection) and the panel-alignment head
+            for (int64_t i = 0; i < m; ++i) {
+              float* s = S + i * ldS;
+              for (int64_t j = 0; j < c0 - c0a; ++j) s[j] = 0.f;
+              if (!full) {
+                const uint8_t* mr = w.mask + (r0 + i) * kvb + c0;
+                float* p = s + (c0 - c0a);
+                for (int64_t j = 0; j < nn; ++j) p[j] = mr[j] ? p[j] : 0.f;
+              }
+            }
           }
         } else {
-          const int64_t npan = (c1 - c0a + 15) / 16;
-          bwd_gemm_abt<kEpiExp>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, alpha, w.L, S,
-                                ldS);
-        }
-        if (!full || c0a < c0) {  // masked entries (by selection) and the panel-alignment head
+          // s = scale·q·k (natural units); per in-bounds kept entry s' = score(s), G = dscore(s)
+          // (or s); masked entries get s' = -inf, so P = 2^(s'·log2e − lse·log2e) is exactly 0.
+          if (blas)
+            blas_sgemm(true, false, nn, m, d, a.scale, Kf + c0 * ldk, ldk, Qf, ldq, 0.f, S, ldS);
+          else
+            gemm_qk(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, a.scale, S, ldS);
           for (int64_t i = 0; i < m; ++i) {
             float* s = S + i * ldS;
             for (int64_t j = 0; j < c0 - c0a; ++j) s[j] = 0.f;
-            if (!full) {
-              const uint8_t* mr = w.mask + (r0 + i) * kvb + c0;
-              float* p = s + (c0 - c0a);
-              for (int64_t j = 0; j < nn; ++j) p[j] = mr[j] ? p[j] : 0.f;
+            float* p = P + i * ldS;
+            float* gp = Gp + i * ldS;
+            if (!(w.L[i] < kPosInf)) {  // a row that sees no key (lse == -inf): P = 0, no hooks
+              memset(p, 0, sizeof(float) * nn8);
+              continue;
             }
+            const int qi = (int)(q_lo + r0 + i);
+            const int kv0 = (int)(k0 + c0);
+            // Both hooks run before either store: a store through p / gp may alias Params in the
+            // compiler's view and would keep it from sharing their common subexpressions.
+            const uint8_t* mr = full ? nullptr : w.mask + (r0 + i) * kvb + c0;
+            for (int64_t j = 0; j < nn; ++j) {
+              const float x = p[j];
+              const int kv = kv0 + (int)j;
+              if (full || mr[j]) {
+                const float sp = Variant::score(prm, x, bi, hi_, qi, kv, nq_i, nk_i);
+                const float g = kStoreS ? x : Variant::dscore(prm, x, bi, hi_, qi, kv, nq_i, nk_i);
+                p[j] = sp * kLog2e;
+                gp[j] = g;
+              } else {
+                p[j] = kNegInf;
+              }
+            }
+            for (int64_t j = nn; j < nn8; ++j) p[j] = kNegInf;
+            const f8 vl = splat(w.L[i]);
+            for (int64_t j = 0; j < nn8; j += 8) st8(p + j, exp2v(ld8(p + j) - vl));
           }
         }
 
@@ -585,7 +716,9 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         else
           bwd_gemm_acc<true>(P, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
 
-        // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0).
+        // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0). Mod path: that is dS', and
+        // dS = dS' · dscore(s), selected to 0 wherever dS' == 0.
+        constexpr bool kMulG = kMod && !kStoreS;  // G holds dscore(s): multiply it in here
         if (blas) {
           blas_sgemm(true, false, nn, m, d, 1.f, Vf + c0 * ldv, ldv, dOf, lddo, 0.f, w.dP, ldS);
           const f8 z = splat(0.f);
@@ -595,13 +728,41 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
             const f8 vd = splat(w.D[i]);
             for (int64_t j = 0; j < nn8; j += 8) {
               const f8 pv = ld8(p + j);
-              st8(p + j, pv != z ? pv * (ld8(dp + j) - vd) : z);
+              const f8 ds = pv != z ? pv * (ld8(dp + j) - vd) : z;
+              if constexpr (kMulG)
+                st8(p + j, ds != z ? ds * ld8(Gp + i * ldS + j) : z);
+              else
+                st8(p + j, ds);
             }
           }
+        } else if constexpr (kMulG) {
+          bwd_gemm_abt<kEpiDSG>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan, m, d, 1.f, w.D, S,
+                                ldS, w.G);
         } else {
-          const int64_t npan = (c1 - c0a + 15) / 16;
           bwd_gemm_abt<kEpiDS>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan, m, d, 1.f, w.D, S,
                                ldS);
+        }
+        if constexpr (kMod && kStoreS) {
+          // G holds s: param_grad(dS', s) and dS = dS' · dscore(s) on every entry with dS' != 0
+          // (in bounds, kept, nonzero P by construction).
+          for (int64_t i = 0; i < m; ++i) {
+            if (!(w.L[i] < kPosInf)) continue;  // P = 0: dS' = 0 throughout
+            float* p = P + i * ldS;
+            const float* gp = Gp + i * ldS;
+            const int qi = (int)(q_lo + r0 + i);
+            const int kv0 = (int)(k0 + c0);
+            for (int64_t j = 0; j < nn; ++j) {
+              const float ds = p[j];
+              if (ds != 0.f) {
+                const float x = gp[j];
+                const int kv = kv0 + (int)j;
+                // dscore before param_grad: its atomic add may alias Params for the compiler.
+                const float g = Variant::dscore(prm, x, bi, hi_, qi, kv, nq_i, nk_i);
+                Variant::param_grad(prm, ds, x, bi, hi_, qi, kv, nq_i, nk_i);
+                p[j] = ds * g;
+              }
+            }
+          }
         }
 
         // dK[c0, c1) += dS^T Q (scale at write-back).
@@ -649,9 +810,6 @@ int run_bwd(const FgBwdArgs& args) {
                     std::is_same<Element, c10::BFloat16>::value ||
                     std::is_same<Element, c10::Half>::value,
                 "flashgen::cpu::run_bwd: Element must be float, c10::BFloat16 or c10::Half");
-  static_assert(!Variant::kHasScoreMod,
-                "flashgen::cpu::run_bwd: score modifications (Variant::kHasScoreMod) have no "
-                "backward yet; only mask-only variants can be differentiated on the CPU");
   using namespace detail;
   using C = Conv<Element>;
   using T = typename C::T;

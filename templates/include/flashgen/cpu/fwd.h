@@ -6,8 +6,9 @@
 // head_dim: runtime, any multiple of 8 in [8, 256] (else FG_ERR_BAD_HEAD_DIM).
 //
 // Algorithm: FlashAttention forward (Dao et al. 2022, Alg. 1) in the FA2 loop order. Work is
-// split over (batch, query head, query tile) with at::parallel_for; one task owns a query tile
-// and streams the kv tiles in [Variant::kv_lo, Variant::kv_hi) (clamped to [0, seqlen_k]):
+// split over (batch b, query head h, query tile) with at::parallel_for; one task owns a query
+// tile and streams the kv tiles in [Variant::kv_lo, Variant::kv_hi) (evaluated for the task's
+// b and h, clamped to [0, seqlen_k]):
 //
 //     S = Q K^T * scale                      fp32 gemm (see "gemm backends")
 //     S = score(S)                           only if Variant::kHasScoreMod
@@ -17,6 +18,16 @@
 //
 // then out = O / l and lse = ln(l) + m (natural log). log2(e) is folded into the QK gemm's
 // alpha (or applied after the score hook), so the softmax runs on a vectorised exp2.
+//
+// Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
+// value-initialised Params when args.params is null (allowed when Params is empty); it is shared
+// read-only by all threads. kv_lo / kv_hi / tile_full are evaluated per work item with its own
+// (b, h), so a mask may depend on the batch and the query head; only the tile-size cost model
+// (choose_tiles), which has no particular work item, evaluates kv_lo / kv_hi at b = h = 0.
+// score(s) gets s = scale * q.k in natural units and is called on every entry of the loaded
+// (trimmed) tile, all of them in bounds, kept or not: a masked entry's result is discarded by
+// the selection that follows. dscore and param_grad are backward-only (bwd.h); kHasParamGrad
+// does not change the forward.
 //
 // Gemm backends (both fp32 in, fp32 out):
 //   * own (default when compiled with AVX2+FMA): register-blocked 6x16 FMA micro-kernels below.
@@ -346,7 +357,8 @@ struct Conv<c10::Half> {
 // hands out, of the score entries each task computes (mq x clamped kv range, from the variant's
 // kv_lo/kv_hi hooks). This trades the efficiency of big q tiles against the work a diagonal mask
 // wastes (causal: ~qb/2 masked columns per row on the diagonal tile) and against load imbalance
-// when batch * heads is small. L2 = sysconf(_SC_LEVEL2_CACHE_SIZE), 512 KiB if unknown.
+// when batch * heads is small. The kv ranges of this model are taken at b = h = 0.
+// L2 = sysconf(_SC_LEVEL2_CACHE_SIZE), 512 KiB if unknown.
 // Examples (2 threads, B*H = 16, d = 64): dense 1K/4K -> 256 x 512; causal 1K -> 64 x 512,
 // causal 4K -> 128 x 512.
 // FLASHGEN_CPU_TILES="qb,kvb" in the environment overrides the choice (tuning only).
@@ -391,8 +403,8 @@ static Tiles choose_tiles(const typename Variant::Params& prm, int64_t bh, int64
       prefix.assign(nqt + 1, 0.0);
       for (int64_t t = 0; t < nqt; ++t) {
         const int64_t lo_q = t * qc, hi_q = lo_q + qc < nq ? lo_q + qc : nq;
-        int64_t lo = Variant::kv_lo(prm, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
-        int64_t hi = Variant::kv_hi(prm, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
+        int64_t lo = Variant::kv_lo(prm, 0, 0, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
+        int64_t hi = Variant::kv_hi(prm, 0, 0, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
         lo = lo < 0 ? 0 : lo;
         hi = hi > nk ? nk : hi;
         const double span = hi > lo ? double(hi - lo) : 0.0;
@@ -660,8 +672,8 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
     const T* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h;
     const T* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h;
 
-    int64_t kv_begin = Variant::kv_lo(prm, (int)q_lo, (int)q_hi, nq_i, nk_i);
-    int64_t kv_end = Variant::kv_hi(prm, (int)q_lo, (int)q_hi, nq_i, nk_i);
+    int64_t kv_begin = Variant::kv_lo(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
+    int64_t kv_end = Variant::kv_hi(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     kv_begin = kv_begin < 0 ? 0 : kv_begin;
     kv_end = kv_end > Nk ? Nk : kv_end;
 
@@ -691,7 +703,8 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
       int64_t c0 = 0, c1 = n;
       bool holes = false;
       if constexpr (Variant::kHasMask) {
-        full = Variant::tile_full(prm, (int)q_lo, (int)q_hi, (int)kv0, (int)kv1, nq_i, nk_i);
+        full = Variant::tile_full(prm, bi, hi_, (int)q_lo, (int)q_hi, (int)kv0, (int)kv1, nq_i,
+                                  nk_i);
         if (!full) {
           memset(colkeep, 0, n);
           for (int64_t i = 0; i < mq; ++i) {

@@ -6,8 +6,23 @@
 //   int flashgen::cuda::launch_bwd(const FgBwdArgs& args);   // FgStatus; no host sync
 //
 // Supported head dims: every multiple of 8 from 8 to 256 (padded internally to kD = round_up(d,
-// 16) like the forward). Score modifications (Variant::kHasScoreMod) are not supported yet (a
-// static_assert says so): the chain rule needs d score / d s.
+// 16) like the forward). Every Variant the forward takes is supported: masks (kv_lo / kv_hi /
+// tile_full / keep, evaluated per batch and query head), score mods (kHasScoreMod, through
+// dscore) and parameter gradients (kHasParamGrad, through param_grad). Variant::Params comes
+// from FgBwdArgs::params (null allowed when it is empty) and is passed to the kernels by value.
+//
+// Score mods (the contract's "Backward with a score mod"): per in-bounds kept element
+//   s = scale·q·k (natural units);  s' = score(s);  P = exp(s' − lse);
+//   dS' = P ∘ (dP − D);  dS = dS' · dscore(s), selected as exactly 0 where dS' == 0;
+//   dQ = scale·dS K,  dK = scale·dSᵀ Q,  dV = Pᵀ dO  (tensor cores, as without a score mod);
+// masked or out-of-bounds elements get P = dS = 0 by selection and never reach a hook, so a
+// non-finite score/dscore there (or at a P that underflowed to 0) cannot leak into dq/dk/dv.
+// With kHasParamGrad, param_grad(dS', s, b, h, q, kv, ...) runs once per in-bounds kept element
+// with dS' != 0: in the main kernel only (never in DqKernel), by one warp when kWarpsD = 2 splits
+// a key slab over two warps. The variant accumulates parameter gradients with fg_atomic_add
+// (float atomics) into buffers the caller owns (and zero-fills), so they are not bitwise
+// repeatable even in the deterministic mode. Score-mod instantiations use smaller default tiles
+// (see DefaultBwdTile).
 //
 // ---------------------------------------------------------------------------------------------
 // Launch sequence (all on args.stream, no host synchronisation):
@@ -22,6 +37,8 @@
 //        S^T = K Q^T, dP^T = V dO^T                     (warp w owns keys 16w..16w+15)
 //        P^T = exp2(scale·log2e·S^T − log2e·LSE)         (0 by selection where masked)
 //        dS^T = P^T ∘ (dP^T − D)
+//          (score mod: P^T = exp2(log2e·score(scale·S^T) − log2e·LSE), dS^T = dscore ∘ that,
+//           and param_grad; see score_grads)
 //        dV += P^T dO,  dK += dS^T Q                     (P^T, dS^T straight from registers)
 //        non-deterministic: dS^T -> shared memory; after a barrier, dQ_partial = dS K on all
 //        warps, added to dq_accum with fp32 atomics (red.global.add.v2.f32 on sm_90).
@@ -32,30 +49,38 @@
 //     the deterministic one (e.g. sm_86/89, 99 KB, at kD = 80) takes the deterministic path
 //     below instead. Shared memory per CTA (bytes; non-deterministic main / deterministic main /
 //     DqKernel): kD = 64: 93,184 / 74,752 / 55,296; kD = 128: 158,720 / 140,288 / 104,448;
-//     kD = 256: 140,800 / 135,680 / 135,168. So kD >= 96 needs sm_80 or sm_90 (like the
-//     forward's larger tiles); sm_86/89 get FG_ERR_SMEM_ATTR there.
+//     kD = 256: 140,800 / 135,680 / 135,168; with a score mod at kD = 128: 115,200 / 104,960 /
+//     104,448. So kD >= 96 needs sm_80 or sm_90 (like the forward's larger tiles); sm_86/89 get
+//     FG_ERR_SMEM_ATTR there.
 //  3. dq: non-deterministic: bwd_convert_kernel, dq = scale · dq_accum in the input dtype.
 //     deterministic: DqKernel, one CTA per (query tile, query head, batch) recomputes S, P, dP,
-//     dS for its rows over all visible key tiles and accumulates dQ = dS K in registers (no
-//     atomics anywhere, dq_accum unused): bitwise-repeatable, ~7/5 of the tensor-core work.
+//     dS (with the score-mod chain rule, without param_grad) for its rows over all visible key
+//     tiles and accumulates dQ = dS K in registers (no atomics for dq/dk/dv, dq_accum unused):
+//     bitwise-repeatable, ~7/5 of the tensor-core work.
 //  4. GQA split (non-deterministic only): when (key tiles × kv heads × batch) is at most half
 //     the multiprocessor count, the query heads of a group are shared among several CTAs which
 //     add dK, dV into dk_accum/dv_accum (fp32 atomics); bwd_convert_kernel then writes dk, dv.
 //     Otherwise (and always in deterministic mode) one CTA loops over the whole group and writes
 //     dk/dv directly: dk_accum/dv_accum are then unused.
 //
-// Query tiles that see a key tile are found generically with Variant::kv_lo/kv_hi: every lane
-// of a warp tests q tiles lane, lane+32, ... and the warp reduces min/max, so the CTA visits
-// [m_first, m_last] and skips (with a uniform test) any tile in between that cannot see it.
-// (With BwdTile::kRotate the walk starts at an offset proportional to the key tile index and
-// wraps around.)
+// Query tiles that see a key tile are found generically with Variant::kv_lo/kv_hi, per query
+// head (a mask may depend on b and h, and one K/V-major CTA serves all query heads of its GQA
+// share): every lane of a warp tests q tiles lane, lane+32, ... of each head of the share and the
+// warp reduces min/max, so the CTA walks [m_first, m_last] once per head and skips (with a
+// uniform test on that head's range) any (head, tile) pair that cannot see the key tile. K/V rows
+// are loaded for the union of the ranges. Without a mask the ranges are the whole key range for
+// every head, and one scan serves all heads. (With BwdTile::kRotate the walk starts at an offset
+// proportional to the key tile index and wraps around.)
 // Tile classification as in the forward: the per-element path (bounds + Variant::keep) runs
-// only on tiles that cross the query tile's [kv_lo, kv_hi), seqlen_k or seqlen_q, or where
-// Variant::tile_full says the mask is partial.
+// only on tiles that cross that (head, query tile)'s [kv_lo, kv_hi), seqlen_k or seqlen_q, or
+// where Variant::tile_full says the mask is partial. The bare path therefore only sees in-bounds
+// elements, which is what lets it call score/dscore/param_grad without per-element bounds tests
+// (the same holds in DqKernel).
 //
 // Rows with LSE = -inf (no visible key) use +inf instead, so P = exp2(x - inf) = 0 there: their
-// dq is 0 and they add nothing to dk/dv. Keys no query sees get dk = dv = 0 exactly. K/V rows of
-// a tile outside the union of the visible ranges are zero-filled in shared memory.
+// dq is 0 and they add nothing to dk/dv (with a score mod dS' = 0 too, so dscore's value and
+// param_grad are skipped). Keys no query sees get dk = dv = 0 exactly. K/V rows of a tile outside
+// the union of the visible ranges are zero-filled in shared memory.
 //
 // ---------------------------------------------------------------------------------------------
 // Fragment layouts: see fwd.cuh. The main kernel uses
@@ -176,6 +201,30 @@ __device__ __forceinline__ float lse_log2(float lse) {
   return lse == -INFINITY ? INFINITY : lse * 1.4426950408889634f;
 }
 
+// The chain rule through a score mod for one in-bounds, kept element (q < seqlen_q, kv <
+// seqlen_k, keep() true; the callers guarantee it, so the hooks never see anything else):
+//   s = scale * x (x = q.k, the raw accumulator);  P = exp2(log2e * score(s) - lse2);
+//   dS' = P * dp_minus_d;  dS = dS' * dscore(s), selected as exactly 0 where dS' == 0 so that a
+//   non-finite dscore at a zero-probability entry cannot leak.
+// kParamGrad && param_grad_here: param_grad(dS', s, ...) for elements with dS' != 0 (the variant
+// adds atomically); param_grad_here lets exactly one of several warps that recompute the same
+// element make the call.
+template <class Variant, bool kParamGrad>
+__device__ __forceinline__ void score_grads(const typename Variant::Params& vp, float x, float scale,
+                                            float lse2, float dp_minus_d, int b, int h, int q,
+                                            int kv, int Nq, int Nk, bool param_grad_here,
+                                            float& pv, float& ds) {
+  const float s = x * scale;
+  pv = ptx::exp2_approx(
+      fmaf(Variant::score(vp, s, b, h, q, kv, Nq, Nk), 1.4426950408889634f, -lse2));
+  const float dsp = pv * dp_minus_d;
+  const float dsc = Variant::dscore(vp, s, b, h, q, kv, Nq, Nk);
+  ds = dsp != 0.f ? dsp * dsc : 0.f;
+  if constexpr (kParamGrad) {
+    if (param_grad_here && dsp != 0.f) Variant::param_grad(vp, dsp, s, b, h, q, kv, Nq, Nk);
+  }
+}
+
 // Lane offsets inside a 16x16 ldmatrix block (see fwd.cuh): kPattern A = rows (l&7)+((l>>3)&1)*8,
 // col (l>>4)*8 (A operands, and .trans B operands); pattern B = rows (l&7)+(l>>4)*8, col
 // ((l>>3)&1)*8 (non-trans B operands, and the .trans A operand of dQ = dS K).
@@ -242,11 +291,23 @@ struct DqTile {
 // at kD = 128; 64 keys x 64 queries x 4 warps 0-7% slower at kD = 64; 128 x 128 x 8 warps spills
 // at kD = 64.
 // DqKernel: 64 queries x 64 keys (kD <= 128), x 32 keys above.
+// With a score mod (score, dscore and possibly param_grad on every element; see score_grads)
+// the default main tile spills on sm_90a from kD = 80 on (40 B at kD = 96, 356 B at kD = 128
+// for a softcap + per-head ALiBi + sliding-window example with parameter gradients), so
+// 64 < kD <= 128 takes 128 keys x 32 queries (214-253 registers there, no spills; 64 keys x 64
+// queries with kWarpsD = 2 also fits, but computes S^T and dP^T twice). kD <= 64 and kD > 128
+// keep their tiles (no spills: 204-255 registers). The DqKernel tiles do not spill with that
+// example either (254-255 registers at kD = 80..128); DqTile<4, 32> would leave headroom (198 at
+// kD = 128).
 template <class Variant, int kHeadDim>
 struct DefaultBwdTile {
   static constexpr int kD = (kHeadDim + 15) / 16 * 16;
-  using type = typename std::conditional<(kD <= 128), BwdTile<64, 8, 1, 2>,
-                                         BwdTile<32, 8, 2, 2>>::type;
+  using type = typename std::conditional<
+      (kD <= 64), BwdTile<64, 8, 1, 2>,
+      typename std::conditional<(kD <= 128),
+                                typename std::conditional<Variant::kHasScoreMod, BwdTile<32, 8, 1, 2>,
+                                                          BwdTile<64, 8, 1, 2>>::type,
+                                BwdTile<32, 8, 2, 2>>::type>::type;
   using dq_type = typename std::conditional<(kD <= 128), DqTile<4, 64>, DqTile<4, 32>>::type;
 };
 
@@ -365,10 +426,6 @@ struct BwdKernel {
                 "8 up to 256)");
   static_assert(std::is_same<Element, __half>::value || std::is_same<Element, __nv_bfloat16>::value,
                 "flashgen CUDA backward supports __half and __nv_bfloat16 inputs");
-  static_assert(!Variant::kHasScoreMod,
-                "flashgen CUDA backward: variants with a score modification (kHasScoreMod) are "
-                "not supported yet (the backward would need d score / d s); generate the "
-                "backward only for mask-only variants");
   using VParams = typename Variant::Params;
   static_assert(std::is_trivially_copyable<VParams>::value,
                 "Variant::Params must be trivially copyable (it is passed by value to the kernel)");
@@ -430,17 +487,40 @@ struct BwdKernel {
   struct Range {
     int begin, end;
   };
-  // Keys the query tile m may see, clamped to [0, seqlen_k] (as in the forward).
-  static __device__ __forceinline__ Range kv_range(const Params& p, int m) {
+  // Keys the query tile m of (batch b, query head h) may see, clamped to [0, seqlen_k] (as in
+  // the forward).
+  static __device__ __forceinline__ Range kv_range(const Params& p, int b, int h, int m) {
     const int q_lo = m * kBlockM;
     const int q_hi = imin(q_lo + kBlockM, p.seqlen_q);
     Range r;
-    r.begin = imin(imax(Variant::kv_lo(p.vp, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0), p.seqlen_k);
-    r.end = imin(imax(Variant::kv_hi(p.vp, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0), p.seqlen_k);
+    r.begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0),
+                   p.seqlen_k);
+    r.end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, p.seqlen_q, p.seqlen_k), 0),
+                 p.seqlen_k);
     return r;
   }
   static __device__ __forceinline__ bool sees(const Range& r, int kv0) {
     return r.begin < r.end && r.begin < kv0 + kBlockN && r.end > kv0;
+  }
+  // Advance (gi, m) to the next step of the CTA's walk: the heads h0 + gi of its share in order,
+  // for each the query tiles m_start, m_start + 1, ..., m_last, m_first, ..., m_start - 1, minus
+  // the (head, tile) pairs that cannot see key tile kv0. gi == n_heads: the walk is over.
+  // Without a mask every head sees the same tiles (all keys), m_start is one of them, and a wrap
+  // back to m_start simply moves on to the next head.
+  static __device__ __forceinline__ void next_step(const Params& p, int b, int h0, int n_heads,
+                                                   int m_first, int m_last, int m_start, int kv0,
+                                                   int& gi, int& m) {
+    if constexpr (Variant::kHasMask) {
+      do {
+        m = m == m_last ? m_first : m + 1;
+        if (m == m_start) ++gi;
+      } while (gi < n_heads && !sees(kv_range(p, b, h0 + gi, m), kv0));
+    } else {
+      do {
+        m = m == m_last ? m_first : m + 1;
+      } while (m != m_start && !sees(kv_range(p, b, h0, m), kv0));
+      if (m == m_start) ++gi;
+    }
   }
 
   struct Item {
@@ -461,6 +541,11 @@ struct BwdKernel {
     it.hkv = int(w - r * p.heads_kv);
     it.b = int(r);
     return it;
+  }
+
+  // First query head of the item's share of its GQA group (heads_per_split heads).
+  static __device__ __forceinline__ int first_head(const Params& p, const Item& it) {
+    return it.hkv * p.group + it.split * p.heads_per_split;
   }
 
   // Q, dO rows of query tile m (head h) and their LSE / D into stage `stage`.
@@ -504,9 +589,10 @@ struct BwdKernel {
   static __device__ __forceinline__ void probs_grads(const Params& p, float (&st)[kMBlocks][4],
                                                      float (&dpt)[kMBlocks][4], const float* sL,
                                                      const float* sD, int b, int h, int q_lo,
-                                                     int kv_row0, const Range& r, int lane) {
+                                                     int kv_row0, const Range& r, int wd,
+                                                     int lane) {
     const int g = lane >> 2, t = lane & 3;
-    const float c = p.scale_log2;
+    [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
 #pragma unroll
     for (int j = 0; j < kMBlocks; ++j) {
       const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
@@ -515,18 +601,34 @@ struct BwdKernel {
       const float d[2] = {dd.x, dd.y};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e & 1]));
-        float ds = pv * (dpt[j][e] - d[e & 1]);
-        if constexpr (kMasked) {
+        if constexpr (Variant::kHasScoreMod) {
+          // Hooks only on in-bounds kept elements; everything else is P = dS = 0 by selection.
           const int q = q_lo + j * 8 + 2 * t + (e & 1);
           const int kv = kv_row0 + g + (e >> 1) * 8;
-          const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
-                                                        p.seqlen_q, p.seqlen_k);
-          pv = vis ? pv : 0.f;
-          ds = vis ? ds : 0.f;
+          float pv = 0.f, ds = 0.f;
+          if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
+                                                       p.seqlen_q, p.seqlen_k)) {
+            // With kWarpsD == 2 both warps of a key slab compute it; the wd == 0 one reports.
+            bwd_detail::score_grads<Variant, Variant::kHasParamGrad>(
+                p.vp, st[j][e], p.scale, l[e & 1], dpt[j][e] - d[e & 1], b, h, q, kv,
+                p.seqlen_q, p.seqlen_k, kWarpsD == 1 || wd == 0, pv, ds);
+          }
+          st[j][e] = pv;
+          dpt[j][e] = ds;
+        } else {
+          float pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e & 1]));
+          float ds = pv * (dpt[j][e] - d[e & 1]);
+          if constexpr (kMasked) {
+            const int q = q_lo + j * 8 + 2 * t + (e & 1);
+            const int kv = kv_row0 + g + (e >> 1) * 8;
+            const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
+                                                          p.seqlen_q, p.seqlen_k);
+            pv = vis ? pv : 0.f;
+            ds = vis ? ds : 0.f;
+          }
+          st[j][e] = pv;
+          dpt[j][e] = ds;
         }
-        st[j][e] = pv;
-        dpt[j][e] = ds;
       }
     }
   }
@@ -544,15 +646,22 @@ struct BwdKernel {
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int kv0 = item.n_tile * kBlockN;
 
-    // Which query tiles see this key tile (warp-parallel scan, every warp does it).
+    // Which (query head, query tile) pairs see this key tile (warp-parallel scan, every warp
+    // does it): lane l tests the query tiles l, l + 32, ... of every head of the CTA's share
+    // (a mask may depend on the query head; without one all heads see every key), and the warp
+    // reduces the span [m_first, m_last] of tiles that some head needs and the union
+    // [vis_lo, vis_hi) of their key ranges.
+    const int scan_heads = Variant::kHasMask ? p.heads_per_split : 1;
     int m_first = INT_MAX, m_last = -1, vis_lo = INT_MAX, vis_hi = 0;
     for (int m = lane; m < p.num_m_tiles; m += 32) {
-      const Range r = kv_range(p, m);
-      if (sees(r, kv0)) {
-        m_first = imin(m_first, m);
-        m_last = imax(m_last, m);
-        vis_lo = imin(vis_lo, r.begin);
-        vis_hi = imax(vis_hi, r.end);
+      for (int gi = 0; gi < scan_heads; ++gi) {
+        const Range r = kv_range(p, b, first_head(p, item) + gi, m);
+        if (sees(r, kv0)) {
+          m_first = imin(m_first, m);
+          m_last = imax(m_last, m);
+          vis_lo = imin(vis_lo, r.begin);
+          vis_hi = imax(vis_hi, r.end);
+        }
       }
     }
     m_first = __reduce_min_sync(0xffffffffu, m_first);
@@ -568,7 +677,7 @@ struct BwdKernel {
     }
 
     const int n_heads = p.heads_per_split;
-    const int h0 = item.hkv * p.group + item.split * n_heads;
+    const int h0 = first_head(p, item);
     const uint32_t sK = smem_base + kOffK;
     const uint32_t sV = smem_base + kOffV;
 
@@ -579,28 +688,36 @@ struct BwdKernel {
                                                                          vis_lo, vis_hi, tid);
       bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sV, v_g, p.v_sn, kv0,
                                                                          vis_lo, vis_hi, tid);
-      // First query tile of the walk (visible by construction; the walk wraps around).
+      // The walk (next_step) starts at m_start and wraps around [m_first, m_last]; its first step
+      // is the first visible (head, tile) pair from (h0, m_start) on, which exists because some
+      // head of the share sees this key tile. (Without a mask m_start itself is made visible.)
       int m_start = m_first;
       if constexpr (Tile::kRotate) {
         const int count = m_last - m_first + 1;
         m_start += int(int64_t(item.n_tile) * count / p.num_n_tiles) % count;
-        while (!sees(kv_range(p, m_start), kv0)) m_start = m_start == m_last ? m_first : m_start + 1;
+        if constexpr (!Variant::kHasMask) {
+          while (!sees(kv_range(p, b, h0, m_start), kv0)) {
+            m_start = m_start == m_last ? m_first : m_start + 1;
+          }
+        }
       }
-      load_q_tile(p, smem_base, 0, b, h0, m_start, tid);
+      int gi = 0, m = m_start, it = 0;
+      if constexpr (Variant::kHasMask) {
+        if (!sees(kv_range(p, b, h0, m), kv0)) {
+          next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi, m);
+        }
+      }
+      load_q_tile(p, smem_base, 0, b, h0 + gi, m, tid);
       ptx::cp_async_commit();
 
-      int gi = 0, m = m_start, it = 0;
       int h_prev = 0, m_prev = 0;  // the step whose dQ is still pending (kDeferDq)
       for (;; ++it) {
         const int stage = it & 1;
         ptx::cp_async_wait<0>();
         __syncthreads();
         // Next (head, query tile) of this CTA; its copies overlap all GEMMs of this step.
-        int m_n = m;
-        do {
-          m_n = m_n == m_last ? m_first : m_n + 1;
-        } while (m_n != m_start && !sees(kv_range(p, m_n), kv0));
-        const int gi_n = m_n == m_start ? gi + 1 : gi;
+        int gi_n = gi, m_n = m;
+        next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi_n, m_n);
         if (gi_n < n_heads) {
           load_q_tile(p, smem_base, stage ^ 1, b, h0 + gi_n, m_n, tid);
           ptx::cp_async_commit();
@@ -707,10 +824,10 @@ struct BwdKernel {
     {
       // Tile class first, so that only one predicate stays live across the GEMMs.
       const int q_hi = imin(q_lo + kBlockM, Nq);
-      const Range r = kv_range(p, m);
+      const Range r = kv_range(p, b, h, m);
       need_mask = kv0 < r.begin || kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
                   (Variant::kHasMask &&
-                   !Variant::tile_full(p.vp, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+                   !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
     }
     const uint32_t sK = smem_base + kOffK;
     const uint32_t sV = smem_base + kOffV;
@@ -754,9 +871,10 @@ struct BwdKernel {
     }
 
     if (need_mask) {
-      probs_grads<true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, kv_range(p, m), lane);
+      probs_grads<true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, kv_range(p, b, h, m),
+                        wd, lane);
     } else {
-      probs_grads<false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0}, lane);
+      probs_grads<false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0}, wd, lane);
     }
 
     // dV += P^T dO.
@@ -966,21 +1084,35 @@ struct DqKernel {
                                                      int b, int h, int q_row0, int kv0,
                                                      int kv_begin, int kv_end, int lane) {
     const int g = lane >> 2, t = lane & 3;
-    const float c = p.scale_log2;
+    [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
 #pragma unroll
     for (int j = 0; j < kNBlocks; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
-        float ds = pv * (dp[j][e] - dd[e >> 1]);
-        if constexpr (kMasked) {
+        if constexpr (Variant::kHasScoreMod) {
+          // As in BwdKernel::probs_grads, without param_grad (the main kernel calls it).
           const int q = q_row0 + g + (e >> 1) * 8;
           const int kv = kv0 + j * 8 + 2 * t + (e & 1);
-          const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
-                                                        p.seqlen_q, p.seqlen_k);
-          ds = vis ? ds : 0.f;
+          float pv = 0.f, ds = 0.f;
+          if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
+                                                       p.seqlen_q, p.seqlen_k)) {
+            bwd_detail::score_grads<Variant, false>(p.vp, s[j][e], p.scale, l2[e >> 1],
+                                                    dp[j][e] - dd[e >> 1], b, h, q, kv,
+                                                    p.seqlen_q, p.seqlen_k, false, pv, ds);
+          }
+          dp[j][e] = ds;
+        } else {
+          float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
+          float ds = pv * (dp[j][e] - dd[e >> 1]);
+          if constexpr (kMasked) {
+            const int q = q_row0 + g + (e >> 1) * 8;
+            const int kv = kv0 + j * 8 + 2 * t + (e & 1);
+            const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
+                                                          p.seqlen_q, p.seqlen_k);
+            ds = vis ? ds : 0.f;
+          }
+          dp[j][e] = ds;
         }
-        dp[j][e] = ds;
       }
     }
   }
@@ -1013,8 +1145,8 @@ struct DqKernel {
     const Element* k_g = p.k + wide(b) * p.k_sb + wide(h_kv) * p.k_sh;
     const Element* v_g = p.v + wide(b) * p.v_sb + wide(h_kv) * p.v_sh;
 
-    const int kv_begin = imin(imax(Variant::kv_lo(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
-    const int kv_end = imin(imax(Variant::kv_hi(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
+    const int kv_begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
+    const int kv_end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     int n_hi = 0, n_tiles = 0;
     if (kv_end > kv_begin) {
       n_hi = (kv_end - 1) / kBlockN;
@@ -1083,7 +1215,8 @@ struct DqKernel {
         }
         const bool need_mask =
             kv0 < kv_begin || kv0 + kBlockN > kv_end || q_hi - q_lo < kBlockM ||
-            (Variant::kHasMask && !Variant::tile_full(p.vp, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+            (Variant::kHasMask &&
+             !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
         if (need_mask) {
           probs_grads<true>(p, s, dp, l2, dd, b, h, q_lo + warp_row0, kv0, kv_begin, kv_end, lane);
         } else {
@@ -1217,6 +1350,8 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   (void)&Variant::keep;
   (void)&Variant::score;
   (void)&Variant::tile_full;
+  (void)&Variant::dscore;
+  (void)&Variant::param_grad;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",

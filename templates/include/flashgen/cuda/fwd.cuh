@@ -36,8 +36,17 @@
 // visited tile takes the per-element path (bounds + Variant::keep + score on in-bounds elements
 // only) only if it crosses kv_lo/kv_hi/seqlen_k, or Variant::tile_full says the mask is partial
 // there, or (with a score mod) the query tile runs past seqlen_q. All other tiles run the bare
-// path (one multiply per score). Iterating from the high end puts the partial tiles of causal
-// and bottom-aligned masks first.
+// path (one multiply per score, or score() per element with a score mod: every element of such
+// a tile is in bounds). Iterating from the high end puts the partial tiles of causal and
+// bottom-aligned masks first.
+//
+// Variant hooks (flashgen/variant.h): kv_lo/kv_hi are evaluated once per work item and
+// tile_full once per visited tile, with the item's batch b and query head h and the tile
+// [q_lo, q_hi) clipped to seqlen_q; keep() and score() per element, score() on
+// s = scale * q.k in natural units (its result is scaled by log2(e) here). score() only ever
+// sees in-bounds elements (q < seqlen_q, kv < seqlen_k) that keep() kept. Variant::Params is
+// copied from FgFwdArgs::params (which may be null when it is empty) into the kernel's
+// by-value argument, so tensor parameters are device pointers read through the hooks.
 //
 // ---------------------------------------------------------------------------------------------
 // Fragment layouts (PTX ISA, "mma.m16n8k16" for .f16/.bf16; g = lane/4, t = lane%4):
@@ -124,32 +133,46 @@ struct FwdTile {
 };
 
 // Default tile per padded head dim kD, from H200 measurements (bf16, B*N = 16K tokens) and
-// ptxas reports (no local-memory spills for the example Dense/Causal variants at d = 64 and
-// 128, on sm_80 and sm_90a):
+// ptxas reports.
+// Without a score mod (no local-memory spills for Dense/Causal-like variants at d = 64 and 128,
+// on sm_80 and sm_90a):
 //   kD <= 64        128 x 64, 4 warps x 32 rows, Q re-read from smem (~218 regs, 55,296 B smem)
 //   64 < kD < 128   128 x 32, same shape
-//   kD == 128       128 x 64 on sm_90 (128 x 48 on sm_8x) without a score mod (255 regs,
-//                   104,448 B); 128 x 48 with a score mod, whose per-element path needs a few
-//                   more registers (252-254 regs, 87,040 B)
+//   kD == 128       128 x 64 on sm_90 (128 x 48 on sm_8x) (255 regs, 104,448 B)
 //   kD <= 192       64 x 64, 4 warps x 16 rows (O alone is kD/2 registers per thread)
 //   kD <= 256       64 x 32, 4 warps x 16 rows
+// With a score mod every visited element runs score() (and generated hooks do their index
+// arithmetic in 64 bits), which needs more registers. The tiles below keep a heavy generated-style
+// example (softcap of score + per-head ALiBi slope from a tensor parameter, sliding-window mask)
+// free of spills on sm_90a (registers 252-255 / 225-244 / 212-254 / 247-255 over the kD of each
+// row), where the tiles above spilled 24-48 B at kD = 64..112, 136 B with the earlier 128 x 48 at
+// kD = 128 and 8 B at kD = 192:
+//   kD <= 32        128 x 64
+//   kD <= 64        128 x 32
+//   kD <= 128       64 x 64, 4 warps x 16 rows
+//   kD <= 256       64 x 32
 // Everything fits two CTAs per SM on sm_90 and at least one on sm_80 (kD > 128 needs more than
-// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may spill a few bytes at
-// 128 x 64 (e.g. a sliding window: 16 B on sm_90a) where 128 x 48 does not; other FwdTile shapes
-// can be passed to launch_fwd_tiled (autotuning).
+// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may still spill a few bytes
+// (e.g. a mask-only sliding window in 64-bit arithmetic: 32 B at 128 x 64, kD = 128, sm_90a);
+// other FwdTile shapes can be passed to launch_fwd_tiled (autotuning).
 template <class Variant, int kHeadDim>
 struct DefaultFwdTile {
   static constexpr int kD = (kHeadDim + 15) / 16 * 16;
-  using type = typename std::conditional<
+  using plain = typename std::conditional<
       (kD <= 64), FwdTile<128, 64, 4, false>,
       typename std::conditional<
           (kD < 128), FwdTile<128, 32, 4, false>,
           typename std::conditional<
-              (kD == 128),
-              typename std::conditional<!Variant::kHasScoreMod, FwdTile<128, 64, 4, false, 48>,
-                                        FwdTile<128, 48, 4, false>>::type,
+              (kD == 128), FwdTile<128, 64, 4, false, 48>,
               typename std::conditional<(kD <= 192), FwdTile<64, 64, 4, false>,
                                         FwdTile<64, 32, 4, false>>::type>::type>::type>::type;
+  using score_mod = typename std::conditional<
+      (kD <= 32), FwdTile<128, 64, 4, false>,
+      typename std::conditional<
+          (kD <= 64), FwdTile<128, 32, 4, false>,
+          typename std::conditional<(kD <= 128), FwdTile<64, 64, 4, false>,
+                                    FwdTile<64, 32, 4, false>>::type>::type>::type;
+  using type = typename std::conditional<Variant::kHasScoreMod, score_mod, plain>::type;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -480,8 +503,8 @@ struct FwdKernel {
     const Element* k_g = p.k + wide(b) * p.k_sb + wide(h_kv) * p.k_sh;
     const Element* v_g = p.v + wide(b) * p.v_sb + wide(h_kv) * p.v_sh;
 
-    const int kv_begin = imin(imax(Variant::kv_lo(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
-    const int kv_end = imin(imax(Variant::kv_hi(p.vp, q_lo, q_hi, Nq, Nk), 0), Nk);
+    const int kv_begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
+    const int kv_end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     int n_hi = 0, n_tiles = 0;
     if (kv_end > kv_begin) {
       n_hi = (kv_end - 1) / kBlockN;
@@ -580,7 +603,7 @@ struct FwdKernel {
         const bool need_mask =
             kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
             (Variant::kHasMask &&
-             !Variant::tile_full(p.vp, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+             !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
         if (need_mask) {
           softmax_tile<true>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
                              kv_end, lane);
@@ -717,11 +740,13 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   using K = FwdKernel<Variant, Element, kHeadDim, Tile>;
   using P = typename K::Params;
   // Reference every hook: the kernel skips keep() without a mask and score() without a score
-  // mod, and a generated variant in an anonymous namespace would otherwise draw "declared but
-  // never referenced" warnings for them.
+  // mod, never calls the backward's dscore()/param_grad(), and a generated variant in an
+  // anonymous namespace would otherwise draw "declared but never referenced" warnings for them.
   (void)&Variant::keep;
   (void)&Variant::score;
   (void)&Variant::tile_full;
+  (void)&Variant::dscore;
+  (void)&Variant::param_grad;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",

@@ -1,0 +1,612 @@
+"""Mask and score expressions: types, built-ins, C++ emission, derivatives and key ranges.
+
+Everything here works on ``ir`` expression nodes and is shared by the frontend (type checking,
+built-in expansion), the code generator (C++ hook bodies) and the reference (which evaluates the
+same nodes in PyTorch, see reference.py), so a spec means one thing everywhere.
+
+Semantics (the same in the kernels and the reference):
+- Types: int (64-bit), float (fp32 in the kernels), bool. b, h (query head), q, kv, seqlen_q,
+  seqlen_k and int parameters are ints; score and float parameters are floats.
+- ``/`` is true division (float); ``//`` and ``%`` are Python's floor division and modulo on ints.
+- Mixed int/float arithmetic converts the int to float.
+- Tensor parameters are read as ``name[i, j, ...]``; an index outside the parameter's shape is a
+  spec bug: the reference raises IndexError, the kernels clamp it into range (never reading out of
+  bounds).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import ir
+
+INT, FLOAT, BOOL = "int", "float", "bool"
+
+# Names every expression sees (all ints); ``score`` only in score expressions.
+POSITION_NAMES = ("b", "h", "q", "kv", "seqlen_q", "seqlen_k")
+CONSTANTS = {"true": True, "false": False}
+# Dimension names in parameter shapes, and the op-call quantity each stands for.
+SHAPE_DIMS = ("batch", "heads", "seqlen_q", "seqlen_k")
+
+# Math functions: name → arity. clamp(x, lo, hi) is expanded to min(max(x, lo), hi).
+FUNCTIONS = {"abs": 1, "min": 2, "max": 2, "clamp": 3, "where": 3, "exp": 1, "log": 1, "tanh": 1,
+             "sqrt": 1, "sign": 1}
+FLOAT_FUNCTIONS = ("exp", "log", "tanh", "sqrt")
+
+# Mask built-ins: name → arity (0: used as a bare name). δ = seqlen_k − seqlen_q.
+MASK_BUILTINS = {
+    "causal": 0,            # kv <= q + δ (bottom-right aligned, FlashAttention >= 2.1)
+    "causal_top_left": 0,   # kv <= q
+    "window": 2,            # window(left, right): q + δ − left <= kv <= q + δ + right
+    "prefix_lm": 1,         # prefix_lm(n): kv < n or kv <= q + δ
+    "document": 1,          # document(ids): ids[b, q] == ids[b, kv]
+    "key_padding": 1,       # key_padding(n): kv < n
+}  # fmt: skip
+
+
+class ExprError(Exception):
+    """A typing or naming problem at ``node`` (the frontend turns it into a positioned SpecError)."""
+
+    def __init__(self, node, message: str, expected: str | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.node, self.message, self.expected, self.hint = node, message, expected, hint
+
+
+# ---------------------------------------------------------------- small constructors
+
+
+def _delta() -> ir.Expr:
+    return ir.BinOp("-", ir.Name("seqlen_k"), ir.Name("seqlen_q"))
+
+
+def _q_plus_delta() -> ir.Expr:
+    return ir.BinOp("+", ir.Name("q"), _delta())
+
+
+def expand_builtins(e: ir.Expr) -> ir.Expr:
+    """Replace mask built-ins by the comparisons they stand for (spans kept on the result)."""
+    if isinstance(e, ir.Name) and e.id in ("causal", "causal_top_left"):
+        rhs = ir.Name("q") if e.id == "causal_top_left" else _q_plus_delta()
+        return ir.BinOp("<=", ir.Name("kv"), rhs, e.span)
+    if isinstance(e, ir.Call) and e.fn in MASK_BUILTINS:
+        args = tuple(expand_builtins(a) for a in e.args)
+        if len(args) != MASK_BUILTINS[e.fn]:
+            raise ExprError(e, f"{e.fn}() takes {MASK_BUILTINS[e.fn]} argument(s), got {len(args)}")
+        kv = ir.Name("kv")
+        if e.fn == "window":
+            left, right = args
+            lo = ir.BinOp(">=", kv, ir.BinOp("-", _q_plus_delta(), left), e.span)
+            hi = ir.BinOp("<=", kv, ir.BinOp("+", _q_plus_delta(), right), e.span)
+            return ir.BinOp("and", lo, hi, e.span)
+        if e.fn == "prefix_lm":
+            return ir.BinOp("or", ir.BinOp("<", kv, args[0], e.span), ir.BinOp("<=", kv, _q_plus_delta()), e.span)
+        if e.fn == "document":
+            ids = args[0]
+            if not isinstance(ids, ir.Name):
+                raise ExprError(e, "document() takes the name of a tensor parameter")
+            return ir.BinOp("==", ir.Index(ids, (ir.Name("b"), ir.Name("q")), e.span),
+                            ir.Index(ids, (ir.Name("b"), kv), e.span), e.span)
+        if e.fn == "key_padding":
+            return ir.BinOp("<", kv, args[0], e.span)
+    if isinstance(e, ir.Call) and e.fn == "clamp":
+        args = tuple(expand_builtins(a) for a in e.args)
+        if len(args) != 3:
+            raise ExprError(e, f"clamp() takes 3 arguments, got {len(args)}")
+        return ir.Call("min", (ir.Call("max", (args[0], args[1]), e.span), args[2]), e.span)
+    return _map_children(e, expand_builtins)
+
+
+def _map_children(e: ir.Expr, fn: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
+    if isinstance(e, ir.Unary):
+        return ir.Unary(e.op, fn(e.operand), e.span)
+    if isinstance(e, ir.BinOp):
+        return ir.BinOp(e.op, fn(e.lhs), fn(e.rhs), e.span)
+    if isinstance(e, ir.Call):
+        return ir.Call(e.fn, tuple(fn(a) for a in e.args), e.span)
+    if isinstance(e, ir.Index):
+        return ir.Index(e.base, tuple(fn(a) for a in e.indices), e.span)
+    return e
+
+
+def walk(e: ir.Expr):
+    """Every node of ``e``, parents first."""
+    yield e
+    if isinstance(e, ir.Unary):
+        yield from walk(e.operand)
+    elif isinstance(e, ir.BinOp):
+        yield from walk(e.lhs)
+        yield from walk(e.rhs)
+    elif isinstance(e, ir.Call):
+        for a in e.args:
+            yield from walk(a)
+    elif isinstance(e, ir.Index):
+        yield e.base
+        for a in e.indices:
+            yield from walk(a)
+
+
+def uses(e: ir.Expr | None, name: str) -> bool:
+    return e is not None and any(isinstance(n, ir.Name) and n.id == name for n in walk(e))
+
+
+# ---------------------------------------------------------------- types
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Names an expression may use and their types; ``params`` by name."""
+
+    params: dict
+    allow_score: bool
+
+    def known(self) -> list[str]:
+        names = list(POSITION_NAMES) + list(self.params) + list(CONSTANTS)
+        return names + (["score"] if self.allow_score else [])
+
+
+def type_of(e: ir.Expr, scope: Scope) -> str:
+    """The type of ``e`` (INT, FLOAT or BOOL); raises ExprError for anything ill-typed."""
+    from .errors import did_you_mean
+
+    if isinstance(e, ir.Num):
+        return INT if isinstance(e.value, int) else FLOAT
+    if isinstance(e, ir.Name):
+        if e.id in POSITION_NAMES:
+            return INT
+        if e.id in CONSTANTS:
+            return BOOL
+        if e.id == "score":
+            if not scope.allow_score:
+                raise ExprError(e, "'score' can only be used in a score expression")
+            return FLOAT
+        p = scope.params.get(e.id)
+        if p is None:
+            if e.id in MASK_BUILTINS:
+                raise ExprError(e, f"mask built-in '{e.id}' can only be used in a mask expression")
+            raise ExprError(e, f"unknown name '{e.id}'", expected="one of " + ", ".join(scope.known()),
+                            hint=did_you_mean(e.id, scope.known()))
+        if p.is_tensor:
+            raise ExprError(e, f"tensor parameter '{e.id}' must be indexed",
+                            expected=f"{e.id}[{', '.join('…' for _ in p.shape)}] ({len(p.shape)} indices)")
+        return INT if p.kind == "int" else FLOAT
+    if isinstance(e, ir.Index):
+        base = e.base
+        p = scope.params.get(base.id) if isinstance(base, ir.Name) else None
+        if p is None and isinstance(base, ir.Name) and base.id not in POSITION_NAMES + ("score",):
+            raise ExprError(e, f"unknown name '{base.id}'", expected="a declared tensor parameter",
+                            hint=did_you_mean(base.id, [q.name for q in scope.params.values() if q.is_tensor]))
+        if p is None or not p.is_tensor:
+            raise ExprError(e, "only tensor parameters can be indexed",
+                            hint=did_you_mean(base.id, [q.name for q in scope.params.values() if q.is_tensor])
+                            if isinstance(base, ir.Name) else None)
+        if len(e.indices) != len(p.shape):
+            raise ExprError(e, f"'{p.name}' has {len(p.shape)} dimension(s), indexed with {len(e.indices)}")
+        for i in e.indices:
+            if type_of(i, scope) != INT:
+                raise ExprError(i, f"index into '{p.name}' must be an integer expression")
+        return ir.TENSOR_DTYPES[p.dtype]
+    if isinstance(e, ir.Unary):
+        t = type_of(e.operand, scope)
+        if e.op == "not":
+            if t != BOOL:
+                raise ExprError(e, "'not' needs a boolean operand (a comparison)")
+            return BOOL
+        if t == BOOL:
+            raise ExprError(e, "'-' needs a number, not a boolean")
+        return t
+    if isinstance(e, ir.BinOp):
+        a, b = type_of(e.lhs, scope), type_of(e.rhs, scope)
+        if e.op in ("and", "or"):
+            for side, t in ((e.lhs, a), (e.rhs, b)):
+                if t != BOOL:
+                    raise ExprError(side, f"'{e.op}' needs boolean operands (comparisons)")
+            return BOOL
+        if e.op in ("==", "!="):
+            if (a == BOOL) != (b == BOOL):
+                raise ExprError(e, f"'{e.op}' compares a boolean with a number")
+            return BOOL
+        if BOOL in (a, b):
+            raise ExprError(e, f"'{e.op}' needs numbers, not booleans")
+        if e.op in ("<", "<=", ">", ">="):
+            return BOOL
+        if e.op == "/":
+            return FLOAT
+        if e.op == "%" and FLOAT in (a, b):
+            raise ExprError(e, "'%' needs integers")
+        return FLOAT if FLOAT in (a, b) else INT
+    if isinstance(e, ir.Call):
+        if e.fn not in FUNCTIONS:
+            from .errors import did_you_mean as dym
+
+            raise ExprError(e, f"unknown function '{e.fn}'", expected="one of " + ", ".join(FUNCTIONS),
+                            hint=dym(e.fn, list(FUNCTIONS) + list(MASK_BUILTINS)))
+        if len(e.args) != FUNCTIONS[e.fn]:
+            raise ExprError(e, f"{e.fn}() takes {FUNCTIONS[e.fn]} argument(s), got {len(e.args)}")
+        ts = [type_of(a, scope) for a in e.args]
+        if e.fn == "where":
+            if ts[0] != BOOL:
+                raise ExprError(e.args[0], "where()'s first argument must be a condition")
+            if (ts[1] == BOOL) != (ts[2] == BOOL):
+                raise ExprError(e, "where() mixes a boolean and a number")
+            return FLOAT if FLOAT in ts[1:] else ts[1]
+        if BOOL in ts:
+            raise ExprError(e, f"{e.fn}() needs numbers, not booleans")
+        if e.fn in FLOAT_FUNCTIONS:
+            return FLOAT
+        return FLOAT if FLOAT in ts else INT
+    raise ExprError(e, "unsupported expression")
+
+
+# ---------------------------------------------------------------- C++ emission
+
+
+class Cxx:
+    """Emit C++ for expressions inside a generated Variant (params as ``p.<name>``).
+
+    ``names`` maps a position name to the C++ that stands for it (default ``(fg_int)<name>``;
+    ``score`` → ``s``). Int results are ``fg_int`` (64-bit), floats ``float``, bools ``bool``.
+    """
+
+    def __init__(self, spec: ir.Spec, names: dict[str, str] | None = None):
+        self.spec = spec
+        self.params = {p.name: p for p in spec.params}
+        self.scope = Scope(self.params, allow_score=True)
+        self.names = names or {}
+
+    def type(self, e: ir.Expr) -> str:
+        return type_of(e, self.scope)
+
+    def __call__(self, e: ir.Expr, want: str | None = None) -> str:
+        code, t = self.emit(e)
+        if want == FLOAT and t == INT:
+            return f"(float)({code})"
+        return code
+
+    def index_code(self, e: ir.Index) -> tuple[str, str]:
+        """(element offset with the tensor's strides, flat offset in a contiguous buffer)."""
+        p = self.params[e.base.id]
+        idx = [f"fg_index({self(i)}, p.{p.name}_size[{d}])" for d, i in enumerate(e.indices)]
+        strided = " + ".join(f"{ix} * p.{p.name}_stride[{d}]" for d, ix in enumerate(idx))
+        flat = idx[0]
+        for d in range(1, len(idx)):
+            flat = f"({flat}) * p.{p.name}_size[{d}] + {idx[d]}"
+        return strided, flat
+
+    def emit(self, e: ir.Expr) -> tuple[str, str]:
+        t = self.type(e)
+        if isinstance(e, ir.Num):
+            if t == INT:
+                return f"(fg_int){e.value}", t
+            return f"{float(e.value)!r}f".replace("inff", "INFINITY"), t
+        if isinstance(e, ir.Name):
+            if e.id in CONSTANTS:
+                return ("true" if CONSTANTS[e.id] else "false"), t
+            if e.id == "score":
+                return self.names.get("score", "s"), t
+            if e.id in POSITION_NAMES:
+                return self.names.get(e.id, f"(fg_int){e.id}"), t
+            return f"p.{e.id}", t
+        if isinstance(e, ir.Index):
+            p = self.params[e.base.id]
+            strided, _ = self.index_code(e)
+            load = f"p.{p.name}[{strided}]"
+            if p.dtype == "bool":
+                return f"({load} != 0)", t
+            if t == INT:
+                return f"(fg_int){load}", t
+            return load, t
+        if isinstance(e, ir.Unary):
+            op = "!" if e.op == "not" else "-"
+            return f"({op}{self(e.operand)})", t
+        if isinstance(e, ir.BinOp):
+            if e.op in ("and", "or"):
+                return f"({self(e.lhs)} {'&&' if e.op == 'and' else '||'} {self(e.rhs)})", t
+            want = FLOAT if (FLOAT in (self.type(e.lhs), self.type(e.rhs)) or e.op == "/") else None
+            a, b = self(e.lhs, want), self(e.rhs, want)
+            if e.op == "//":
+                return (f"fg_floordiv({a}, {b})", t) if t == INT else (f"floorf({a} / {b})", t)
+            if e.op == "%":
+                return f"fg_mod({a}, {b})", t
+            return f"({a} {e.op} {b})", t
+        if isinstance(e, ir.Call):
+            if e.fn == "where":
+                want = FLOAT if t == FLOAT else None
+                return f"({self(e.args[0])} ? {self(e.args[1], want)} : {self(e.args[2], want)})", t
+            if t == INT:
+                fn = {"abs": "fg_absi", "min": "fg_mini", "max": "fg_maxi", "sign": "fg_signi"}[e.fn]
+            else:
+                fn = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf",
+                      "tanh": "fg_tanh", "sqrt": "sqrtf", "sign": "fg_sign"}[e.fn]
+            want = FLOAT if t == FLOAT else None
+            return f"{fn}({', '.join(self(a, want) for a in e.args)})", t
+        raise AssertionError(e)
+
+
+# ---------------------------------------------------------------- derivatives
+
+
+def _is_zero(e):
+    return e is None
+
+
+def _num(v) -> ir.Num:
+    return ir.Num(float(v))
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return ir.BinOp("+", a, b)
+
+
+def _mul(a, b):
+    if a is None or b is None:
+        return None
+    if a == ir.Num(1.0):
+        return b
+    if b == ir.Num(1.0):
+        return a
+    return ir.BinOp("*", a, b)
+
+
+def _neg(a):
+    return None if a is None else ir.Unary("-", a)
+
+
+def diff(e: ir.Expr, is_var: Callable[[ir.Expr], bool], scope: Scope) -> ir.Expr | None:
+    """d e / d x where x is every node for which ``is_var`` holds (None means exactly 0).
+
+    Rules: the usual calculus; integer and boolean subexpressions are constant; where(c, a, b)
+    differentiates a and b (c is piecewise constant); min/max pick the branch they select (the
+    first on ties), abs' = sign.
+    """
+    if is_var(e):
+        return _num(1.0)
+    if type_of(e, scope) != FLOAT:
+        return None
+    if isinstance(e, ir.Num | ir.Name | ir.Index):
+        return None
+    if isinstance(e, ir.Unary):
+        return _neg(diff(e.operand, is_var, scope))
+    if isinstance(e, ir.BinOp):
+        da, db = diff(e.lhs, is_var, scope), diff(e.rhs, is_var, scope)
+        if e.op == "+":
+            return _add(da, db)
+        if e.op == "-":
+            return _add(da, _neg(db))
+        if e.op == "*":
+            return _add(_mul(da, e.rhs), _mul(e.lhs, db))
+        if e.op == "/":  # (a/b)' = a'/b − a b'/b²
+            t1 = None if da is None else ir.BinOp("/", da, e.rhs)
+            t2 = None if db is None else ir.BinOp("/", ir.BinOp("*", e.lhs, db), ir.BinOp("*", e.rhs, e.rhs))
+            return _add(t1, _neg(t2))
+        if e.op == "//":
+            return None
+        raise AssertionError(e.op)
+    if isinstance(e, ir.Call):
+        args = e.args
+        ds = [diff(a, is_var, scope) for a in args]
+        if e.fn == "where":
+            if ds[1] is None and ds[2] is None:
+                return None
+            return ir.Call("where", (args[0], ds[1] or _num(0.0), ds[2] or _num(0.0)))
+        if e.fn in ("min", "max"):
+            if ds[0] is None and ds[1] is None:
+                return None
+            cond = ir.BinOp("<=" if e.fn == "min" else ">=", args[0], args[1])
+            return ir.Call("where", (cond, ds[0] or _num(0.0), ds[1] or _num(0.0)))
+        (u,), (du,) = args, ds
+        if du is None:
+            return None
+        if e.fn == "abs":
+            return _mul(ir.Call("sign", (u,)), du)
+        if e.fn == "sign":
+            return None
+        if e.fn == "exp":
+            return _mul(e, du)
+        if e.fn == "log":
+            return ir.BinOp("/", du, u)
+        if e.fn == "tanh":
+            return _mul(ir.BinOp("-", _num(1.0), ir.BinOp("*", e, e)), du)
+        if e.fn == "sqrt":
+            return ir.BinOp("/", du, ir.BinOp("*", _num(2.0), e))
+        raise AssertionError(e.fn)
+    raise AssertionError(e)
+
+
+def grad_params(spec: ir.Spec) -> list[ir.Param]:
+    """Float tensor parameters that enter the score (their gradient can be requested)."""
+    return [p for p in spec.params if p.is_tensor and p.dtype == "f32" and uses(spec.score, p.name)]
+
+
+def param_reads(spec: ir.Spec, p: ir.Param) -> list[ir.Index]:
+    """Distinct reads ``p[...]`` in the score expression, in order of appearance."""
+    out: list[ir.Index] = []
+    for n in walk(spec.score):
+        if isinstance(n, ir.Index) and n.base.id == p.name and n not in out:
+            out.append(n)
+    return out
+
+
+# ---------------------------------------------------------------- key ranges of a query tile
+
+
+class Mono(enum.Enum):
+    CONST = 0
+    INC = 1
+    DEC = 2
+
+
+def _combine(a, b):
+    if a is None or b is None:
+        return None
+    if a is Mono.CONST:
+        return b
+    if b is Mono.CONST or a is b:
+        return a
+    return None
+
+
+def _flip(m):
+    return {Mono.INC: Mono.DEC, Mono.DEC: Mono.INC}.get(m, m)
+
+
+def monotonicity(e: ir.Expr) -> Mono | None:
+    """How ``e`` (free of kv) varies with q: CONST, INC (non-decreasing), DEC, or None."""
+    if isinstance(e, ir.Num):
+        return Mono.CONST
+    if isinstance(e, ir.Name):
+        return Mono.INC if e.id == "q" else Mono.CONST
+    if isinstance(e, ir.Index):
+        return Mono.CONST if all(monotonicity(i) is Mono.CONST for i in e.indices) else None
+    if isinstance(e, ir.Unary):
+        return _flip(monotonicity(e.operand)) if e.op == "-" else None
+    if isinstance(e, ir.BinOp):
+        a, b = monotonicity(e.lhs), monotonicity(e.rhs)
+        if e.op == "+":
+            return _combine(a, b)
+        if e.op == "-":
+            return _combine(a, _flip(b))
+        if a is Mono.CONST and b is Mono.CONST:
+            return Mono.CONST
+        if e.op == "*":
+            for m, other in ((a, e.rhs), (b, e.lhs)):
+                if isinstance(other, ir.Num):
+                    return m if other.value > 0 else (_flip(m) if other.value < 0 else Mono.CONST)
+            return None
+        if e.op == "//" and isinstance(e.rhs, ir.Num) and e.rhs.value > 0:
+            return a
+        return None
+    if isinstance(e, ir.Call):
+        ms = [monotonicity(x) for x in e.args]
+        if all(m is Mono.CONST for m in ms):
+            return Mono.CONST
+        if e.fn in ("min", "max"):
+            return _combine(ms[0], ms[1])
+        return None
+    return None
+
+
+def _linear_in_kv(e: ir.Expr):
+    """(c, rest) with e == c·kv + rest and rest free of kv (rest None means 0), or None."""
+    if not uses(e, "kv"):
+        return 0, e
+    if isinstance(e, ir.Name) and e.id == "kv":
+        return 1, None
+    if isinstance(e, ir.Unary) and e.op == "-":
+        r = _linear_in_kv(e.operand)
+        return None if r is None else (-r[0], _neg(r[1]))
+    if isinstance(e, ir.BinOp) and e.op in "+-":
+        a, b = _linear_in_kv(e.lhs), _linear_in_kv(e.rhs)
+        if a is None or b is None:
+            return None
+        if e.op == "+":
+            return a[0] + b[0], (ir.BinOp("+", a[1], b[1]) if a[1] and b[1] else a[1] or b[1])
+        rb = _neg(b[1])
+        return a[0] - b[0], (ir.BinOp("-", a[1], b[1]) if a[1] and b[1] else a[1] or rb)
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        for lin, k in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+            if isinstance(k, ir.Num) and isinstance(k.value, int):
+                r = _linear_in_kv(lin)
+                if r is not None:
+                    return r[0] * k.value, (ir.BinOp("*", r[1], k) if r[1] else None)
+    return None
+
+
+_FLIP_CMP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+_NEG_CMP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """For a query tile [q_lo, q_hi): kept keys lie in [lo, hi) (None: unbounded on that side);
+    ``full`` is C++ that is true only if every (q, kv) of the tile [q_lo,q_hi)×[kv_lo,kv_hi) is
+    kept. All C++ is fg_int arithmetic."""
+
+    lo: str | None
+    hi: str | None
+    full: str
+
+
+_UNBOUNDED = KeyRange(None, None, "false")
+
+
+def _and(a: KeyRange, b: KeyRange) -> KeyRange:
+    lo = a.lo if b.lo is None else b.lo if a.lo is None else f"fg_maxi({a.lo}, {b.lo})"
+    hi = a.hi if b.hi is None else b.hi if a.hi is None else f"fg_mini({a.hi}, {b.hi})"
+    full = "false" if "false" in (a.full, b.full) else f"({a.full} && {b.full})"
+    return KeyRange(lo, hi, full)
+
+
+def _or(a: KeyRange, b: KeyRange) -> KeyRange:
+    lo = None if a.lo is None or b.lo is None else f"fg_mini({a.lo}, {b.lo})"
+    hi = None if a.hi is None or b.hi is None else f"fg_maxi({a.hi}, {b.hi})"
+    full = a.full if b.full == "false" else b.full if a.full == "false" else f"({a.full} || {b.full})"
+    return KeyRange(lo, hi, full)
+
+
+def key_range(spec: ir.Spec) -> KeyRange:
+    """Closed-form key range and full-tile test of the spec's mask, by interval reasoning over
+    its and/or/not structure: comparisons linear in kv (coefficient ±1) against an integer
+    expression monotone in q bound the range; comparisons free of q and kv (parameters indexed
+    by b, h) switch the whole tile on or off; anything else keeps every key (the per-element
+    mask still decides). Sound by construction: no kept key ever lies outside [lo, hi)."""
+    if spec.mask is None:
+        return KeyRange(None, None, "true")
+    at_hi = Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
+    at_lo = Cxx(spec, {"q": "(fg_int)q_lo"})
+    plain = Cxx(spec)
+
+    def atom_without_kv(e: ir.Expr) -> KeyRange:
+        if uses(e, "q"):
+            return _UNBOUNDED
+        c = plain(e)
+        return KeyRange(None, f"({c} ? (fg_int)seqlen_k : (fg_int)0)", c)
+
+    def go(e: ir.Expr, negate: bool) -> KeyRange:
+        if isinstance(e, ir.Unary) and e.op == "not":
+            return go(e.operand, not negate)
+        if isinstance(e, ir.BinOp) and e.op in ("and", "or"):
+            a, b = go(e.lhs, negate), go(e.rhs, negate)
+            return _and(a, b) if (e.op == "and") != negate else _or(a, b)
+        if not uses(e, "kv"):
+            return atom_without_kv(ir.Unary("not", e) if negate else e)
+        if not (isinstance(e, ir.BinOp) and e.op in _FLIP_CMP):
+            return _UNBOUNDED
+        if type_of(e.lhs, plain.scope) != INT or type_of(e.rhs, plain.scope) != INT:
+            return _UNBOUNDED
+        op = _NEG_CMP[e.op] if negate else e.op
+        lhs, rhs = _linear_in_kv(e.lhs), _linear_in_kv(e.rhs)
+        if lhs is None or rhs is None:
+            return _UNBOUNDED
+        c = lhs[0] - rhs[0]
+        # c·kv op rest_r − rest_l
+        f = rhs[1] if lhs[1] is None else (ir.BinOp("-", rhs[1], lhs[1]) if rhs[1] else _neg(lhs[1]))
+        f = f or ir.Num(0)
+        if c == -1:
+            op, f = _FLIP_CMP[op], _neg(f)
+        elif c != 1:
+            return _UNBOUNDED
+        mono = monotonicity(f)
+        if mono is None:
+            return _UNBOUNDED
+        # f_max / f_min over q in [q_lo, q_hi)
+        fmax = (at_lo if mono is Mono.DEC else at_hi)(f)
+        fmin = (at_hi if mono is Mono.DEC else at_lo)(f)
+        if op == "<=":
+            return KeyRange(None, f"({fmax} + 1)", f"((fg_int)kv_hi - 1 <= {fmin})")
+        if op == "<":
+            return KeyRange(None, fmax, f"((fg_int)kv_hi - 1 < {fmin})")
+        if op == ">=":
+            return KeyRange(fmin, None, f"((fg_int)kv_lo >= {fmax})")
+        if op == ">":
+            return KeyRange(f"({fmin} + 1)", None, f"((fg_int)kv_lo > {fmax})")
+        if op == "==":
+            return KeyRange(fmin, f"({fmax} + 1)", "false")
+        return _UNBOUNDED  # !=
+
+    return go(spec.mask, False)

@@ -1,0 +1,63 @@
+"""Example values for a spec's parameters: what ``flashgen run`` / ``bench`` and tests call with.
+
+Scalars default to ``max(1, seqlen_k // 8)`` (int) and ``1.0`` (float) unless given; tensors are
+drawn at random in their declared shape (the full size of ``dim|1`` dims): float ones from a
+standard normal, int ones uniformly in [0, seqlen_k] — except with a trailing seqlen dim, where
+they are ids of 8 contiguous documents of random lengths —, bool ones with probability 1/2. A given value for a
+tensor parameter may be a tensor (used as is) or a number (the tensor filled with it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ir
+
+_TORCH = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+
+
+def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:
+    """The full shape of tensor parameter ``p`` given batch/heads/seqlen_q/seqlen_k/int params."""
+    from .ops import _eval_dim
+
+    return tuple(_eval_dim(d.size, sizes) for d in p.shape)
+
+
+def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device="cpu",
+                   generator: torch.Generator | None = None, **given) -> dict:
+    """Values for every parameter of ``spec`` (see the module docstring); ``given`` overrides."""
+    unknown = set(given) - {p.name for p in spec.params}
+    if unknown:
+        raise TypeError(f"unknown parameter(s) {', '.join(sorted(unknown))} for spec '{spec.name}'")
+    sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    out: dict = {}
+    for p in spec.params:
+        value = given.get(p.name)
+        if p.kind == "int":
+            out[p.name] = sizes[p.name] = int(value) if value is not None else max(1, seqlen_k // 8)
+            continue
+        if p.kind == "float":
+            out[p.name] = float(value) if value is not None else 1.0
+            continue
+        if isinstance(value, torch.Tensor):
+            out[p.name] = value
+            continue
+        shape = shape_of(p, sizes)
+        dtype = _TORCH[p.dtype]
+        if value is not None:
+            out[p.name] = torch.full(shape, value, dtype=dtype, device=device)
+        elif p.dtype == "f32":
+            out[p.name] = torch.randn(shape, generator=generator, device=generator.device if generator else "cpu"
+                                      ).to(device)
+        elif p.dtype == "bool":
+            out[p.name] = (torch.rand(shape, generator=generator, device=generator.device if generator else "cpu")
+                           < 0.5).to(device)
+        else:
+            last = p.shape[-1].size if p.shape else None
+            ids = isinstance(last, ir.Name) and last.id in ("seqlen_q", "seqlen_k")
+            t = torch.randint(0, 8 if ids else seqlen_k + 1, shape, generator=generator,
+                              device=generator.device if generator else "cpu")
+            if ids:
+                t = t.sort(dim=-1).values
+            out[p.name] = t.to(dtype).to(device)
+    return out
