@@ -78,3 +78,22 @@ def test_deterministic_variants_cuda():
             first = got
         else:
             assert all(torch.equal(a, b) for a, b in zip(first, got, strict=True))
+
+
+@pytest.mark.parametrize("n", [127, 128, 129, 1023, 1024, 1025, 1089])
+def test_large_position_bias_tail_tiles_cuda(n):
+    """C08 on the GPU: causal + score + (q − kv), bf16, loss 0.01·mean(out)."""
+    import flashgen
+    from flashgen import check
+
+    op = flashgen.compile("attention rel_causal {\n    mask = causal\n    score = score + (q - kv)\n}\n")
+    g = torch.Generator(device="cuda").manual_seed(n)
+    q, k, v = (torch.randn(1, 1, n, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = op(qq, kk, vv)
+    (0.01 * out.float().mean()).backward()
+    dout = torch.full_like(out, 0.01 / out.numel())
+    for t in (qq, kk, vv):
+        assert torch.isfinite(t.grad).all()
+    gc = check.compare_grads(op.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad))
+    assert gc.ok, str(gc)

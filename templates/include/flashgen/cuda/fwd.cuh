@@ -747,6 +747,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   (void)&Variant::tile_full;
   (void)&Variant::dscore;
   (void)&Variant::param_grad;
+  (void)Variant::kHasParamGrad;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",
