@@ -165,7 +165,12 @@ def parse_params(spec: ir.Spec, items: list[str]) -> dict:
         try:
             integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
             out[name] = int(text) if integral else float(text)
-        except ValueError:
+            limit = 2**31 if p.is_tensor and p.dtype == "i32" else 2**62
+            if integral and not -limit <= out[name] < limit:
+                raise ValueError(f"--param {item}: {out[name]} is out of range for {name} (|value| < {limit})")
+        except ValueError as e:
+            if str(e).startswith("--param"):
+                raise
             raise ValueError(f"--param {item}: '{text}' is not {'an int' if integral else 'a number'}") from None
     return out
 

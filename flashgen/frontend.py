@@ -36,6 +36,17 @@ PARAM_TYPES = {
 # name a parameter and `window(l, r)` still means the built-in).
 RESERVED = set(X.POSITION_NAMES) | set(X.CONSTANTS) | {
     n for n, k in X.MASK_BUILTINS.items() if k == 0} | {"score", "none", "head_dim", "batch", "heads"}
+# The op's own keyword arguments and the names its schemas and generated code use.
+OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p", "dropout_seed", "block_mask",
+            "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out", "lse", "dout", "dlse",
+            "need_param_grads", "params", "Params"}
+CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
+char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
+decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if
+inline int long mutable namespace new noexcept not not_eq nullptr operator or or_eq private protected public
+register reinterpret_cast requires return short signed sizeof static static_assert static_cast struct switch
+template this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile
+wchar_t while xor xor_eq int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t uint64_t size_t""".split())
 
 HEAD_DIM_MAX = 256
 MAX_NAME = 64
@@ -81,6 +92,7 @@ def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
             text, file = source, "<spec>"
     else:
         file = str(source)
+    text = text.removeprefix("\ufeff")  # a UTF-8 byte-order mark is not part of the spec
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
@@ -167,8 +179,15 @@ class _Lowering:
         if kind == "name":
             return ir.Name(str(ch[0]), span)
         if kind == "number":
-            v = float(ch[0])
-            return ir.Num(int(v) if v.is_integer() and "." not in ch[0] and "e" not in ch[0].lower() else v, span)
+            text = str(ch[0])
+            if "." not in text and "e" not in text.lower():
+                if int(text) >= 2**63:
+                    raise self.error(node, f"integer {text} does not fit in 64 bits")
+                return ir.Num(int(text), span)
+            v = float(text)
+            if not v <= 3.4028234663852886e38:
+                raise self.error(node, f"number {text} is beyond fp32's range (the kernels compute in fp32)")
+            return ir.Num(v, span)
         if kind == "neg":
             return ir.Unary("-", self.expr(ch[0]), span)
         if kind == "not_op":
@@ -239,7 +258,12 @@ class _Lowering:
         params = {p.name: p for p in fields.get("params", ())}
         try:
             e = X.expand_builtins(e)
-            return e, X.type_of(e, X.Scope(params, allow_score=allow_score))
+            t = X.type_of(e, X.Scope(params, allow_score=allow_score))
+            for n in X.walk(e):
+                if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0) or (
+                        isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0.0)):
+                    raise X.ExprError(n, f"division by zero ('{n.op} 0')")
+            return e, t
         except X.ExprError as err:
             raise self.error_at(err.node, node, err.message, expected=err.expected, hint=err.hint) from None
 
@@ -263,7 +287,8 @@ class _Lowering:
                              hint=did_you_mean(e.id, names + list(X.MASK_BUILTINS)))
         e, t = self._checked(node, e, fields, allow_score=False)
         if t != X.BOOL:
-            raise self.error(node, f"mask must be a condition (true keeps the score), got a {t} expression",
+            raise self.error(node, f"mask must be a condition (true keeps the score), got {'an' if t == 'int' else 'a'} "
+                             f"{t} expression",
                              expected="a comparison such as 'kv <= q' combined with and/or/not")
         fields["mask"] = e
         fields["mask_span"] = self.span(node)
@@ -284,8 +309,21 @@ class _Lowering:
         shape = rest[0] if rest else None
         name, tname = str(name_tok), str(type_tok)
         params = list(fields.get("params", ()))
+        import keyword
+
         if name in RESERVED:
             raise self.error(name_tok, f"'{name}' is a reserved name and cannot name a parameter")
+        if name in OP_NAMES or keyword.iskeyword(name) or name in CXX_KEYWORDS or name.startswith(("fg_", "__")):
+            raise self.error(name_tok, f"'{name}' cannot name a parameter (it is a keyword or a name the op "
+                             "and its generated code use)", expected="another name")
+        for other in params:
+            for suffix in ("_size", "_stride", "_grad"):
+                if name == other.name + suffix or other.name == name + suffix:
+                    raise self.error(name_tok, f"'{name}' clashes with the generated member '{other.name}{suffix}' "
+                                     f"of parameter '{other.name}'"
+                                     if name == other.name + suffix else
+                                     f"'{name}' would generate a member '{name}{suffix}' that clashes with "
+                                     f"parameter '{other.name}'", expected="another name")
         if len(name) > MAX_NAME:
             raise self.error(name_tok, f"parameter name is {len(name)} characters long", expected=f"at most {MAX_NAME}")
         if any(p.name == name for p in params):
@@ -318,7 +356,11 @@ class _Lowering:
         size = self.expr(size_node)
         ints = {p.name for p in params if p.kind == "int"}
         allowed = set(X.SHAPE_DIMS) | ints
+        floats = {p.name for p in params if p.kind == "float"}
         for n in X.walk(size):
+            if isinstance(n, ir.Name) and n.id in floats:
+                raise self.error_at(n, size_node, f"dimension uses float parameter '{n.id}'",
+                                    expected="batch, heads, seqlen_q, seqlen_k, integers or int parameters")
             if isinstance(n, ir.Name) and n.id not in allowed:
                 raise self.error_at(n, size_node, f"unknown dimension '{n.id}'",
                                     expected="batch, heads, seqlen_q, seqlen_k, integers or int parameters",
@@ -329,8 +371,9 @@ class _Lowering:
                     isinstance(n, ir.BinOp) and n.op not in ("+", "-", "*", "//")):
                 raise self.error_at(n, size_node, "unsupported operation in a dimension",
                                     expected="+, -, * and // of integers")
-        if isinstance(size, ir.Num) and size.value < 1:
-            raise self.error(size_node, f"dimension {size.value} is not positive")
+        if (isinstance(size, ir.Num) and size.value < 1) or (
+                isinstance(size, ir.Unary) and isinstance(size.operand, ir.Num)):
+            raise self.error(size_node, "dimension is not positive")
         broadcast = False
         if alt is not None:
             a = self.expr(alt)

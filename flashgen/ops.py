@@ -203,7 +203,7 @@ class AttentionOp:
         for p in self.spec.params:
             value = params[p.name]
             if p.kind == "int":
-                if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
                     raise TypeError(f"{p.name}: expected an int, got {type(value).__name__}")
                 if not -(2**62) <= value < 2**62:
                     raise ValueError(f"{p.name}: {value} is out of range (|value| < 2^62)")
@@ -228,6 +228,9 @@ class AttentionOp:
                                      f"got shape {tuple(value.shape)}")
                 for d, dim in enumerate(p.shape):
                     size = _eval_dim(dim.size, ints)
+                    if size < 1:
+                        raise ValueError(f"{p.name}: dim {d} = {_dim_text(dim.size)} is {size} for these inputs "
+                                         "and parameters (must be at least 1)")
                     got = value.shape[d]
                     if got != size and not (dim.broadcast and got == 1):
                         alt = " or 1" if dim.broadcast else ""
@@ -538,7 +541,8 @@ def _register(op: AttentionOp, qualname: str):
     """
     name = f"flashgen::{qualname}"
     spec = op.spec
-    schema_type = {"int": "int", "float": "float", "tensor": "Tensor"}
+    # SymInt: under torch.compile a new int value (a window) does not recompile once dynamic.
+    schema_type = {"int": "SymInt", "float": "float", "tensor": "Tensor"}
     pdecl = "".join(f", {schema_type[p.kind]} {p.name}" for p in spec.params)
     npar = len(spec.params)
     _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}) "

@@ -43,6 +43,8 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
             out[p.name] = value
             continue
         shape = shape_of(p, sizes)
+        if any(n < 1 for n in shape):
+            raise ValueError(f"{p.name}: its shape {shape} for these sizes and parameters has a dim below 1")
         dtype = _TORCH[p.dtype]
         if value is not None:
             out[p.name] = torch.full(shape, value, dtype=dtype, device=device)

@@ -37,6 +37,8 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
     # Values are Python numbers while they can be (constants, sizes, scalar parameters) and
     # tensors otherwise, so traced code (FlexAttention's mods) sees no tensor constants.
     is_t = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
+    fns_t = {"abs": torch.abs, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt,
+             "sign": torch.sign}
 
     def to_float(x):
         if is_t(x):
@@ -93,15 +95,18 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                 return (a & b) if n.op == "and" else (a | b)
             if t == X.FLOAT or n.op == "/":
                 a, b = to_float(a), to_float(b)
-            if n.op == "//":
-                if not is_t(a) and not is_t(b):
-                    return a // b if b else (math.floor(a / b) if t == X.FLOAT else 0)
-                return torch.div(a, b, rounding_mode="floor") if is_t(a) else torch.floor_divide(
-                    torch.as_tensor(a, device=b.device), b)
-            if n.op == "%":
-                if not is_t(a) and not is_t(b):
-                    return a % b if b else 0
-                return torch.remainder(a, b) if is_t(a) else torch.remainder(torch.as_tensor(a, device=b.device), b)
+            if n.op in ("//", "%"):
+                if t == X.INT:  # x // 0 and x % 0 are 0 (what the kernels compute)
+                    if not is_t(a) and not is_t(b):
+                        return 0 if b == 0 else (a // b if n.op == "//" else a % b)
+                    a, b = (x if is_t(x) else torch.as_tensor(x, device=dev) for x in (a, b))
+                    zero = b == 0
+                    safe = torch.where(zero, torch.ones_like(b), b)
+                    r = torch.div(a, safe, rounding_mode="floor") if n.op == "//" else torch.remainder(a, safe)
+                    return torch.where(zero, torch.zeros_like(r), r)
+                if not is_t(a) and not is_t(b):  # float floor division: IEEE (±inf, nan by 0)
+                    return math.floor(a / b) if b else (math.copysign(math.inf, a) if a else math.nan)
+                return torch.floor(a / b)
             import operator
 
             ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
@@ -127,13 +132,10 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                     return tensor.clamp(max=scalar) if n.fn == "min" else tensor.clamp(min=scalar)
                 return torch.minimum(a, b) if n.fn == "min" else torch.maximum(a, b)
             (x,) = args
-            if not is_t(x):
-                scalar = {"abs": abs, "exp": math.exp, "log": math.log, "tanh": math.tanh, "sqrt": math.sqrt,
-                          "sign": lambda v: (v > 0) - (v < 0)}[n.fn]
-                return scalar(x)
-            fns = {"abs": torch.abs, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh,
-                   "sqrt": torch.sqrt, "sign": torch.sign}
-            return fns[n.fn](x)
+            if not is_t(x):  # IEEE results (inf, nan) like the kernels, not Python's exceptions
+                return float(fns_t[n.fn](torch.tensor(float(x), dtype=torch.float64))) if t == X.FLOAT else \
+                    {"abs": abs, "sign": lambda v: (v > 0) - (v < 0)}[n.fn](x)
+            return fns_t[n.fn](x)
         raise AssertionError(n)
 
     out = ev(e)
@@ -202,19 +204,24 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     s = s * scale
     env = positions(B, Hq, Nq, Nk, q.device)
     if spec.score is not None:
-        s = evaluate(spec.score, spec, env | {"score": s}, params, acc).expand(s.shape)
+        s = evaluate(spec.score, spec, env | {"score": s}, params, acc).to(acc).expand(s.shape)
     keep = keep_mask(spec, Nq, Nk, q.device, batch=B, heads=Hq, **params)
     if keep is None:
         keep = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device)
-    keep = keep.expand(s.shape)
-    # Masking by selection ("double where"): rows with no visible key get a finite stand-in for the
-    # logsumexp, then LSE −inf and P = 0, so values *and* autograd gradients stay finite there.
+    # A score of −inf (a score expression can make one) counts as masked, as in the kernels.
+    keep = keep.expand(s.shape) & ~torch.isneginf(s).detach()
+    # Masking by selection ("double where") and a max-subtracted softmax: rows with no visible key
+    # get LSE −inf and P = 0, values *and* autograd gradients stay finite there, and rows whose
+    # scores are all huge (|s| ~ 1e30) keep their exact probabilities.
     row_any = keep.any(-1)
     s = torch.where(keep, s, float("-inf"))
-    lse_raw = torch.logsumexp(torch.where(row_any.unsqueeze(-1), s, torch.zeros_like(s)), dim=-1)
-    lse = torch.where(row_any, lse_raw, float("-inf"))
-    safe = torch.where(row_any, lse_raw, torch.zeros_like(lse_raw)).unsqueeze(-1)
-    p = torch.where(keep, torch.exp(s - safe), torch.zeros_like(s))
+    row_max = s.amax(-1) if s.shape[-1] else torch.zeros(s.shape[:-1], dtype=s.dtype, device=s.device)
+    m = torch.where(row_any, row_max, torch.zeros_like(row_max)).detach()
+    e = torch.where(keep, torch.exp(s - m.unsqueeze(-1)), torch.zeros_like(s))
+    total = e.sum(-1)
+    safe_total = torch.where(row_any, total, torch.ones_like(total))
+    lse = torch.where(row_any, m + torch.log(safe_total), float("-inf"))
+    p = e / safe_total.unsqueeze(-1)
     out = torch.matmul(p.to(q.dtype).to(mm), v.to(mm)).to(q.dtype)
     return (out, lse) if return_lse else out
 

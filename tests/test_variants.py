@@ -196,3 +196,46 @@ def test_large_position_bias_tail_tiles_finite_gradients(n):
         assert torch.isfinite(t.grad).all()
     gc = check.compare_grads(op.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad))
     assert gc.ok, str(gc)
+
+
+def test_int_parameter_under_torch_compile_does_not_recompile_per_value():
+    """Int parameters are SymInt in the op schema: after the first recompile they are dynamic."""
+    from torch._dynamo.utils import counters
+
+    sw = op("sliding_window")
+    q = torch.randn(1, 2, 64, 32)
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(lambda q, w: sw(q, q, q, window=w), fullgraph=True)
+    for w in range(3, 12):
+        assert torch.equal(f(q, w), sw(q, q, q, window=w)), w
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_spec_names_that_would_clash_are_rejected():
+    import flashgen
+    from flashgen.errors import SpecError
+
+    for text, what in (("param and: int", "'and' cannot name"), ("param int: int", "'int' cannot name"),
+                       ("param scale: int", "'scale' cannot name"),
+                       ("param t: f32[heads]\n param t_grad: int", "clashes with the generated member")):
+        with pytest.raises(SpecError, match=what):
+            flashgen.compile(f"attention x {{\n {text}\n}}")
+
+
+def test_reference_exact_for_huge_scores_and_minus_inf_rows():
+    """Rows whose scores are all ~−1e30 keep exact probabilities (max-subtracted softmax); a row
+    masked entirely by a −inf bias is empty: output 0, LSE −inf, like the kernels."""
+    b = op("bias")
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 1, 20, 32, generator=g) for _ in range(3))
+    bias = torch.full((1, 1, 20, 20), -1e30)
+    bias[0, 0, 3] = float("-inf")
+    out, lse = b(q, k, v, bias=bias, return_lse=True)
+    ref, ref_lse = reference.attention(b.spec, q.double(), k.double(), v.double(), bias=bias.double(),
+                                       return_lse=True)
+    rows = torch.arange(20) != 3
+    torch.testing.assert_close(ref[0, 0, rows], v.double()[0, 0].mean(0).expand(19, 32), atol=1e-6, rtol=0)
+    assert (ref[0, 0, 3] == 0).all() and torch.isneginf(ref_lse[0, 0, 3])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    assert torch.isneginf(lse[0, 0, 3])
