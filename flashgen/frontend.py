@@ -210,6 +210,7 @@ class _Lowering:
         name_tok, *stmts = spec.children
         seen: dict[str, Tree] = {}
         fields: dict = {}
+        self.declared = {str(st.children[0]) for st in stmts if st is not None and st.data == "param_stmt"}
         for st in stmts:
             if st is None:
                 continue
@@ -361,6 +362,9 @@ class _Lowering:
             if isinstance(n, ir.Name) and n.id in floats:
                 raise self.error_at(n, size_node, f"dimension uses float parameter '{n.id}'",
                                     expected="batch, heads, seqlen_q, seqlen_k, integers or int parameters")
+            if isinstance(n, ir.Name) and n.id not in allowed and n.id in getattr(self, "declared", ()):
+                raise self.error_at(n, size_node, f"dimension uses parameter '{n.id}' before its declaration",
+                                    expected=f"'param {n.id}: int' on an earlier line")
             if isinstance(n, ir.Name) and n.id not in allowed:
                 raise self.error_at(n, size_node, f"unknown dimension '{n.id}'",
                                     expected="batch, heads, seqlen_q, seqlen_k, integers or int parameters",

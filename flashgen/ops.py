@@ -293,7 +293,7 @@ class AttentionOp:
         if k.shape[3] != d:
             raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {d}")
         Hkv = k.shape[1]
-        if Hkv == 0 or Hq % Hkv:
+        if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
             raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads "
                              "(GQA/MQA need heads_q to be a multiple of heads_kv)")
         dims = self._head_dims[backend]

@@ -239,3 +239,11 @@ def test_reference_exact_for_huge_scores_and_minus_inf_rows():
     assert (ref[0, 0, 3] == 0).all() and torch.isneginf(ref_lse[0, 0, 3])
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
     assert torch.isneginf(lse[0, 0, 3])
+
+
+def test_zero_heads_is_an_empty_call():
+    sw = op("sliding_window")
+    q = torch.randn(2, 0, 5, 32, requires_grad=True)
+    out = sw(q, q, q, window=3)
+    out.sum().backward()
+    assert out.shape == q.shape and q.grad.shape == q.shape
