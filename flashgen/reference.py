@@ -171,7 +171,8 @@ def default_scale(spec: ir.Spec, head_dim: int) -> float:
 
 
 def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-              return_lse: bool = False, lowp_matmuls: bool = False, **params):
+              return_lse: bool = False, lowp_matmuls: bool = False, dropout_p: float = 0.0,
+              dropout_seed: int | None = None, dropout_offset: int = 0, **params):
     """Exact attention of ``spec`` (an ``ir.Spec``, spec text, a path or a compiled op).
 
     Args:
@@ -181,6 +182,10 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         return_lse: also return the log-sum-exp (natural log, fp32 or float64, [B, Hq, Nq]).
         lowp_matmuls: with fp16/bf16 inputs, run the two products (and so their gradients) in
            the input dtype, as FlashAttention's own test reference does; softmax stays fp32.
+        dropout_p, dropout_seed, dropout_offset: dropout on the probabilities, P̃ = P ∘ keep / (1 − p)
+           (the paper's fused dropout; the LSE is that of P), with the keep mask regenerated
+           exactly from the Philox4x32-10 stream keyed by (seed, offset, b, h, q, kv) that the
+           kernels use (flashgen/philox.py); dropout_seed is required when dropout_p > 0.
         **params: the spec's parameters (tensors on q's device, any float dtype for float
            tensors: pass float64 ones with requires_grad for gradients to them).
 
@@ -222,6 +227,13 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     safe_total = torch.where(row_any, total, torch.ones_like(total))
     lse = torch.where(row_any, m + torch.log(safe_total), float("-inf"))
     p = e / safe_total.unsqueeze(-1)
+    if dropout_p:
+        if dropout_seed is None:
+            raise ValueError("dropout_seed: the reference needs the seed (and offset) the kernel used")
+        from . import philox
+
+        kept = philox.keep_mask(dropout_seed, dropout_offset, B, Hq, Nq, Nk, dropout_p, q.device)
+        p = torch.where(kept, p / (1.0 - dropout_p), torch.zeros_like(p))
     out = torch.matmul(p.to(q.dtype).to(mm), v.to(mm)).to(q.dtype)
     return (out, lse) if return_lse else out
 
