@@ -162,16 +162,14 @@ def parse_params(spec: ir.Spec, items: list[str]) -> dict:
         if p is None:
             names = ", ".join(declared) or "none"
             raise ValueError(f"--param {item}: spec '{spec.name}' has no parameter '{name}' (it declares: {names})")
+        integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
         try:
-            integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
             out[name] = int(text) if integral else float(text)
-            limit = 2**31 if p.is_tensor and p.dtype == "i32" else 2**62
-            if integral and not -limit <= out[name] < limit:
-                raise ValueError(f"--param {item}: {out[name]} is out of range for {name} (|value| < {limit})")
-        except ValueError as e:
-            if str(e).startswith("--param"):
-                raise
+        except ValueError:
             raise ValueError(f"--param {item}: '{text}' is not {'an int' if integral else 'a number'}") from None
+        limit = 2**31 if p.is_tensor and p.dtype == "i32" else 2**62
+        if integral and not -limit <= out[name] < limit:
+            raise ValueError(f"--param {item}: {out[name]} is out of range for {name} (|value| < {limit})")
     return out
 
 

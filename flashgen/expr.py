@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import ir
+from .errors import did_you_mean
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 
@@ -148,8 +149,6 @@ class Scope:
 
 def type_of(e: ir.Expr, scope: Scope) -> str:
     """The type of ``e`` (INT, FLOAT or BOOL); raises ExprError for anything ill-typed."""
-    from .errors import did_you_mean
-
     if isinstance(e, ir.Num):
         return INT if isinstance(e.value, int) else FLOAT
     if isinstance(e, ir.Name):
@@ -218,10 +217,8 @@ def type_of(e: ir.Expr, scope: Scope) -> str:
         return FLOAT if FLOAT in (a, b) else INT
     if isinstance(e, ir.Call):
         if e.fn not in FUNCTIONS:
-            from .errors import did_you_mean as dym
-
             raise ExprError(e, f"unknown function '{e.fn}'", expected="one of " + ", ".join(FUNCTIONS),
-                            hint=dym(e.fn, list(FUNCTIONS) + list(MASK_BUILTINS)))
+                            hint=did_you_mean(e.fn, list(FUNCTIONS) + list(MASK_BUILTINS)))
         if len(e.args) != FUNCTIONS[e.fn]:
             raise ExprError(e, f"{e.fn}() takes {FUNCTIONS[e.fn]} argument(s), got {len(e.args)}")
         ts = [type_of(a, scope) for a in e.args]
@@ -325,10 +322,6 @@ class Cxx:
 
 
 # ---------------------------------------------------------------- derivatives
-
-
-def _is_zero(e):
-    return e is None
 
 
 def _num(v) -> ir.Num:

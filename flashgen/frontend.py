@@ -261,8 +261,7 @@ class _Lowering:
             e = X.expand_builtins(e)
             t = X.type_of(e, X.Scope(params, allow_score=allow_score))
             for n in X.walk(e):
-                if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0) or (
-                        isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0.0)):
+                if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0):
                     raise X.ExprError(n, f"division by zero ('{n.op} 0')")
             return e, t
         except X.ExprError as err:

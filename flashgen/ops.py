@@ -245,13 +245,12 @@ class AttentionOp:
                                  f"{reach[pos] - 1} for these inputs")
         return out
 
-    def params_block(self, values) -> tuple[ctypes.Structure | None, list]:
-        """The variant's Params struct for ``values`` (spec order), and the fp32 gradient buffers
-        it points at (None where not requested); null when the spec has no parameters."""
+    def params_block(self, values) -> ctypes.Structure | None:
+        """The variant's Params struct for ``values`` (spec order), gradient pointers null; None
+        when the spec has no parameters."""
         if not self.spec.params:
-            return None, []
+            return None
         block = self._params_struct()
-        grads = []
         for p, value in zip(self.spec.params, values, strict=True):
             if not p.is_tensor:
                 setattr(block, p.name, value)
@@ -259,7 +258,7 @@ class AttentionOp:
             setattr(block, p.name, value.data_ptr() if value.numel() else None)
             getattr(block, p.name + "_size")[:] = list(value.shape)
             getattr(block, p.name + "_stride")[:] = list(value.stride())
-        return block, grads
+        return block
 
     def check_inputs(self, q, k, v) -> None:
         """Validate q, k, v as ``__call__`` documents; raise naming the offending argument."""
@@ -392,7 +391,7 @@ class AttentionOp:
         if q.device.type == "cuda":
             q, k, v = (_aligned(t) for t in (q, k, v))
         lib = self._library(q.device, IR_DTYPE[q.dtype], d)
-        block, _ = self.params_block(values)
+        block = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
             B, Hq, k.shape[1], Nq, k.shape[2], d,
@@ -419,7 +418,7 @@ class AttentionOp:
         fill = float("nan") if poison_outputs else None
         # Like the inputs' layout when dense, else contiguous (empty_like's rule; the fake's too).
         dq, dk, dv = (torch.empty_like(t) if fill is None else torch.full_like(t, fill) for t in (q, k, v))
-        block, _ = self.params_block(values)
+        block = self.params_block(values)
         by_name = {p.name: val for p, val in zip(self.spec.params, values, strict=True)}
         pgrads = []
         for name, need in zip(self.grad_params, need_param_grads or [False] * len(self.grad_params), strict=True):

@@ -30,6 +30,7 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
     if unknown:
         raise TypeError(f"unknown parameter(s) {', '.join(sorted(unknown))} for spec '{spec.name}'")
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    gdev = generator.device if generator is not None else "cpu"  # draw where the generator lives
     out: dict = {}
     for p in spec.params:
         value = given.get(p.name)
@@ -49,16 +50,16 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
         if value is not None:
             out[p.name] = torch.full(shape, value, dtype=dtype, device=device)
         elif p.dtype == "f32":
-            out[p.name] = torch.randn(shape, generator=generator, device=generator.device if generator else "cpu"
+            out[p.name] = torch.randn(shape, generator=generator, device=gdev
                                       ).to(device)
         elif p.dtype == "bool":
-            out[p.name] = (torch.rand(shape, generator=generator, device=generator.device if generator else "cpu")
+            out[p.name] = (torch.rand(shape, generator=generator, device=gdev)
                            < 0.5).to(device)
         else:
             last = p.shape[-1].size if p.shape else None
             ids = isinstance(last, ir.Name) and last.id in ("seqlen_q", "seqlen_k")
             t = torch.randint(0, 8 if ids else seqlen_k + 1, shape, generator=generator,
-                              device=generator.device if generator else "cpu")
+                              device=gdev)
             if ids:
                 t = t.sort(dim=-1).values
             out[p.name] = t.to(dtype).to(device)

@@ -10,6 +10,7 @@ It materialises the Nq×Nk score matrix: for checking, not for speed.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -29,8 +30,6 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
     False — inside traced code such as FlexAttention's mods — indices are clamped like the
     kernels do).
     """
-    import math
-
     decl = {p.name: p for p in spec.params}
     scope = X.Scope(decl, allow_score=True)
     dev = env["q"].device if isinstance(env["q"], torch.Tensor) else None
@@ -107,8 +106,6 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                 if not is_t(a) and not is_t(b):  # float floor division: IEEE (±inf, nan by 0)
                     return math.floor(a / b) if b else (math.copysign(math.inf, a) if a else math.nan)
                 return torch.floor(a / b)
-            import operator
-
             ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
                    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
                    "==": operator.eq, "!=": operator.ne}

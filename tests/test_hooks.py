@@ -131,7 +131,7 @@ def _settings(spec, B, H, nq, nk, seed):
 
 def _block(spec, values):
     op = ops.compile(spec)
-    block, _ = op.params_block([values[p.name] for p in spec.params])
+    block = op.params_block([values[p.name] for p in spec.params])
     return block, (ctypes.addressof(block) if block is not None else None)
 
 

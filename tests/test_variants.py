@@ -129,7 +129,7 @@ def test_parameter_gradient_only_when_requested():
     assert slopes.grad is not None and slopes.grad.abs().sum() > 0
 
 
-def test_scalar_parameters_do_not_recompile(tmp_path, monkeypatch):
+def test_scalar_parameters_do_not_recompile():
     """A new window or softcap value reuses the same compiled kernel."""
     gm = op("gemma")
     g = torch.Generator().manual_seed(1)

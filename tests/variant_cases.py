@@ -7,7 +7,6 @@ gradients of float tensor parameters that require grad with the float64 referenc
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -87,7 +86,3 @@ def run_case(name, B, Hq, Hkv, Nq, Nk, d, dtype, *, device="cpu", seed=0, varian
     gc = check.compare_grads(fop.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad), params=params,
                              param_grads=pgrads)
     assert gc.ok, f"{where}: backward {gc}"
-
-
-def scale_for(d: int) -> float:
-    return 1 / math.sqrt(d)
