@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from . import reference
 from .errors import BuildError, FlashgenError, KernelError, SpecError
-from .ops import AttentionOp, compile
+from .ops import AttentionOp, compile, dropout_state
 
-__all__ = ["AttentionOp", "BuildError", "FlashgenError", "KernelError", "SpecError", "compile", "reference"]
+__all__ = ["AttentionOp", "BuildError", "FlashgenError", "KernelError", "SpecError", "compile", "dropout_state",
+           "reference"]

@@ -10,6 +10,9 @@ from .paths import include_dir
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 
+# Last in both blocks: {seed, offset} pointer (null: no dropout), the 24-bit keep threshold, 1/(1-p).
+_DROPOUT = [("dropout_state", ctypes.c_void_p), ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", _f32)]
+
 
 class FgFwdArgs(ctypes.Structure):
     _fields_ = [
@@ -23,6 +26,7 @@ class FgFwdArgs(ctypes.Structure):
         ("o_stride_b", _i64), ("o_stride_h", _i64), ("o_stride_n", _i64),
         ("scale", _f32), ("num_sms", ctypes.c_int32),
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p),
+        *_DROPOUT,
     ]  # fmt: skip
 
 
@@ -38,6 +42,7 @@ class FgBwdArgs(ctypes.Structure):
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
         ("scale", _f32), ("num_sms", ctypes.c_int32), ("deterministic", ctypes.c_int32),
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
+        *_DROPOUT,
     ]
 
 
@@ -49,7 +54,7 @@ def _header_constants() -> dict[str, int]:
     return consts
 
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 def status_name(code: int) -> str:

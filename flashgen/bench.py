@@ -93,16 +93,19 @@ def sdpa_mask(spec: ir.Spec, B: int, H: int, Nq: int, Nk: int, device, dtype, pa
     return bias.to(dtype)
 
 
-def peers(spec: ir.Spec, device: torch.device) -> dict[str, Callable | None]:
+def peers(spec: ir.Spec, device: torch.device, dropout_p: float = 0.0) -> dict[str, Callable | None]:
     """Name → fn(q, k, v, params) for the implementations we compare against (None if
     unavailable). SDPA gets is_causal for causal masks, else a materialised mask (built once per
-    shape, outside the timing: what its users do)."""
+    shape, outside the timing: what its users do), and ``dropout_p``; FlexAttention and eager
+    have no dropout and are left out when it is set."""
     kind = spec.mask_kind
     masks: dict = {}
 
     def sdpa(backend=None):
         def run(q, k, v, params):
             kwargs = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+            if dropout_p:
+                kwargs["dropout_p"] = dropout_p
             mask = None
             is_causal = False
             B, Hq, Nq, Nk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
@@ -135,10 +138,12 @@ def peers(spec: ir.Spec, device: torch.device) -> dict[str, Callable | None]:
         out["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
         out["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
         out["sdpa-efficient"] = sdpa(SDPBackend.EFFICIENT_ATTENTION)
-        out["flex"] = _flex(spec)
+        if not dropout_p:
+            out["flex"] = _flex(spec)
     else:
         out["sdpa"] = sdpa()
-    out["eager"] = eager
+    if not dropout_p:
+        out["eager"] = eager
     return out
 
 
@@ -187,7 +192,8 @@ def _flex(spec: ir.Spec):
 
 def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DType, device: torch.device,
         *, reps: int = 10, include: set[str] | None = None, eager_max_bytes: float = 8e9,
-        backward: bool = False, log: Callable[[str], None] = print, params: dict | None = None) -> list[Row]:
+        backward: bool = False, log: Callable[[str], None] = print, params: dict | None = None,
+        dropout_p: float = 0.0) -> list[Row]:
     """Time ours and the peers on each (batch, heads, seqlen, head_dim): the forward, or with
     ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
     forward's, the backward counted as 2.5× as in FlashAttention's benchmarks). Spec parameters
@@ -196,10 +202,12 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
 
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
-    impls = {"flashgen": lambda q, k, v, p: op(q, k, v, **p)}
+    impls = {"flashgen": lambda q, k, v, p: op(q, k, v, dropout_p=dropout_p, **p)}
+    if dropout_p:  # dropout's overhead: the same op with p = 0
+        impls["flashgen-p0"] = lambda q, k, v, p: op(q, k, v, **p)
     if backward:  # the cost of bitwise-repeatable gradients, next to the default
-        impls["flashgen-det"] = lambda q, k, v, p: op(q, k, v, deterministic=True, **p)
-    impls |= peers(op.spec, device)
+        impls["flashgen-det"] = lambda q, k, v, p: op(q, k, v, deterministic=True, dropout_p=dropout_p, **p)
+    impls |= peers(op.spec, device, dropout_p)
     for B, H, N, d in shapes:
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(4))

@@ -52,15 +52,19 @@ def _params_as(params: dict, dtype: torch.dtype | None, device=None) -> dict:
     return out
 
 
-def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None, **params) -> Comparison:
+def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None, dropout_p: float = 0.0,
+            dropout_seed: int | None = None, dropout_offset: int = 0, **params) -> Comparison:
     """Compare a kernel's (out, lse) for inputs q, k, v (and the spec's ``params``) with the
-    reference of ``spec``: float64, and in the kernel's precision for the tolerance."""
+    reference of ``spec``: float64, and in the kernel's precision for the tolerance. With
+    ``dropout_p``, the references apply the keep mask regenerated from the kernel's
+    ``dropout_seed`` and ``dropout_offset`` (flashgen.dropout_state)."""
     p64, plo = _params_as(params, torch.float64, q.device), _params_as(params, None, q.device)
+    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
     ref64, lse64 = reference.attention(spec, q.double(), k.double(), v.double(), scale=scale, return_lse=True,
-                                       **p64)
+                                       **drop, **p64)
     # ref_lowp: the reference computed in the input dtype (fp32 for fp32 inputs: its rounding grows
     # with the size of the scores, which a score expression such as ALiBi's can make large).
-    ref_lo, lse_lo = reference.attention(spec, q, k, v, scale=scale, return_lse=True, **plo)
+    ref_lo, lse_lo = reference.attention(spec, q, k, v, scale=scale, return_lse=True, **drop, **plo)
     atol = 1e-5 if atol is None else atol
     out64, lsek = out.double(), lse.double()
     empty = torch.isneginf(lse64)
@@ -96,9 +100,10 @@ class GradComparison:
         return f"{verdict}: " + ", ".join(parts) + (", NaN present" if self.nan else "")
 
 
-def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, wrt=()) -> dict:
+def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, wrt=(), dropout=None) -> dict:
     """Gradients of the reference by autograd, in the dtype of q/k/v (float64 for the oracle):
     {"dq", "dk", "dv"} and "d<name>" for each parameter name in ``wrt``, plus its "out".
+    ``dropout``: the reference's dropout keywords (dropout_p, dropout_seed, dropout_offset).
 
     With fp16/bf16 inputs the products and their gradients run in that dtype (FlashAttention's
     test reference for the backward), softmax in fp32."""
@@ -109,7 +114,8 @@ def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, 
         params[name] = params[name].detach().clone().requires_grad_()
         leaves["d" + name] = params[name]
     out, lse = reference.attention(spec, q, k, v, scale=scale, return_lse=True,
-                                   lowp_matmuls=q.dtype in (torch.float16, torch.bfloat16), **params)
+                                   lowp_matmuls=q.dtype in (torch.float16, torch.bfloat16), **(dropout or {}),
+                                   **params)
     loss = (out.to(dout.dtype) * dout).sum()
     if dlse is not None:
         finite = torch.isfinite(lse)
@@ -120,15 +126,20 @@ def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, 
 
 
 def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: float = 1e-5, params=None,
-                  param_grads=None) -> GradComparison:
+                  param_grads=None, dropout_p: float = 0.0, dropout_seed: int | None = None,
+                  dropout_offset: int = 0, out: torch.Tensor | None = None) -> GradComparison:
     """Compare a kernel's (dq, dk, dv) — and ``param_grads`` {name: gradient} — for
-    loss = Σ out·dout (+ Σ lse·dlse) with the reference's."""
+    loss = Σ out·dout (+ Σ lse·dlse) with the reference's (with the kernel's dropout mask, as
+    ``compare``). ``out``: the kernel's own forward output, when available; its rounding then
+    enters the low-precision reference's D = rowsum(dO ∘ O) exactly as it enters the kernel's
+    (otherwise the reference's own rounded output stands in for it)."""
     params = params or {}
     param_grads = param_grads or {}
     wrt = tuple(param_grads)
+    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
     g64 = reference_grads(spec, q.double(), k.double(), v.double(), dout.double(), scale=scale,
                           dlse=None if dlse is None else dlse.double(),
-                          params=_params_as(params, torch.float64, q.device), wrt=wrt)
+                          params=_params_as(params, torch.float64, q.device), wrt=wrt, dropout=drop)
     if q.dtype == torch.float32:
         glo = {n: g.float() for n, g in g64.items()}
     else:
@@ -138,10 +149,11 @@ def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: fl
         # it (it matters for parameter gradients, which sum dS over whole rows).
         plo = _params_as(params, None, q.device)
         with torch.no_grad():
-            out_lo = reference.attention(spec, q, k, v, scale=scale, lowp_matmuls=True, **plo)
+            out_lo = out.detach() if out is not None else \
+                reference.attention(spec, q, k, v, scale=scale, lowp_matmuls=True, **drop, **plo)
         d_shift = (dout.double() * g64["out"]).sum(-1) - (dout.double() * out_lo.double()).sum(-1)
         dlse_lo = d_shift if dlse is None else dlse.double() + d_shift
-        glo = reference_grads(spec, q, k, v, dout, scale=scale, dlse=dlse_lo, params=plo, wrt=wrt)
+        glo = reference_grads(spec, q, k, v, dout, scale=scale, dlse=dlse_lo, params=plo, wrt=wrt, dropout=drop)
     got = dict(zip(("dq", "dk", "dv"), grads, strict=True)) | {"d" + n: g for n, g in param_grads.items()}
     errors, bounds = {}, {}
     for name, g in got.items():

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", choices=DTYPE_ARG, default="bf16")
     r.add_argument("--device", default="cpu")
     r.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
+    r.add_argument("--dropout-p", type=float, default=0.0,
+                   help="dropout probability (specs that declare dropout; seed 0, checked with that mask)")
     r.add_argument("--reps", type=int, default=10)
 
     be = sub.add_parser("bench", help="time ours next to torch SDPA (and FlexAttention on CUDA) in one run")
@@ -55,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--backward", action="store_true", help="time forward+backward instead of the forward")
     be.add_argument("--json", type=Path, help="also write the rows as JSON here")
     be.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
+    be.add_argument("--dropout-p", type=float, default=0.0,
+                    help="dropout probability for ours and SDPA (specs that declare dropout); adds a "
+                         "flashgen-p0 row (p = 0) for the overhead; FlexAttention has no dropout")
     return p
 
 
@@ -205,22 +210,23 @@ def cmd_run(args) -> int:
     from .params import example_params
 
     params = example_params(op.spec, args.batch, args.heads, args.seqlen, nk, device, **given)
+    drop = {"dropout_p": args.dropout_p, "dropout_seed": 0} if args.dropout_p else {}
     shown = " ".join(f"{n}={x if not isinstance(x, torch.Tensor) else tuple(x.shape)}" for n, x in params.items())
     print(f"{op.name}: batch={args.batch} heads={args.heads} kv_heads={hkv} seqlen_q={args.seqlen} "
           f"seqlen_k={nk} head_dim={args.head_dim} dtype={args.dtype} device={device}"
-          + (f" params: {shown}" if shown else ""))
+          + (f" params: {shown}" if shown else "") + (f" dropout_p={args.dropout_p}" if drop else ""))
     t0 = time.perf_counter()
     with torch.no_grad():
-        out, lse = op(q, k, v, return_lse=True, **params)
+        out, lse = op(q, k, v, return_lse=True, **drop, **params)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     first = time.perf_counter() - t0
     print(f"first call (build or cache load included): {first:.2f} s")
     cpu_params = {n: (x.cpu() if isinstance(x, torch.Tensor) else x) for n, x in params.items()}
-    cmp = check.compare(op.spec, q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu(), **cpu_params)
+    cmp = check.compare(op.spec, q.cpu(), k.cpu(), v.cpu(), out.cpu(), lse.cpu(), **drop, **cpu_params)
     print(f"check against float64 reference: {cmp}")
     with torch.no_grad():
-        ms = time_fn(lambda: op(q, k, v, **params), device, reps=args.reps)
+        ms = time_fn(lambda: op(q, k, v, **drop, **params), device, reps=args.reps)
     flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(
         op.spec, args.seqlen, nk, batch=args.batch, heads=args.heads, **cpu_params)
     print(f"time: {ms:.3f} ms   {flops / ms / 1e6:.1f} GFLOP/s ({flops / ms / 1e9:.2f} TFLOP/s)")
@@ -248,7 +254,7 @@ def cmd_bench(args) -> int:
     given = parse_params(op.spec, args.param)
     op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None)
     rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
-                     backward=args.backward, params=given)
+                     backward=args.backward, params=given, dropout_p=args.dropout_p)
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
     return 0

@@ -35,3 +35,21 @@ def quiet() -> bool:
 def cuda_home() -> str | None:
     """CUDA_HOME / CUDA_PATH as torch.utils.cpp_extension sees them (for the nvcc version)."""
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+
+
+def cuda_fwd_tile() -> tuple[tuple[str, int], ...]:
+    """FLASHGEN_CUDA_FWD_TILE=BMxBNxW (e.g. 128x64x4): force the CUDA forward's tile (BM query
+    rows, BN keys, W warps; BM/W must be 16 or 32, BN a multiple of 16) instead of the default for
+    the head dim. For tuning experiments; each tile is a separate cache entry. ValueError when
+    malformed."""
+    raw = os.environ.get("FLASHGEN_CUDA_FWD_TILE", "").strip()
+    if not raw:
+        return ()
+    try:
+        bm, bn, w = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"FLASHGEN_CUDA_FWD_TILE: expected BMxBNxW such as 128x64x4, got {raw!r}") from None
+    if not (w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32) and bn % 16 == 0 and 16 <= bn <= 256):
+        raise ValueError(f"FLASHGEN_CUDA_FWD_TILE: {raw!r} is not a valid tile (BM/W must be 16 or 32 "
+                         "rows per warp, BN a multiple of 16 up to 256)")
+    return (("fwd_block_m", bm), ("fwd_block_n", bn), ("fwd_warps", w))

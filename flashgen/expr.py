@@ -111,6 +111,16 @@ def _map_children(e: ir.Expr, fn: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
     return e
 
 
+def _children(e: ir.Expr) -> tuple[ir.Expr, ...]:
+    if isinstance(e, ir.Unary):
+        return (e.operand,)
+    if isinstance(e, ir.BinOp):
+        return (e.lhs, e.rhs)
+    if isinstance(e, ir.Call):
+        return tuple(e.args)
+    return ()
+
+
 def walk(e: ir.Expr):
     """Every node of ``e``, parents first."""
     yield e
@@ -239,11 +249,25 @@ def type_of(e: ir.Expr, scope: Scope) -> str:
 # ---------------------------------------------------------------- C++ emission
 
 
+# The kernels' limit on seqlen_q and seqlen_k (checked before launch): positions q, kv lie in
+# [0, MAX_SEQLEN), so e.g. kv - q - (seqlen_k - seqlen_q) always fits in 32 bits.
+MAX_SEQLEN = 1 << 30
+_I32 = (1 << 31) - 1  # int32 holds [-_I32 - 1, _I32]
+_POSITION_RANGES = {"b": (0, _I32), "h": (0, _I32), "q": (0, MAX_SEQLEN - 1), "kv": (0, MAX_SEQLEN - 1),
+                    "seqlen_q": (0, MAX_SEQLEN), "seqlen_k": (0, MAX_SEQLEN)}
+NARROW = "i32"  # emission type of an int computed in 32 bits (type_of still says INT)
+
+
 class Cxx:
     """Emit C++ for expressions inside a generated Variant (params as ``p.<name>``).
 
-    ``names`` maps a position name to the C++ that stands for it (default ``(fg_int)<name>``;
-    ``score`` → ``s``). Int results are ``fg_int`` (64-bit), floats ``float``, bools ``bool``.
+    ``names`` maps a position name to the C++ that stands for it (default: the hook's ``int``
+    argument; ``score`` → ``s``). Floats are ``float``, bools ``bool``. Ints are exact: an int
+    subexpression whose value and operands provably fit in 32 bits (interval analysis over the
+    positions' ranges, see MAX_SEQLEN, literals and i32/bool tensor reads) is computed in ``int``
+    — cheaper on the GPU, notably the int → float conversion —, anything else in ``fg_int``
+    (64-bit; int scalar parameters and i64 reads have unknown range). With ``names`` given every
+    int is 64-bit.
     """
 
     def __init__(self, spec: ir.Spec, names: dict[str, str] | None = None):
@@ -251,15 +275,80 @@ class Cxx:
         self.params = {p.name: p for p in spec.params}
         self.scope = Scope(self.params, allow_score=True)
         self.names = names or {}
+        self.narrow_ok = not names
 
     def type(self, e: ir.Expr) -> str:
         return type_of(e, self.scope)
 
     def __call__(self, e: ir.Expr, want: str | None = None) -> str:
         code, t = self.emit(e)
-        if want == FLOAT and t == INT:
+        if want == FLOAT and t in (INT, NARROW):
             return f"(float)({code})"
+        if want == INT and t == NARROW:
+            return f"(fg_int)({code})"
         return code
+
+    def int_range(self, e: ir.Expr) -> tuple[int, int] | None:
+        """Bounds [lo, hi] of an int expression's value, or None when unknown."""
+        if isinstance(e, ir.Num):
+            return (int(e.value), int(e.value))
+        if isinstance(e, ir.Name):
+            return _POSITION_RANGES.get(e.id)  # int params: unknown
+        if isinstance(e, ir.Index):
+            dt = self.params[e.base.id].dtype
+            return {"i32": (-_I32 - 1, _I32), "bool": (0, 1)}.get(dt)
+        if isinstance(e, ir.Unary) and e.op == "-":
+            r = self.int_range(e.operand)
+            return None if r is None else (-r[1], -r[0])
+        if isinstance(e, ir.BinOp) and e.op in ("+", "-", "*", "//", "%"):
+            a, b = self.int_range(e.lhs), self.int_range(e.rhs)
+            if a is None or b is None:
+                return None
+            if e.op == "+":
+                return (a[0] + b[0], a[1] + b[1])
+            if e.op == "-":
+                return (a[0] - b[1], a[1] - b[0])
+            if e.op == "*":
+                c = [x * y for x in a for y in b]
+                return (min(c), max(c))
+            if e.op == "//":  # |a // b| <= |a| (and x // 0 = 0)
+                m = max(abs(a[0]), abs(a[1]))
+                return (-m, m)
+            m = max(abs(b[0]), abs(b[1]))  # |a % b| < |b|
+            return (-m, m)
+        if isinstance(e, ir.Call) and e.fn in ("abs", "min", "max", "sign", "where"):
+            if e.fn == "sign":
+                return (-1, 1)
+            args = e.args[1:] if e.fn == "where" else e.args
+            rs = [self.int_range(a) for a in args]
+            if any(r is None for r in rs):
+                return None
+            if e.fn == "abs":
+                (lo, hi), = rs
+                return (0 if lo <= 0 <= hi else min(abs(lo), abs(hi)), max(abs(lo), abs(hi)))
+            if e.fn == "min":
+                return (min(r[0] for r in rs), min(r[1] for r in rs))
+            if e.fn == "max":
+                return (max(r[0] for r in rs), max(r[1] for r in rs))
+            return (min(r[0] for r in rs), max(r[1] for r in rs))
+        return None
+
+    def narrow(self, e: ir.Expr) -> bool:
+        """Whether the int expression ``e`` is computed in 32 bits: its value and every int
+        operand's value fit (so no intermediate overflows)."""
+        if not self.narrow_ok or self.type(e) != INT:
+            return False
+        r = self.int_range(e)
+        if r is None or r[0] < -_I32 - 1 or r[1] > _I32:
+            return False
+        if isinstance(e, ir.BinOp) and e.op == "%" and self.int_range(e.lhs)[0] < -_I32:
+            return False  # INT_MIN % -1 is undefined in C++ (its value, 0, would fit)
+        if isinstance(e, ir.Index):
+            return True  # the read value; indices are 64-bit offsets regardless
+        if isinstance(e, ir.Call) and e.fn == "where":
+            return all(self.narrow(a) for a in e.args[1:])
+        kids = [k for k in _children(e) if self.type(k) == INT]
+        return all(self.narrow(k) for k in kids)
 
     def index_code(self, e: ir.Index) -> tuple[str, str]:
         """(element offset with the tensor's strides, flat offset in a contiguous buffer)."""
@@ -273,51 +362,66 @@ class Cxx:
 
     def emit(self, e: ir.Expr) -> tuple[str, str]:
         t = self.type(e)
+        if t == INT and self.narrow(e):
+            return self._emit(e, NARROW, NARROW), NARROW
+        return self._emit(e, t, INT), t
+
+    def _emit(self, e: ir.Expr, t: str, iw: str) -> str:
+        """C++ for ``e`` of type ``t``; int operands of an int node are emitted as ``iw``
+        (NARROW: they are all narrow; INT: widened to fg_int)."""
         if isinstance(e, ir.Num):
+            if t == NARROW:
+                return str(int(e.value))
             if t == INT:
-                return f"(fg_int){e.value}", t
-            return f"{float(e.value)!r}f".replace("inff", "INFINITY"), t
+                return f"(fg_int){e.value}"
+            return f"{float(e.value)!r}f".replace("inff", "INFINITY")
         if isinstance(e, ir.Name):
             if e.id in CONSTANTS:
-                return ("true" if CONSTANTS[e.id] else "false"), t
+                return "true" if CONSTANTS[e.id] else "false"
             if e.id == "score":
-                return self.names.get("score", "s"), t
+                return self.names.get("score", "s")
             if e.id in POSITION_NAMES:
-                return self.names.get(e.id, f"(fg_int){e.id}"), t
-            return f"p.{e.id}", t
+                return e.id if t == NARROW else self.names.get(e.id, f"(fg_int){e.id}")
+            return f"p.{e.id}"
         if isinstance(e, ir.Index):
             p = self.params[e.base.id]
             strided, _ = self.index_code(e)
             load = f"p.{p.name}[{strided}]"
             if p.dtype == "bool":
-                return f"({load} != 0)", t
+                return f"({load} != 0)"
             if t == INT:
-                return f"(fg_int){load}", t
-            return load, t
+                return f"(fg_int){load}"
+            return load
         if isinstance(e, ir.Unary):
-            op = "!" if e.op == "not" else "-"
-            return f"({op}{self(e.operand)})", t
+            if e.op == "not":
+                return f"(!{self(e.operand)})"
+            return f"(-{self(e.operand, FLOAT if t == FLOAT else iw)})"
         if isinstance(e, ir.BinOp):
             if e.op in ("and", "or"):
-                return f"({self(e.lhs)} {'&&' if e.op == 'and' else '||'} {self(e.rhs)})", t
-            want = FLOAT if (FLOAT in (self.type(e.lhs), self.type(e.rhs)) or e.op == "/") else None
+                return f"({self(e.lhs)} {'&&' if e.op == 'and' else '||'} {self(e.rhs)})"
+            lt, rt = self.type(e.lhs), self.type(e.rhs)
+            if FLOAT in (lt, rt) or e.op == "/":
+                want = FLOAT
+            elif t == BOOL:  # comparison of ints: 32-bit when both sides are
+                want = NARROW if self.narrow(e.lhs) and self.narrow(e.rhs) else INT
+            else:
+                want = iw
             a, b = self(e.lhs, want), self(e.rhs, want)
             if e.op == "//":
-                return (f"fg_floordiv({a}, {b})", t) if t == INT else (f"floorf({a} / {b})", t)
+                return f"fg_floordiv({a}, {b})" if t != FLOAT else f"floorf({a} / {b})"
             if e.op == "%":
-                return f"fg_mod({a}, {b})", t
-            return f"({a} {e.op} {b})", t
+                return f"fg_mod({a}, {b})"
+            return f"({a} {e.op} {b})"
         if isinstance(e, ir.Call):
+            want = FLOAT if t == FLOAT else iw
             if e.fn == "where":
-                want = FLOAT if t == FLOAT else None
-                return f"({self(e.args[0])} ? {self(e.args[1], want)} : {self(e.args[2], want)})", t
-            if t == INT:
+                return f"({self(e.args[0])} ? {self(e.args[1], want)} : {self(e.args[2], want)})"
+            if t != FLOAT:
                 fn = {"abs": "fg_absi", "min": "fg_mini", "max": "fg_maxi", "sign": "fg_signi"}[e.fn]
             else:
                 fn = {"abs": "fabsf", "min": "fminf", "max": "fmaxf", "exp": "expf", "log": "logf",
                       "tanh": "fg_tanh", "sqrt": "sqrtf", "sign": "fg_sign"}[e.fn]
-            want = FLOAT if t == FLOAT else None
-            return f"{fn}({', '.join(self(a, want) for a in e.args)})", t
+            return f"{fn}({', '.join(self(a, want) for a in e.args)})"
         raise AssertionError(e)
 
 
@@ -518,11 +622,15 @@ _NEG_CMP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
 class KeyRange:
     """For a query tile [q_lo, q_hi): kept keys lie in [lo, hi) (None: unbounded on that side);
     ``full`` is C++ that is true only if every (q, kv) of the tile [q_lo,q_hi)×[kv_lo,kv_hi) is
-    kept. All C++ is fg_int arithmetic."""
+    kept. All C++ is fg_int arithmetic. ``exact``: for a single query row (q_lo = q, q_hi =
+    q + 1) the kept keys are exactly [lo, hi) ∩ [0, seqlen_k) — the mask keeps an interval of
+    keys per row (causal, windows, prefix-LM, key padding), so kernels may test the two bounds
+    instead of evaluating the mask per element."""
 
     lo: str | None
     hi: str | None
     full: str
+    exact: bool = False
 
 
 _UNBOUNDED = KeyRange(None, None, "false")
@@ -532,14 +640,17 @@ def _and(a: KeyRange, b: KeyRange) -> KeyRange:
     lo = a.lo if b.lo is None else b.lo if a.lo is None else f"fg_maxi({a.lo}, {b.lo})"
     hi = a.hi if b.hi is None else b.hi if a.hi is None else f"fg_mini({a.hi}, {b.hi})"
     full = "false" if "false" in (a.full, b.full) else f"({a.full} && {b.full})"
-    return KeyRange(lo, hi, full)
+    return KeyRange(lo, hi, full, a.exact and b.exact)  # intervals intersect into an interval
 
 
 def _or(a: KeyRange, b: KeyRange) -> KeyRange:
     lo = None if a.lo is None or b.lo is None else f"fg_mini({a.lo}, {b.lo})"
     hi = None if a.hi is None or b.hi is None else f"fg_maxi({a.hi}, {b.hi})"
     full = a.full if b.full == "false" else b.full if a.full == "false" else f"({a.full} || {b.full})"
-    return KeyRange(lo, hi, full)
+    # A union of intervals is the interval [min lo, max hi) when both start at 0 or both end
+    # at seqlen_k (each may be empty); otherwise there may be a gap.
+    exact = a.exact and b.exact and ((a.lo is None and b.lo is None) or (a.hi is None and b.hi is None))
+    return KeyRange(lo, hi, full, exact)
 
 
 def key_range(spec: ir.Spec) -> KeyRange:
@@ -549,7 +660,7 @@ def key_range(spec: ir.Spec) -> KeyRange:
     by b, h) switch the whole tile on or off; anything else keeps every key (the per-element
     mask still decides). Sound by construction: no kept key ever lies outside [lo, hi)."""
     if spec.mask is None:
-        return KeyRange(None, None, "true")
+        return KeyRange(None, None, "true", True)
     at_hi = Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
     at_lo = Cxx(spec, {"q": "(fg_int)q_lo"})
     plain = Cxx(spec)
@@ -558,7 +669,7 @@ def key_range(spec: ir.Spec) -> KeyRange:
         if uses(e, "q"):
             return _UNBOUNDED
         c = plain(e)
-        return KeyRange(None, f"({c} ? (fg_int)seqlen_k : (fg_int)0)", c)
+        return KeyRange(None, f"({c} ? (fg_int)seqlen_k : (fg_int)0)", c, True)
 
     def go(e: ir.Expr, negate: bool) -> KeyRange:
         if isinstance(e, ir.Unary) and e.op == "not":
@@ -591,15 +702,15 @@ def key_range(spec: ir.Spec) -> KeyRange:
         fmax = (at_lo if mono is Mono.DEC else at_hi)(f)
         fmin = (at_hi if mono is Mono.DEC else at_lo)(f)
         if op == "<=":
-            return KeyRange(None, f"({fmax} + 1)", f"((fg_int)kv_hi - 1 <= {fmin})")
+            return KeyRange(None, f"({fmax} + 1)", f"((fg_int)kv_hi - 1 <= {fmin})", True)
         if op == "<":
-            return KeyRange(None, fmax, f"((fg_int)kv_hi - 1 < {fmin})")
+            return KeyRange(None, fmax, f"((fg_int)kv_hi - 1 < {fmin})", True)
         if op == ">=":
-            return KeyRange(fmin, None, f"((fg_int)kv_lo >= {fmax})")
+            return KeyRange(fmin, None, f"((fg_int)kv_lo >= {fmax})", True)
         if op == ">":
-            return KeyRange(f"({fmin} + 1)", None, f"((fg_int)kv_lo > {fmax})")
+            return KeyRange(f"({fmin} + 1)", None, f"((fg_int)kv_lo > {fmax})", True)
         if op == "==":
-            return KeyRange(fmin, f"({fmax} + 1)", "false")
+            return KeyRange(fmin, f"({fmax} + 1)", "false", True)
         return _UNBOUNDED  # !=
 
     return go(spec.mask, False)

@@ -37,9 +37,9 @@ PARAM_TYPES = {
 RESERVED = set(X.POSITION_NAMES) | set(X.CONSTANTS) | {
     n for n, k in X.MASK_BUILTINS.items() if k == 0} | {"score", "none", "head_dim", "batch", "heads"}
 # The op's own keyword arguments and the names its schemas and generated code use.
-OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p", "dropout_seed", "block_mask",
-            "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out", "lse", "dout", "dlse",
-            "need_param_grads", "params", "Params"}
+OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p", "dropout_seed", "dropout_state",
+            "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out", "lse", "dout",
+            "dlse", "need_param_grads", "params", "Params"}
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if
@@ -385,10 +385,14 @@ class _Lowering:
             broadcast = True
         return ir.Dim(size, broadcast, self.span(size_node))
 
+    def stmt_dropout(self, st: Tree, fields: dict) -> None:
+        # A bare declaration: the op then takes dropout_p at call time (a repeat is caught above).
+        fields["dropout"] = True
+
     def _not_yet(self, st: Tree, fields: dict) -> None:
         raise self.error(st, f"'{st.data.removesuffix('_stmt')}' is not supported in this version")
 
-    stmt_dropout = stmt_block_size = _not_yet
+    stmt_block_size = _not_yet
 
 
 _SCALE_FUNCS = {"sqrt": math.sqrt, "exp": math.exp, "log": math.log, "abs": abs}

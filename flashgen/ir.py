@@ -136,6 +136,8 @@ class Spec:
     already expanded), None for no mask; ``score`` a float expression over ``score`` (the scaled
     score) and the same names, None for the identity. ``head_dims`` / ``dtypes`` are None when the
     spec does not restrict them. ``scale`` is None for the default 1/sqrt(head_dim).
+    ``dropout``: the spec declares ``dropout``, so the op accepts ``dropout_p`` (the kernels
+    apply the keep mask to P after the softmax statistics; FlashAttention, Alg. 2 and 4).
     """
 
     name: str
@@ -145,6 +147,7 @@ class Spec:
     scale: Expr | None = None
     head_dims: tuple[int, ...] | None = None
     dtypes: tuple[DType, ...] | None = None
+    dropout: bool = False
     span: Span | None = _span()
     mask_span: Span | None = _span()
     score_span: Span | None = _span()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import build, env, ir
+from . import build, env, ir, philox
 from . import expr as X
 from .abi import FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError
@@ -41,6 +41,10 @@ def spec_dtypes(spec: ir.Spec, backend: str) -> tuple[ir.DType, ...]:
     """The dtypes ``spec`` may run on ``backend``: the family's, narrowed by a ``dtype`` line."""
     return tuple(d for d in BACKEND_DTYPES[backend] if spec.dtypes is None or d in spec.dtypes)
 CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+
+# Backend families whose kernels apply dropout; on the others dropout_p > 0 raises
+# NotImplementedError (check_dropout_backend).
+DROPOUT_BACKENDS = ("cpu", "cuda")
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -98,7 +102,8 @@ class AttentionOp:
 
     def __repr__(self) -> str:
         params = ", ".join(_describe_param(p) for p in self.spec.params)
-        return f"<flashgen op {self.name}" + (f" params: {params}" if params else "") + ">"
+        return (f"<flashgen op {self.name}" + (f" params: {params}" if params else "")
+                + (" (dropout)" if self.spec.dropout else "") + ">")
 
     # ------------------------------------------------------------ call
 
@@ -132,9 +137,21 @@ class AttentionOp:
             return_lse: also return the log-sum-exp.
             deterministic: make the backward bitwise repeatable (also on when
                ``torch.use_deterministic_algorithms(True)``); the forward always is.
-            dropout_p, dropout_seed, block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k: reserved for dropout, block sparsity and packed (varlen) batches;
-               this version raises NotImplementedError when they are set.
+            dropout_p: probability of dropping each attention probability, in [0, 1); only for
+               specs that declare ``dropout``. Fused as in FlashAttention: kept probabilities
+               are scaled by 1 / (1 - p), the LSE is that of the undropped softmax, and the
+               backward regenerates the forward's mask instead of storing it. 0 (the default)
+               is no dropout, at no cost. On the families in DROPOUT_BACKENDS.
+            dropout_seed: None (default): seed and offset are drawn from torch's default
+               generator for q's device (``flashgen.dropout_state``), so each call gets a fresh
+               mask and ``torch.manual_seed`` reproduces a run; nothing syncs the host. An int
+               in [0, 2^64): that seed, offset 0 (the same mask every call). The mask of element
+               (b, h, q, kv) depends only on the seed, the offset and those absolute indices
+               (Philox4x32-10, flashgen/philox.py): ``flashgen.reference.attention(..,
+               dropout_p=, dropout_seed=, dropout_offset=)`` regenerates it exactly.
+            block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: reserved for
+               block sparsity and packed (varlen) batches; this version raises
+               NotImplementedError when they are set.
             **params: the spec's parameters by keyword, all required: ints and floats as Python
                numbers (kernel arguments: a new value never recompiles), tensors on q's device
                with the declared dtype (f32 → torch.float32, i32 → int32, i64 → int64, bool)
@@ -148,14 +165,19 @@ class AttentionOp:
             and lse -inf.
 
         Raises:
-            TypeError / ValueError: bad arguments, naming the argument, before any launch.
-            NotImplementedError: a feature this version does not have, naming the argument.
+            TypeError / ValueError: bad arguments, naming the argument, before any launch (also
+               dropout_p > 0 for a spec without ``dropout``).
+            NotImplementedError: a feature this version does not have, naming the argument
+               (also dropout_p > 0 on a family outside DROPOUT_BACKENDS).
             BuildError: the first-use compile failed (message has compiler output and path).
             KernelError: the kernel reported a failure (e.g. a failed CUDA launch).
         """
-        if dropout_p:
-            raise NotImplementedError(f"dropout_p={dropout_p}: spec '{self.spec.name}' declares no dropout "
-                                      "(dropout is not supported in this version)")
+        dropout_p = _check_dropout_p(dropout_p)
+        if dropout_p and not self.spec.dropout:
+            raise ValueError(f"dropout_p={dropout_p}: spec '{self.spec.name}' declares no dropout; add a line "
+                             "`dropout` to the spec to enable it")
+        if dropout_seed is not None:
+            _check_dropout_seed(dropout_seed)
         for name, value in (("block_mask", block_mask), ("cu_seqlens_q", cu_seqlens_q),
                             ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
                             ("max_seqlen_k", max_seqlen_k)):
@@ -178,8 +200,27 @@ class AttentionOp:
         elif isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
         values = self.check_params(q, k, params)
-        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values)
+        dropout = ()
+        if self.spec.dropout:  # the op's two extra arguments: p and the {seed, offset} tensor
+            state = None
+            if dropout_p:
+                check_dropout_backend(q.device)
+                state = dropout_state(dropout_seed, q.device)
+            dropout = (dropout_p, state)
+        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout)
         return (out, lse) if return_lse else out
+
+    def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
+        """Validate the op's dropout arguments as the raw op receives them (``__call__`` forms
+        them itself); raise naming the argument."""
+        dropout_p = _check_dropout_p(dropout_p)
+        if not dropout_p:
+            return
+        check_dropout_backend(q.device)
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or state.shape != (2,) \
+                or state.device != q.device:
+            raise ValueError(f"dropout_state: expected an int64 tensor of shape (2,) (seed, offset) on {q.device}, "
+                             f"got {_describe_tensor(state)}")
 
     def check_params(self, q: torch.Tensor, k: torch.Tensor, params: dict) -> list:
         """The spec's parameters from ``params`` in declaration order, validated against q and k's
@@ -303,8 +344,9 @@ class AttentionOp:
             if t.stride(3) != 1:
                 raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
         for name, n in (("q", Nq), ("k", k.shape[2])):
-            if n >= 2**31:
-                raise ValueError(f"{name}: sequence length {n} exceeds 2^31 - 1")
+            if n > X.MAX_SEQLEN:
+                raise ValueError(f"{name}: sequence length {n} exceeds the kernels' limit of 2^30 = "
+                                 f"{X.MAX_SEQLEN} (positions are 32-bit)")
 
     def head_dims(self, backend: str) -> tuple[int, ...]:
         """Head dims this spec can run on ``backend`` ('cpu' or 'cuda')."""
@@ -322,7 +364,7 @@ class AttentionOp:
         if device.type == "cpu":  # the CPU family takes head_dim at run time
             return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim)
+        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim, env.cuda_fwd_tile())
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None) -> list[build.Instantiation]:
@@ -378,7 +420,8 @@ class AttentionOp:
 
     # ------------------------------------------------------------ kernel call
 
-    def _forward(self, q, k, v, scale: float, values=()) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
+                 dropout_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, Hq, Nq, d = q.shape
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
@@ -398,6 +441,7 @@ class AttentionOp:
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             scale, 0, None, ctypes.addressof(block) if block is not None else None,
         )  # fmt: skip
+        _set_dropout(args, dropout_p, dropout_state)
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -409,10 +453,11 @@ class AttentionOp:
         return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
-                  need_param_grads=()):
+                  need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None):
         """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
         the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
-        for those not in ``need_param_grads``)."""
+        for those not in ``need_param_grads``). With dropout, the forward's ``dropout_p`` and
+        ``dropout_state``: the kernel regenerates its mask (FlashAttention, Alg. 4)."""
         B, Hq, Nq, d = q.shape
         Hkv, Nk = k.shape[1], k.shape[2]
         fill = float("nan") if poison_outputs else None
@@ -457,6 +502,7 @@ class AttentionOp:
             scale, 0, int(deterministic), None, ctypes.addressof(block) if block is not None else None,
             ptr(dlse),
         )  # fmt: skip
+        _set_dropout(args, dropout_p, dropout_state)
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -466,6 +512,64 @@ class AttentionOp:
             status = lib.bwd(ctypes.byref(args))
         _check(lib, "bwd", status)
         return dq, dk, dv, pgrads
+
+
+def check_dropout_backend(device: torch.device) -> None:
+    """Raise NotImplementedError unless the kernels for ``device`` apply dropout (DROPOUT_BACKENDS)."""
+    if device.type not in DROPOUT_BACKENDS:
+        raise NotImplementedError(f"dropout_p: dropout is not implemented for {device.type.upper()} in this "
+                                  f"version (it runs on: {', '.join(DROPOUT_BACKENDS)})")
+
+
+def dropout_state(dropout_seed: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """The {seed, offset} pair of the dropout stream, int64 [2] on ``device``, formed exactly as
+    the op forms it from its ``dropout_seed`` argument (the kernels read it on the device, so
+    nothing syncs the host and a CUDA graph capture replays with fresh values).
+
+    ``dropout_seed=None``: both drawn (non-negative) from torch's default generator for
+    ``device``, advancing it. So the pair a call used is recovered by replaying the generator:
+    ``torch.manual_seed(s); op(..., dropout_p=p)`` and then ``torch.manual_seed(s);
+    seed, offset = flashgen.dropout_state(None, device).tolist()`` (with nothing else drawn from
+    that generator in between). An int in [0, 2^64): that seed and offset 0, stored as the int64
+    with the same bits. ``flashgen.reference.attention(..., dropout_p=p, dropout_seed=seed,
+    dropout_offset=offset)`` then regenerates the call's exact keep mask.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if dropout_seed is None:
+        return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
+    _check_dropout_seed(dropout_seed)
+    state = torch.zeros(2, dtype=torch.int64, device=device)
+    state[0] = dropout_seed - 2**64 if dropout_seed >= 2**63 else dropout_seed  # an int64 fill: no host copy
+    return state
+
+
+def _check_dropout_p(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | torch.SymFloat):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(value).__name__}")
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {value!r}")
+    return float(value) if isinstance(value, int | float) else value
+
+
+def _check_dropout_seed(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
+        raise TypeError(f"dropout_seed: expected None or an int, got {type(value).__name__}")
+    if not 0 <= value < 2**64:
+        raise ValueError(f"dropout_seed: {value} is out of range (expected 0 <= dropout_seed < 2^64)")
+
+
+def _describe_tensor(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def _set_dropout(args, dropout_p: float, state: torch.Tensor | None) -> None:
+    """Fill the ABI's dropout fields (null state: no dropout); threshold as flashgen/philox.py."""
+    if dropout_p and state is not None:
+        args.dropout_state = state.data_ptr()
+        args.dropout_threshold = philox.threshold(dropout_p)
+        args.dropout_scale = 1.0 / (1.0 - dropout_p)
 
 
 def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
@@ -531,9 +635,11 @@ def _register(op: AttentionOp, qualname: str):
     """Define ``flashgen::<qualname>`` with CPU/CUDA kernels, a fake implementation and autograd.
 
     Schema: ``(q, k, v, scale, deterministic, *params)`` → ``(out, lse)``, the spec's parameters
-    in declaration order (int, float or Tensor). The backward is an op of its own,
-    ``<qualname>_bwd``, returning dq, dk, dv and a list with one gradient per float tensor
-    parameter that enters the score (empty where not requested).
+    in declaration order (int, float or Tensor), then, for a spec that declares ``dropout``,
+    ``float dropout_p, Tensor? dropout_state`` (int64 [2] {seed, offset}; None when p is 0). The
+    backward is an op of its own, ``<qualname>_bwd``, returning dq, dk, dv and a list with one
+    gradient per float tensor parameter that enters the score (empty where not requested); it
+    takes the forward's dropout arguments last and regenerates the same mask.
 
     Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
     imports torch._dynamo at the first call (seconds), which would dominate a cached load.
@@ -544,15 +650,20 @@ def _register(op: AttentionOp, qualname: str):
     schema_type = {"int": "SymInt", "float": "float", "tensor": "Tensor"}
     pdecl = "".join(f", {schema_type[p.kind]} {p.name}" for p in spec.params)
     npar = len(spec.params)
-    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}) "
+    ddecl = ", float dropout_p, Tensor? dropout_state" if spec.dropout else ""
+    ndrop = 2 if spec.dropout else 0
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}{ddecl}) "
                     "-> (Tensor, Tensor)")
 
-    def forward(q, k, v, scale, deterministic, *values):
+    def forward(q, k, v, scale, deterministic, *rest):
+        values, dropout = rest[:npar], rest[npar:]
         op.check_inputs(q, k, v)  # the raw op (torch.ops.flashgen.*) is callable directly too
         if not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
         values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)})
-        return op._forward(q, k, v, scale, values)
+        if dropout:
+            op.check_dropout(q, *dropout)
+        return op._forward(q, k, v, scale, values, *dropout)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
@@ -565,16 +676,20 @@ def _register(op: AttentionOp, qualname: str):
     grad_index = [i for i, p in enumerate(spec.params) if p.name in op.grad_params]
 
     def setup_context(ctx, inputs, output):
-        q, k, v, scale, deterministic, *values = inputs
+        q, k, v, scale, deterministic, *rest = inputs
+        values, dropout = rest[:npar], rest[npar:]
         out, lse = output
         tensors = [x for x in values if isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        # The dropout state (not its mask) is all the backward needs to regenerate the mask.
+        ctx.dropout_p = dropout[0] if dropout else 0.0
+        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, *tensors)
         ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in values]
         ctx.scale = scale
         ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, dropout_state, *tensors = ctx.saved_tensors
+        dropout = (ctx.dropout_p, dropout_state) if ndrop else ()
         it = iter(tensors)
         values = [next(it) if x is None else x for x in ctx.scalars]
         need = ctx.needs_input_grad
@@ -593,27 +708,29 @@ def _register(op: AttentionOp, qualname: str):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, pgrads = getattr(torch.ops.flashgen, qualname + "_bwd")(
-            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params)
+            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params, *dropout)
         result = [dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None]
-        result += [None] * npar
+        result += [None] * (npar + ndrop)
         for i, g, n in zip(grad_index, pgrads, need_params, strict=True):
             if n:
                 result[5 + i] = g
         return tuple(result)
 
     _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads) "
+                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}) "
                     "-> (Tensor, Tensor, Tensor, Tensor[])")
 
     def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
-        *values, need_params = rest
-        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params)
+        values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:]
+        if dropout:
+            op.check_dropout(q, *dropout)
+        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)
 
     def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
-        *values, need_params = rest
+        values, need_params = rest[:npar], rest[npar]
         by_name = {p.name: x for p, x in zip(spec.params, values, strict=True)}
         pgrads = [by_name[n].new_empty(by_name[n].shape, dtype=torch.float32) if need
                   else q.new_empty(0, dtype=torch.float32) for n, need in zip(op.grad_params, need_params,

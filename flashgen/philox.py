@@ -28,7 +28,9 @@ def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def philox4x32_10(c0, c1, c2, c3, k0: int, k1: int) -> list[torch.Tensor]:
     """The four output words for counters c0..c3 (int64 tensors or ints below 2^32, broadcast)
     and key (k0, k1)."""
-    c = list(torch.broadcast_tensors(*(torch.as_tensor(x, dtype=torch.int64) for x in (c0, c1, c2, c3))))
+    device = next((x.device for x in (c0, c1, c2, c3) if isinstance(x, torch.Tensor)), None)
+    c = list(torch.broadcast_tensors(*(torch.as_tensor(x, dtype=torch.int64, device=device)
+                                       for x in (c0, c1, c2, c3))))
     for r in range(10):
         if r:
             k0, k1 = (k0 + W0) & MASK32, (k1 + W1) & MASK32
@@ -48,12 +50,17 @@ def threshold(dropout_p: float) -> int:
 def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
               dropout_p: float, device=None) -> torch.Tensor:
     """Bool [batch, heads, seqlen_q, seqlen_k]: True where dropout keeps the probability
-    (b, h: batch index and query head; absolute positions q, kv)."""
+    (b, h: batch index and query head; absolute positions q, kv). One Philox call serves the
+    group (q, kv), (q + 8, kv), (q, kv + 8), (q + 8, kv + 8) with bit 3 of q and kv clear; the
+    element takes word (q bit 3) | (kv bit 3) << 1 (philox.h)."""
     if not 0 <= seed < 2**64 or not 0 <= offset < 2**64:
         raise ValueError("seed and offset must lie in [0, 2^64)")
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
-    kv = ar(seqlen_k).view(1, 1, 1, -1)
-    q = ar(seqlen_q).view(1, 1, -1, 1)
+    kv = ar(seqlen_k).view(1, 1, 1, -1) & MASK32
+    q = ar(seqlen_q).view(1, 1, -1, 1) & MASK32
     bh = (ar(batch).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & MASK32
-    out = philox4x32_10(kv, q, bh, offset & MASK32, seed & MASK32, ((seed >> 32) ^ (offset >> 32)) & MASK32)
-    return (out[0] >> 8) >= threshold(dropout_p)
+    out = philox4x32_10(kv & ~8, q & ~8, bh, offset & MASK32, seed & MASK32,
+                        ((seed >> 32) ^ (offset >> 32)) & MASK32)
+    word = ((q >> 3) & 1) | (((kv >> 3) & 1) << 1)
+    picked = torch.where(word == 0, out[0], torch.where(word == 1, out[1], torch.where(word == 2, out[2], out[3])))
+    return (picked >> 8) >= threshold(dropout_p)

@@ -46,8 +46,10 @@ def test_hooks_follow_mask():
     tl = frontend.parse("attention t { mask = causal_top_left }")
     render = lambda s: codegen.render_instantiation(s, "cpu", "fwd", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
     assert "kHasMask = false" in render(dense)
-    assert "return ((fg_int)kv <= ((fg_int)q + ((fg_int)seqlen_k - (fg_int)seqlen_q)));" in render(causal)
-    assert "return ((fg_int)kv <= (fg_int)q);" in render(tl)
+    # positions are < 2^30, so the element mask is exact in 32-bit ints (expr.Cxx.narrow)
+    assert "return (kv <= (q + (seqlen_k - seqlen_q)));" in render(causal)
+    assert "return (kv <= q);" in render(tl)
+    assert "kRowExact = true" in render(causal)
     # the causal key range of a query tile ends after its last row's diagonal
     assert "fg_clamp_kv(((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1), seqlen_k)" in render(causal)
 

@@ -155,11 +155,15 @@ def test_input_errors_name_the_argument(dense_op):
     qs = torch.randn(1, 4, 32, 8).transpose(2, 3)  # [1,4,8,32] with last-dim stride 8
     error(dense_op, ValueError, "^q: last dim must be contiguous", qs, k, v)
     error(dense_op, ValueError, "^scale: expected a finite float", q, k, v, scale=float("nan"))
-    error(dense_op, NotImplementedError, "^dropout_p=0.1", q, k, v, dropout_p=0.1)
+    error(dense_op, ValueError, "^dropout_p=0.1: spec 'dense' declares no dropout; add a line `dropout`", q, k, v,
+          dropout_p=0.1)
     error(dense_op, NotImplementedError, "^block_mask", q, k, v, block_mask=object())
     error(dense_op, NotImplementedError, "^cu_seqlens_q", q, k, v, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     error(dense_op, TypeError, "^unknown parameter 'window'", q, k, v, window=3)
     error(dense_op, ValueError, "^k: on meta but q is on cpu", q, k.to("meta"), v.to("meta"))
+    long = torch.zeros(1, 1, 1, 32).expand(1, 1, (1 << 30) + 1, 32)  # stride 0: nothing allocated
+    error(dense_op, ValueError, r"^k: sequence length 1073741825 exceeds the kernels' limit of 2\^30", q[:, :1],
+          long, long)
 
 
 def test_spec_restrictions_apply():

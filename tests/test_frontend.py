@@ -33,7 +33,8 @@ def test_restricting_lines():
 
 
 def test_grammar_takes_later_features_syntax():
-    """Mask/score expressions, typed params, dropout, block sizes parse (lowering says 'not yet')."""
+    """Mask/score expressions, typed params, dropout, block sizes parse (block_size's lowering says
+    'not yet')."""
     tree = frontend._parser().parse(
         "attention alibi {\n"
         "    param slopes: f32[heads]\n"
@@ -132,7 +133,7 @@ def test_bad_character():
         ("param p: f32[heads, -3]", 2, 23, "dimension is not positive"),
         ("mask = kv % 0 == 1", 2, 10, "division by zero"),
         ("score = score + 1e39", 2, 19, "beyond fp32's range"),
-        ("dropout", 2, 3, "'dropout' is not supported in this version"),
+        ("dropout\n  dropout", 3, 3, "duplicate 'dropout' statement (first on line 2)"),
         ("scale = 1 / sqrt(head_dmi)", 2, 20, "unknown name 'head_dmi' in scale"),
         ("scale = sqrtt(head_dim)", 2, 11, "unknown function 'sqrtt' in scale"),
         ("scale = 1 / 0", 2, 11, "division by zero in scale"),
@@ -149,6 +150,14 @@ def test_validation_errors(body, line, col, message):
 def test_duplicate_statement():
     e = error("attention x {\n  mask = causal\n  mask = none\n}")
     assert (e.line, e.column) == (3, 3) and "first on line 2" in str(e)
+
+
+def test_dropout_declaration_enters_the_fingerprint():
+    base = frontend.parse("attention c { mask = causal }")
+    spec = frontend.parse("attention c {\n  mask = causal\n  dropout\n}")
+    assert spec.dropout and not base.dropout
+    assert spec.fingerprint() != base.fingerprint()
+    assert frontend.parse("attention c { dropout; mask = causal }").fingerprint() == spec.fingerprint()
 
 
 def test_did_you_mean_for_scale_name():

@@ -49,6 +49,27 @@ extern "C" void param_grad_all(const void* p, int B, int H, int nq, int nk, cons
           V::param_grad(P, ds[x], s[x], b, h, i, j, nq, nk);
         }
 }
+// Rows whose kept keys differ from [kv_lo(q, q+1), kv_hi(q, q+1)) although the variant claims
+// kRowExact (the CUDA forward then tests only those bounds).
+extern "C" int row_exact_violations(const void* p, int b, int h, int nq, int nk) {
+  const V::Params& P = *static_cast<const V::Params*>(p);
+  if (!V::kRowExact) return 0;
+  int bad = 0;
+  for (int i = 0; i < nq; ++i) {
+    int lo = V::kv_lo(P, b, h, i, i + 1, nq, nk), hi = V::kv_hi(P, b, h, i, i + 1, nq, nk);
+    lo = lo < 0 ? 0 : lo; hi = hi > nk ? nk : hi;
+    for (int j = 0; j < nk; ++j)
+      if (bool(V::keep(P, b, h, i, j, nq, nk)) != (j >= lo && j < hi)) ++bad;
+  }
+  return bad;
+}
+extern "C" int row_exact(void) { return V::kRowExact; }
+extern "C" int keep_at(const void* p, int b, int h, int q, int kv, int nq, int nk) {
+  return V::keep(*static_cast<const V::Params*>(p), b, h, q, kv, nq, nk);
+}
+extern "C" float score_at(const void* p, float s, int b, int h, int q, int kv, int nq, int nk) {
+  return V::score(*static_cast<const V::Params*>(p), s, b, h, q, kv, nq, nk);
+}
 // Violations of the key-range contract over every (q tile, kv tile) of the given sizes.
 extern "C" int range_violations(const void* p, int b, int h, int nq, int nk, int tq, int tk) {
   const V::Params& P = *static_cast<const V::Params*>(p);
@@ -77,6 +98,9 @@ EXTRA = {  # expressions the examples do not exercise: floor division, modulo, n
     "band": "attention band {\n param lo: int\n param hi: int\n mask = window(lo, hi) or kv == 0\n}",
     "sinks": "attention sinks {\n param n: i64[heads]\n mask = kv < n[h] or (kv >= q - 3 and kv <= q)\n}",
     "flip": "attention flip {\n mask = -kv >= -q + 2 and not (2 * kv < q)\n}",
+    "wide": ("attention wide {\n param w: int\n"
+             " mask = kv * 3 - q * 2 > w and (q * kv) % 7 != 3 and (kv - q) // 5 >= (seqlen_q - seqlen_k) % 9 - 2 * q\n"
+             " score = score + (q * kv) % 1000003 + (kv - q - (seqlen_k - seqlen_q)) // 3\n}"),
     "math": ("attention math {\n param t: f32[heads, seqlen_q]\n param c: float\n"
              " score = where(score > 0, sqrt(score * score + c), exp(score) - 1) + abs(t[h, q]) * log(1 + c)"
              " - max(score, t[h, q]) + min(score * 2, c) / (1.5 + tanh(score))\n}"),
@@ -90,7 +114,7 @@ def _specs():
 
 
 ALL = _specs()
-SCALARS = {"window": [1, 3, 100], "lo": [0, 2, -1], "hi": [0, 3, -2], "w": [0, 2, 5],
+SCALARS = {"window": [1, 3, 100], "w": [0, 2, 5], "lo": [0, 2, -1], "hi": [0, 3, -2],
            "max_distance": [1, 4], "softcap": [0.5, 3.0], "c": [0.25, 2.0]}
 
 
@@ -115,6 +139,10 @@ def libs(tmp_path_factory):
         lib.score_matrix.argtypes = [vp, i, i, i, i, vp, vp, vp]
         lib.param_grad_all.argtypes = [vp, i, i, i, i, vp, vp]
         lib.range_violations.argtypes = [vp, i, i, i, i, i, i]
+        lib.keep_at.argtypes = [vp, i, i, i, i, i, i]
+        lib.row_exact_violations.argtypes = [vp, i, i, i, i]
+        lib.score_at.argtypes = [vp, ctypes.c_float, i, i, i, i, i, i]
+        lib.score_at.restype = ctypes.c_float
         result[name] = lib
     return result
 
@@ -153,6 +181,8 @@ def test_keep_matches_reference_and_ranges_are_sound(libs, name):
                     want = torch.ones(nq, nk, dtype=torch.bool) if ref is None else \
                         ref[min(b, ref.shape[0] - 1), min(h, ref.shape[1] - 1)]
                     assert torch.equal(got_t, want), f"{name} {params} b={b} h={h}: keep differs from reference"
+                    bad = lib.row_exact_violations(ptr, b, h, nq, nk)
+                    assert bad == 0, f"{name} {params} b={b} h={h}: {bad} keys break kRowExact"
                     for tq in (1, 2, 4, 5):
                         for tk in (1, 3, 4):
                             bad = lib.range_violations(ptr, b, h, nq, nk, tq, tk)
@@ -197,3 +227,51 @@ def test_score_and_derivative_match_reference(libs, name):
             for n, g in grads.items():
                 torch.testing.assert_close(g.double(), p64[n].grad, atol=1e-3, rtol=1e-4,
                                            msg=lambda m: f"{name} {params}: d{n}: {m}")
+
+
+# Positions near the kernels' limit (seqlens up to 2^30): the generator computes an int
+# subexpression in 32 bits only where it provably fits, so these agree with exact arithmetic.
+FAR = [(0, 0, 1, 1), (0, (1 << 30) - 1, 1, 1 << 30), ((1 << 30) - 1, 0, 1 << 30, 1),
+       ((1 << 30) - 1, (1 << 30) - 1, 1 << 30, 1 << 30), (12345678, 987654321, 1 << 30, (1 << 30) - 5),
+       (999999999, 3, (1 << 30) - 1, 7), (46341, 46340, 46342, 46341)]
+FAR_SPECS = [n for n, s in ALL.items()
+             if not any(p.is_tensor and len(p.shape) > 1 for p in s.params)]  # reads indexed by q/kv excluded
+
+
+@pytest.mark.parametrize("name", sorted(FAR_SPECS))
+def test_hooks_exact_at_far_positions(libs, name):
+    spec, lib = ALL[name], libs[name]
+    big = {"window": [1, 1 << 29, 1 << 40, -(1 << 40)], "w": [-(1 << 40), 7, 1 << 33],
+           "lo": [1 << 31, -5], "hi": [1 << 31, 3], "max_distance": [1 << 31 - 1]}
+    for settings in _settings(spec, 2, 3, 4, 4, seed=11):
+        for sc in [{n: v for n, vs in big.items() if n in settings for v in vs[i:i + 1]} for i in range(4)]:
+            params = settings | sc
+            if "kv_len" in params:
+                params["kv_len"] = torch.tensor([1 << 29, (1 << 30) - 1], dtype=torch.int32)
+            if "prefix_len" in params:
+                params["prefix_len"] = torch.tensor([-(1 << 31), (1 << 31) - 1], dtype=torch.int32)
+            block, ptr = _block(spec, params)
+            for b, h in ((0, 0), (1, 2)):
+                for q, kv, nq, nk in FAR:
+                    env = {"b": torch.tensor(b), "h": torch.tensor(h), "q": torch.tensor(q), "kv": torch.tensor(kv),
+                           "seqlen_q": nq, "seqlen_k": nk, "score": torch.tensor(0.5, dtype=torch.float64)}
+                    where = f"{name} {params} b={b} h={h} q={q} kv={kv} nq={nq} nk={nk}"
+                    if spec.mask is not None:
+                        want = bool(reference.evaluate(spec.mask, spec, env, params, torch.float64))
+                        assert bool(lib.keep_at(ptr, b, h, q, kv, nq, nk)) == want, f"{where}: keep"
+                    if spec.score is not None:
+                        want = float(reference.evaluate(spec.score, spec, env, params, torch.float64))
+                        got = lib.score_at(ptr, 0.5, b, h, q, kv, nq, nk)
+                        assert got == pytest.approx(want, rel=1e-6, abs=1e-6), f"{where}: score"
+
+
+# Masks that keep one interval of keys per row are recognised (the CUDA forward then compares
+# two bounds per element instead of evaluating the mask); masks that may not are not.
+ROW_EXACT = {"dense": True, "causal": True, "sliding_window": True, "prefix_lm": True, "key_padding": True,
+             "gemma": True, "alibi": True, "document": False, "blocks": False, "band": False, "sinks": False,
+             "flip": False, "wide": False}  # flip: 2 * kv is not a unit-coefficient bound
+
+
+@pytest.mark.parametrize("name", sorted(ROW_EXACT))
+def test_row_exact_classification(libs, name):
+    assert bool(libs[name].row_exact()) == ROW_EXACT[name]

@@ -16,6 +16,7 @@ CASES = [("dense", "cuda_fwd_bf16_hd128.cu", "90a"), ("causal", "cuda_fwd_fp16_h
          ("dense", "cuda_bwd_fp16_hd64.cu", "90a"), ("causal", "cuda_bwd_bf16_hd128.cu", "90a"),
          ("alibi", "cuda_bwd_bf16_hd128.cu", "90a"),  # a score mod with a parameter gradient (atomics)
          ("gemma", "cuda_fwd_bf16_hd64.cu", "90a"),  # mask and score mod with scalar parameters
+         ("dropout", "cuda_bwd_bf16_hd128.cu", "90a"),  # a variant with kHasDropout (not applied on CUDA yet)
          ("dense", "cuda_fwd_bf16_hd128.cu", "80"), ("causal", "cuda_bwd_bf16_hd128.cu", "80")]
 
 

@@ -103,3 +103,10 @@ def test_reference_dropout_uses_the_regenerated_mask():
     assert not torch.allclose(out, base)
     with pytest.raises(ValueError, match="dropout_seed"):
         reference.attention(spec, q, k, v, dropout_p=0.25)
+
+
+def test_keep_mask_stays_on_the_requested_device():
+    """Scalar counters (the offset word) join the position tensors on their device (meta here;
+    the GPU tests compare CUDA kernels with masks made on CUDA)."""
+    m = philox.keep_mask(3, 2**40 + 5, 2, 2, 20, 20, 0.3, device="meta")
+    assert m.device.type == "meta" and m.shape == (2, 2, 20, 20)

@@ -6,11 +6,23 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 2
+#define FG_ABI_VERSION 3
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+// Dropout on P (FlashAttention's fused dropout, Alg. 2 and 4), read only by variants with
+// kHasDropout (the spec declares `dropout`). dropout_state null: no dropout. Otherwise it points
+// to {seed, offset}, two int64 (bit patterns of uint64) on the inputs' device -- a device read,
+// so nothing syncs the host and a captured CUDA graph replays with the values of each replay.
+// Element (b, h, q, kv) (h the query head, absolute positions) is kept iff
+// fg_dropout_keep(seed, offset, b * heads_q + h, q, kv, dropout_threshold) (philox.h), and
+// kept probabilities are multiplied by dropout_scale; the softmax statistics (m, l, lse) are
+// those of the undropped P. The host computes threshold = round(p * 2^24) and scale = 1 / (1 - p)
+// (flashgen/philox.py), so every family uses the same integers.
+// The op refuses dropout_p > 0 before any launch on a family that does not apply it yet
+// (flashgen.ops.DROPOUT_BACKENDS).
 
 // Forward pass: out = softmax(mods(scale * q k^T), masked) v, lse = logsumexp of the same row.
 // Layout (PyTorch SDPA's): q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], out like q; strides are in
@@ -31,6 +43,9 @@ typedef struct FgFwdArgs {
   int32_t num_sms;     // CUDA: multiprocessor count of the device (0 if unknown); CPU: unused
   void* stream;        // CUDA: cudaStream_t to launch on; CPU: unused
   const void* params;  // the variant's generated Params struct (may be null when it is empty)
+  const int64_t* dropout_state;  // nullable: int64[2] {seed, offset}; see "Dropout" above
+  uint32_t dropout_threshold;     // keep iff (the element's Philox word >> 8) >= threshold
+  float dropout_scale;            // 1 / (1 - p)
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved
@@ -76,6 +91,10 @@ typedef struct FgBwdArgs {
   void* stream;
   const void* params;
   const float* dlse;  // nullable; see above
+  // The forward's dropout values: the backward regenerates the same keep mask from them.
+  const int64_t* dropout_state;
+  uint32_t dropout_threshold;
+  float dropout_scale;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

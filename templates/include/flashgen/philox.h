@@ -2,10 +2,14 @@
 // SC 2011): a counter-based generator, a pure function of a 128-bit counter and a 64-bit key, so
 // any element's random number is computed where it is needed, in any order, on any device.
 //
-// flashgen keys its dropout stream by (seed, offset, b, h, q, kv) with absolute positions:
-//   counter = {kv, q, b * heads_q + h, offset mod 2^32},  key = {seed mod 2^32, (seed >> 32) ^ (offset >> 32)}
-// and keeps element (q, kv) iff the first output word, as a 24-bit fraction, is >= dropout_p:
-//   keep <=> (out[0] >> 8) >= threshold,  threshold = round(dropout_p * 2^24).
+// flashgen keys its dropout stream by (seed, offset, b, h, q, kv) with absolute positions, one
+// Philox call per group of four elements: (q, kv), (q + 8, kv), (q, kv + 8), (q + 8, kv + 8) with
+// bit 3 of q and of kv clear (a tensor-core accumulator fragment holds exactly such a group):
+//   counter = {kv & ~8, q & ~8, b * heads_q + h, offset mod 2^32},
+//   key     = {seed mod 2^32, (seed >> 32) ^ (offset >> 32)}   (all counters taken mod 2^32),
+// and element (q, kv) takes word w = (q bit 3) | (kv bit 3) << 1 of that call. It is kept iff that
+// word, as a 24-bit fraction, is >= dropout_p:
+//   keep <=> (out[w] >> 8) >= threshold,  threshold = round(dropout_p * 2^24).
 // flashgen/philox.py implements the same in PyTorch (the reference regenerates the exact mask).
 #pragma once
 #include <stdint.h>
@@ -48,12 +52,20 @@ FG_HD FgPhilox4 fg_philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t
   return FgPhilox4{{c0, c1, c2, c3}};
 }
 
+// The four words of the group whose first element is (q_base, kv_base) (bit 3 of both clear):
+// word 0 (q, kv), 1 (q + 8, kv), 2 (q, kv + 8), 3 (q + 8, kv + 8); bh = b * heads_q + h.
+FG_HD FgPhilox4 fg_dropout_group(uint64_t seed, uint64_t offset, uint32_t bh, uint32_t q_base,
+                                 uint32_t kv_base) {
+  return fg_philox4x32_10(kv_base, q_base, bh, (uint32_t)offset, (uint32_t)seed,
+                          (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32));
+}
+
 // Whether dropout keeps score (b, h, q, kv); see the header comment for the keying.
 FG_HD bool fg_dropout_keep(uint64_t seed, uint64_t offset, int64_t bh, int64_t q, int64_t kv,
                            uint32_t threshold) {
-  const FgPhilox4 r = fg_philox4x32_10((uint32_t)kv, (uint32_t)q, (uint32_t)bh, (uint32_t)offset,
-                                       (uint32_t)seed, (uint32_t)(seed >> 32) ^ (uint32_t)(offset >> 32));
-  return (r.x[0] >> 8) >= threshold;
+  const uint32_t q32 = (uint32_t)q, kv32 = (uint32_t)kv;
+  const FgPhilox4 r = fg_dropout_group(seed, offset, (uint32_t)bh, q32 & ~8u, kv32 & ~8u);
+  return (r.x[((q32 >> 3) & 1u) | (((kv32 >> 3) & 1u) << 1)] >> 8) >= threshold;
 }
 
 }  // namespace flashgen

@@ -11,6 +11,12 @@
 //     static constexpr bool kHasMask;        // false: every in-bounds (q, kv) is kept
 //     static constexpr bool kHasScoreMod;    // false: score() is the identity, dscore() is 1
 //     static constexpr bool kHasParamGrad;   // true: param_grad() may write parameter gradients
+//     static constexpr bool kRowExact;       // true: keep(q, kv) <=> kv_lo(q, q+1) <= kv <
+//                                            // kv_hi(q, q+1), for every row (kernels may
+//                                            // test the bounds instead of calling keep)
+//     static constexpr bool kHasDropout;     // the spec declares `dropout`: the kernels apply
+//                                            // the keep mask when args.dropout_state is set
+//                                            // (args.h); false compiles no dropout code
 //     // Keys a query tile [q_lo, q_hi) of (batch b, query head h) may see lie in
 //     // [kv_lo(..), kv_hi(..)); tiles outside that range are never loaded. Results may lie
 //     // outside [0, seqlen_k]; the skeleton clamps. q_hi may exceed seqlen_q (still sound).
@@ -43,6 +49,12 @@
 //   kv < seqlen_k) entries; tensor parameter indices are clamped into range by the generated
 //   code anyway, so no hook reads or writes out of bounds.
 //
+// Dropout (kHasDropout and a non-null args.dropout_state; FlashAttention, Alg. 2 and 4): with
+// Z = keep / (1 - p), keep from fg_dropout_keep (philox.h) at the absolute (b, h, q, kv),
+//   forward:  m, l and lse from the undropped P;  O = (P ∘ Z) V;
+//   backward: dV = (P ∘ Z)ᵀ dO;  dP = (dO Vᵀ) ∘ Z;  D = rowsum(dO ∘ O) as usual (O already
+//             holds the dropout);  dS' = P ∘ (dP − D), then the score-mod chain rule above.
+//
 // h is the query head. All members are static and FG_HD so both families can call them.
 #pragma once
 
@@ -57,8 +69,13 @@ namespace flashgen {
 FG_HD int imin(int a, int b) { return a < b ? a : b; }
 FG_HD int imax(int a, int b) { return a > b ? a : b; }
 
-// Helpers for generated expressions: integer arithmetic is 64-bit with Python's floor division
-// and modulo (so a spec means the same in the reference); tensor indices are clamped into range.
+// Helpers for generated expressions: integer arithmetic is exact (64-bit, or 32-bit where it
+// provably fits) with Python's floor division and modulo (so a spec means the same in the
+// reference); tensor indices are clamped into range.
+//
+// Every kernel rejects seqlen_q or seqlen_k above FG_MAX_SEQLEN before launch: the generator's
+// range analysis assumes 0 <= q, kv < FG_MAX_SEQLEN (flashgen/expr.py, MAX_SEQLEN).
+#define FG_MAX_SEQLEN (1LL << 30)
 typedef long long fg_int;
 FG_HD fg_int fg_floordiv(fg_int a, fg_int b) {
   if (b == 0) return 0;
@@ -73,6 +90,22 @@ FG_HD fg_int fg_mod(fg_int a, fg_int b) {
 FG_HD fg_int fg_mini(fg_int a, fg_int b) { return a < b ? a : b; }
 FG_HD fg_int fg_maxi(fg_int a, fg_int b) { return a > b ? a : b; }
 FG_HD fg_int fg_absi(fg_int a) { return a < 0 ? -a : a; }
+// 32-bit overloads: the generator computes an int subexpression in 32 bits only where interval
+// analysis proves that its value and operands fit (flashgen/expr.py, Cxx), so these never overflow.
+FG_HD int fg_floordiv(int a, int b) {
+  if (b == 0) return 0;
+  int q = a / b;
+  return (q * b != a && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+FG_HD int fg_mod(int a, int b) {
+  if (b == 0) return 0;
+  int r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+FG_HD int fg_mini(int a, int b) { return a < b ? a : b; }
+FG_HD int fg_maxi(int a, int b) { return a > b ? a : b; }
+FG_HD int fg_absi(int a) { return a < 0 ? -a : a; }
+FG_HD int fg_signi(int x) { return (x > 0) - (x < 0); }
 FG_HD fg_int fg_index(fg_int i, long long size) { return i < 0 ? 0 : (i >= size ? size - 1 : i); }
 FG_HD int fg_clamp_kv(fg_int x, int seqlen_k) {
   return (int)(x < 0 ? 0 : (x > seqlen_k ? seqlen_k : x));

@@ -52,6 +52,15 @@
 //   Without a score mod or parameter gradient none of this is compiled: the P exp stays in the
 //   gemm epilogue and no G tile is allocated.
 //
+// Dropout (Variant::kHasDropout and args.dropout_state set; FlashAttention, Alg. 4): the
+// forward's keep mask is regenerated per (q tile, kv tile) from the same (seed, offset) at the
+// absolute (b, h, q, kv) (cpu/dropout.h), so the kv-major traversal, GQA grouping and segments
+// see exactly the forward's mask. With Z = keep / (1 − p) and Pd = P ∘ Z (one more qb x kvb
+// tile per thread):
+//        dV += Pdᵀ dO;   dS = P ∘ ((dO Vᵀ) ∘ Z − D) = Pd ∘ (dO Vᵀ) − P ∘ D  (in the DS epilogue)
+// D = rowsum(dO ∘ O) is unchanged (O holds the dropout already); dS then feeds the score-mod
+// chain rule, dK and dQ as above. Without kHasDropout nothing of it is compiled.
+//
 // Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
 // value-initialised Params when args.params is null (allowed when Params is empty).
 // score / dscore / param_grad are only called on in-bounds (q < seqlen_q, kv < seqlen_k) entries
@@ -89,7 +98,7 @@
 // treated like -inf (empty row). A non-finite dscore(s) reaches dS only where dS' != 0.
 // Any batch/head/seq strides (64-bit offsets), last dim contiguous; lse, dlse, softmax_d
 // contiguous [B, Hq, Nq].
-// Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > INT32_MAX,
+// Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > FG_MAX_SEQLEN,
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
 //
@@ -153,12 +162,14 @@ enum BwdEpilogue { kEpiExp = 0, kEpiDS = 1, kEpiDSG = 2 };
 // acc[r][0..16) = sum_c A[r][c] * BT[c][0..16) for r < MR (BT: one packed d x 16 panel), then
 //   kEpiExp: C[r] = exp2(alpha * acc - rv[r])           (P; rv = lse*log2e, +inf gives P = 0)
 //   kEpiDS:  C[r] = C[r] != 0 ? C[r] * (acc - rv[r]) : 0 (dS over P in place; rv = D)
+//            DROP: C[r] = C[r] != 0 ? Pd[r] * acc - C[r] * rv[r] : 0, i.e. P ∘ (acc ∘ Z − D)
+//            with Pd = P ∘ Z the dropped P (laid out like C)
 //   kEpiDSG: as kEpiDS, then C[r] = C[r] != 0 ? C[r] * G[r] : 0 (G: dscore(s), laid out like C)
-template <int MR, int EPI>
+template <int MR, int EPI, bool DROP>
 static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
                                   const float* __restrict BT, int64_t d, float alpha,
                                   const float* __restrict rv, float* __restrict C, int64_t ldc,
-                                  const float* __restrict G) {
+                                  const float* __restrict G, const float* __restrict Pd) {
   f8 c0[MR], c1[MR];
   {
     const f8 b0 = ld8(BT), b1 = ld8(BT + 8);
@@ -185,8 +196,15 @@ static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
     } else {
       const f8 z = splat(0.f);
       const f8 p0 = ld8(cr), p1 = ld8(cr + 8);
-      f8 d0 = p0 != z ? p0 * (c0[r] - s) : z;
-      f8 d1 = p1 != z ? p1 * (c1[r] - s) : z;
+      f8 d0, d1;
+      if constexpr (DROP) {
+        const float* pd = Pd + r * ldc;
+        d0 = p0 != z ? ld8(pd) * c0[r] - p0 * s : z;
+        d1 = p1 != z ? ld8(pd + 8) * c1[r] - p1 * s : z;
+      } else {
+        d0 = p0 != z ? p0 * (c0[r] - s) : z;
+        d1 = p1 != z ? p1 * (c1[r] - s) : z;
+      }
       if constexpr (EPI == kEpiDSG) {  // select, not multiply: dscore may be inf/NaN where dS' == 0
         const float* gr = G + r * ldc;
         d0 = d0 != z ? d0 * ld8(gr) : z;
@@ -199,28 +217,31 @@ static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
 }
 
 // C (m x 16*npan, ld ldc) = epilogue(alpha * A (m x d, ld lda) * BT (npan packed d x 16 panels)).
-// G (kEpiDSG only, else null): same shape and ld as C.
-template <int EPI>
+// G (kEpiDSG only, else null) and Pd (DROP only, else null): same shape and ld as C.
+template <int EPI, bool DROP = false>
 static inline void bwd_gemm_abt(const float* A, int64_t lda, const float* BT, int64_t npan,
                                 int64_t m, int64_t d, float alpha, const float* rv, float* C,
-                                int64_t ldc, const float* G = nullptr) {
+                                int64_t ldc, const float* G = nullptr, const float* Pd = nullptr) {
   for (int64_t p = 0; p < npan; ++p) {
     const float* bt = BT + p * d * 16;
     float* cp = C + p * 16;
     const float* gp = EPI == kEpiDSG ? G + p * 16 : nullptr;
+    const float* pdp = DROP ? Pd + p * 16 : nullptr;
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
-      bwd_abt_kernel<kMR, EPI>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc,
-                               EPI == kEpiDSG ? gp + i * ldc : nullptr);
+      bwd_abt_kernel<kMR, EPI, DROP>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc,
+                                     EPI == kEpiDSG ? gp + i * ldc : nullptr,
+                                     DROP ? pdp + i * ldc : nullptr);
     const float* ai = A + i * lda;
     float* ci = cp + i * ldc;
     const float* gi = EPI == kEpiDSG ? gp + i * ldc : nullptr;
+    const float* pdi = DROP ? pdp + i * ldc : nullptr;
     switch (m - i) {
-      case 5: bwd_abt_kernel<5, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
-      case 4: bwd_abt_kernel<4, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
-      case 3: bwd_abt_kernel<3, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
-      case 2: bwd_abt_kernel<2, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
-      case 1: bwd_abt_kernel<1, EPI>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi); break;
+      case 5: bwd_abt_kernel<5, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
+      case 4: bwd_abt_kernel<4, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
+      case 3: bwd_abt_kernel<3, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
+      case 2: bwd_abt_kernel<2, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
+      case 1: bwd_abt_kernel<1, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
       default: break;
     }
   }
@@ -282,7 +303,7 @@ static inline void bwd_gemm_acc(const float* A, int64_t lda, const float* B, int
 // all of it should stay in the per-core L2:
 //   kvb = 128, halved (down to 32) while 5 * kvb * d * 4 B > L2 / 2; capped by seqlen_k;
 //   qb_max = 128, halved (down to 32) while (t * qb * kvb + 3 * qb * d) * 4 B > L2 / 2, t = 1
-//   (2 with a score mod).
+//   (2 with a score mod; one more with dropout).
 // Among qb in {qb_max, qb_max / 2, ..., 32} the one minimising
 //   area(qb) * (1 + a / qb + a / kvb),   a = 5 (fixed per-tile costs, as in fwd.h)
 // is used, where area(qb) = sum over q tiles of rows x |[kv_lo, kv_hi)| (from the variant's
@@ -304,9 +325,9 @@ constexpr bool bwd_mod_path() {
 
 template <class Variant>
 static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int64_t nq,
-                                        int64_t nk, int64_t d) {
+                                        int64_t nk, int64_t d, bool drop) {
   const int64_t l2 = l2_bytes();
-  const int64_t tiles_qk = bwd_mod_path<Variant>() ? 2 : 1;  // P/dS (+ G)
+  const int64_t tiles_qk = (bwd_mod_path<Variant>() ? 2 : 1) + (drop ? 1 : 0);  // P/dS (+ G, Pd)
   int64_t kvb = 128;
   while (kvb > 32 && 5 * kvb * d * 4 > l2 / 2) kvb /= 2;
   int64_t qb_max = 128;
@@ -353,6 +374,7 @@ static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int
 struct BwdPlan {
   int64_t qb, kvb, nqt, nkvt, nseg, group;
   bool blas, mod;                       // mod: the score-mod path (bwd_mod_path)
+  Dropout dr;                           // the forward's dropout (dr.on: regenerate its mask)
   std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries
   std::vector<int64_t> tasks;           // task ids (bkv * nseg + seg), heaviest first
   float* dq_extra = nullptr;            // (nseg - 1) x [B, Hq, Nq, d] fp32, or null
@@ -361,7 +383,7 @@ struct BwdPlan {
 template <class Variant>
 static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const int64_t B = a.batch, Hkv = a.heads_kv, Nq = a.seqlen_q, Nk = a.seqlen_k;
-  const BwdTiles t = bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim);
+  const BwdTiles t = bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim, pl.dr.on);
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
@@ -432,6 +454,7 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
 struct BwdWork {
   float *kt, *vt, *kf, *vf, *khole, *dk, *dv, *qf, *dof, *S, *dP, *L, *D;
   float* G;                // mod path: s or dscore(s), laid out like S (else null)
+  float* Pd;               // dropout: P ∘ keep / (1 − p), laid out like S (else null)
   int64_t *rlo, *rhi;      // the task's kv range per (query head of the group, q tile)
   uint8_t *mask, *colkeep;
   int64_t ldS;
@@ -446,6 +469,7 @@ static inline size_t bwd_work_bytes(const BwdPlan& pl, int64_t d) {
   off += 2 * al64(sizeof(float) * qb * d);     // qf, dof
   off += 2 * al64(sizeof(float) * qb * ldS);   // S, dP
   off += pl.mod ? al64(sizeof(float) * qb * ldS) : 0;  // G
+  off += pl.dr.on ? al64(sizeof(float) * qb * ldS) : 0;  // Pd
   off += 2 * al64(sizeof(int64_t) * pl.group * pl.nqt);  // rlo, rhi
   off += 2 * al64(sizeof(float) * qb);         // L, D
   off += al64(qb * kvb) + al64(kvb);           // mask, colkeep
@@ -478,6 +502,7 @@ static inline BwdWork bwd_work_carve(const BwdPlan& pl, int64_t d, char* base) {
     w.G = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
     memset(w.G, 0, sizeof(float) * qb * w.ldS);
   }
+  w.Pd = pl.dr.on ? reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS)) : nullptr;
   w.rlo = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * pl.group * pl.nqt));
   w.rhi = reinterpret_cast<int64_t*>(take(sizeof(int64_t) * pl.group * pl.nqt));
   w.L = reinterpret_cast<float*>(take(sizeof(float) * qb));
@@ -710,37 +735,58 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
           }
         }
 
-        // dV[c0, c1) += P^T dO.
-        if (blas)
-          blas_sgemm(false, true, d, nn, m, 1.f, dOf, lddo, P, ldS, 1.f, w.dv + c0 * d, d);
-        else
-          bwd_gemm_acc<true>(P, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
+        // Dropout: Pd = P ∘ Z, Z = keep / (1 − p), the forward's mask regenerated at the absolute
+        // (b, h, q, kv) over the whole S tile (columns from key k0 + c0a).
+        bool drop = false;
+        const float* Pv = P;  // the probabilities the forward multiplied V by
+        if constexpr (Variant::kHasDropout) {
+          if (pl.dr.on) {
+            drop = true;
+            const int64_t width = blas ? nn8 : npan * 16;
+            for (int64_t i = 0; i < m; ++i)
+              dropout_row(pl.dr, b * Hq + h, q_lo + r0 + i, k0 + c0a, width, S + i * ldS,
+                          w.Pd + i * ldS, pl.dr.scale);
+            Pv = w.Pd + (c0 - c0a);
+          }
+        }
 
-        // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0). Mod path: that is dS', and
+        // dV[c0, c1) += P^T dO (Pd^T dO with dropout).
+        if (blas)
+          blas_sgemm(false, true, d, nn, m, 1.f, dOf, lddo, Pv, ldS, 1.f, w.dv + c0 * d, d);
+        else
+          bwd_gemm_acc<true>(Pv, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
+
+        // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0); with dropout
+        // dS = P ∘ ((dO V^T) ∘ Z − D) = Pd ∘ (dO V^T) − P ∘ D. Mod path: that is dS', and
         // dS = dS' · dscore(s), selected to 0 wherever dS' == 0.
         constexpr bool kMulG = kMod && !kStoreS;  // G holds dscore(s): multiply it in here
+        auto ds_gemm = [&](auto drop_tag) {
+          constexpr bool kDrop = decltype(drop_tag)::value;
+          bwd_gemm_abt<kMulG ? kEpiDSG : kEpiDS, kDrop>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan,
+                                                      m, d, 1.f, w.D, S, ldS, w.G, w.Pd);
+        };
         if (blas) {
           blas_sgemm(true, false, nn, m, d, 1.f, Vf + c0 * ldv, ldv, dOf, lddo, 0.f, w.dP, ldS);
           const f8 z = splat(0.f);
           for (int64_t i = 0; i < m; ++i) {
             float* p = P + i * ldS;
             const float* dp = w.dP + i * ldS;
+            const float* pd = drop ? w.Pd + i * ldS : nullptr;
             const f8 vd = splat(w.D[i]);
             for (int64_t j = 0; j < nn8; j += 8) {
               const f8 pv = ld8(p + j);
-              const f8 ds = pv != z ? pv * (ld8(dp + j) - vd) : z;
+              const f8 ds = pv == z ? z : (drop ? ld8(pd + j) * ld8(dp + j) - pv * vd
+                                                : pv * (ld8(dp + j) - vd));
               if constexpr (kMulG)
                 st8(p + j, ds != z ? ds * ld8(Gp + i * ldS + j) : z);
               else
                 st8(p + j, ds);
             }
           }
-        } else if constexpr (kMulG) {
-          bwd_gemm_abt<kEpiDSG>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan, m, d, 1.f, w.D, S,
-                                ldS, w.G);
+        } else if (drop) {
+          if constexpr (Variant::kHasDropout) ds_gemm(std::true_type{});
         } else {
-          bwd_gemm_abt<kEpiDS>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan, m, d, 1.f, w.D, S,
-                               ldS);
+          ds_gemm(std::false_type{});
         }
         if constexpr (kMod && kStoreS) {
           // G holds s: param_grad(dS', s) and dS = dS' · dscore(s) on every entry with dS' != 0
@@ -817,7 +863,7 @@ int run_bwd(const FgBwdArgs& args) {
   const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv;
   const int64_t Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
-  if (B < 0 || Hq < 0 || Hkv < 0 || Nq < 0 || Nk < 0 || Nq > INT32_MAX || Nk > INT32_MAX)
+  if (B < 0 || Hq < 0 || Hkv < 0 || Nq < 0 || Nk < 0 || Nq > FG_MAX_SEQLEN || Nk > FG_MAX_SEQLEN)
     return FG_ERR_BAD_SHAPE;
   if (B == 0 || (Hq == 0 && Hkv == 0)) return FG_OK;
   if (Hkv == 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
@@ -832,6 +878,7 @@ int run_bwd(const FgBwdArgs& args) {
 
   try {
     BwdPlan pl;
+    pl.dr = dropout_of<Variant>(a);
     bwd_plan<Variant>(a, prm, pl);
     pl.blas = bwd_use_blas(a);
     const int64_t nrows = B * Hq * Nq;

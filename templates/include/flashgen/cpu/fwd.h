@@ -14,6 +14,7 @@
 //     S = score(S)                           only if Variant::kHasScoreMod
 //     S = keep ? S : -inf                    only on tiles where Variant::tile_full is false
 //     m_new = max(m, rowmax S); P = 2^(S*log2e - m_new); l = l*2^(m - m_new) + rowsum P
+//     P = keep ? P : 0                       only with dropout (after l: see below)
 //     O = O * 2^(m - m_new) + P V            fp32 gemm into the fp32 accumulator O
 //
 // then out = O / l and lse = ln(l) + m (natural log). log2(e) is folded into the QK gemm's
@@ -28,6 +29,12 @@
 // (trimmed) tile, all of them in bounds, kept or not: a masked entry's result is discarded by
 // the selection that follows. dscore and param_grad are backward-only (bwd.h); kHasParamGrad
 // does not change the forward.
+//
+// Dropout (Variant::kHasDropout and args.dropout_state set; FlashAttention, Alg. 2): the keep
+// mask of cpu/dropout.h at the absolute (b, h, q, kv) zeroes P after its row sum entered l, so
+// m, l and lse are those of the undropped P (as flashgen.reference computes them); the factor
+// 1 / (1 - p) is applied once, in the epilogue (out = O * dropout_scale / l). Without
+// kHasDropout nothing of it is compiled; with it and dropout_p == 0 it costs one branch per row.
 //
 // Gemm backends (both fp32 in, fp32 out):
 //   * own (default when compiled with AVX2+FMA): register-blocked 6x16 FMA micro-kernels below.
@@ -70,7 +77,7 @@
 //   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv).
 //   * Any batch/head/seq strides (elements, 64-bit offsets); the last dim must be contiguous.
 //     lse is fp32, contiguous [B, Hq, Nq]; out is written in Element with args' strides.
-//   * Shape errors (negative sizes, heads_q % heads_kv != 0, null pointers, seqlens > INT32_MAX)
+//   * Shape errors (negative sizes, heads_q % heads_kv != 0, null pointers, seqlens > FG_MAX_SEQLEN = 2^30)
 //     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
 //     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
@@ -98,6 +105,7 @@
 #include <ATen/Parallel.h>
 
 #include "flashgen/args.h"
+#include "flashgen/cpu/dropout.h"
 #include "flashgen/variant.h"
 
 // The 16-bit Element types are only used as tags here (data is handled as raw uint16_t bits),
@@ -614,7 +622,7 @@ static inline size_t al64(size_t bytes) { return (bytes + 63) & ~size_t(63); }
 
 template <class Variant, class Element>
 void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
-               const bool blas, int64_t task_begin, int64_t task_end) {
+               const bool blas, const Dropout& dr, int64_t task_begin, int64_t task_end) {
   using C = Conv<Element>;
   using T = typename C::T;  // storage: float or uint16_t bits
   constexpr bool kLowp = C::kLowp;
@@ -799,6 +807,9 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
         any_rescale |= (alpha != 1.f) & (L[i] != 0.f);
         L[i] = L[i] * alpha + hsum(vs);
         M[i] = m_new;
+        if constexpr (Variant::kHasDropout) {  // after l: the statistics are the undropped P's
+          if (dr.on) dropout_row(dr, b * Hq + h, q_lo + i, kvs, nn, s, s, 1.f);
+        }
         if constexpr (kLowp) C::round_inplace(s, nn8);
       }
       if (blas && any_rescale) {  // own kernels fold the rescale into the PV kernel
@@ -838,13 +849,14 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
       }
     }
 
-    // Epilogue: out = O / l, lse = ln l + m (natural units). l == 0: exact zeros and -inf.
+    // Epilogue: out = O / l (times 1 / (1 - p) with dropout), lse = ln l + m (natural units).
+    // l == 0: exact zeros and -inf.
     float* lse = a.lse + (b * Hq + h) * Nq + q_lo;
     T* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + q_lo * a.o_stride_n;
     for (int64_t i = 0; i < mq; ++i) {
       T* orow = Ot + i * a.o_stride_n;
       if (L[i] > 0.f) {
-        C::scale_from_f32(O + i * d, 1.f / L[i], orow, d);
+        C::scale_from_f32(O + i * d, (dr.on ? dr.scale : 1.f) / L[i], orow, d);
         lse[i] = (M[i] + std::log2(L[i])) * kLn2;
       } else {
         memset(orow, 0, sizeof(T) * d);
@@ -865,7 +877,7 @@ int run_fwd(const FgFwdArgs& args) {
   const int64_t B = args.batch, Hq = args.heads_q, Hkv = args.heads_kv;
   const int64_t Nq = args.seqlen_q, Nk = args.seqlen_k, d = args.head_dim;
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
-  if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > INT32_MAX || Nk > INT32_MAX)
+  if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > FG_MAX_SEQLEN || Nk > FG_MAX_SEQLEN)
     return FG_ERR_BAD_SHAPE;
   if (B == 0 || Hq == 0 || Nq == 0) return FG_OK;
   if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
@@ -877,10 +889,11 @@ int run_fwd(const FgFwdArgs& args) {
 
   const detail::Tiles t = detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
   const bool blas = detail::use_blas(args);
+  const Dropout dr = dropout_of<Variant>(args);
   const int64_t ntasks = B * Hq * ((Nq + t.qb - 1) / t.qb);
   try {
     at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
-      detail::fwd_chunk<Variant, Element>(args, prm, t, blas, begin, end);
+      detail::fwd_chunk<Variant, Element>(args, prm, t, blas, dr, begin, end);
     });
   } catch (...) {
     return FG_ERR_LAUNCH;

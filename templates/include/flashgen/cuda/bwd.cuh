@@ -481,6 +481,7 @@ struct BwdKernel {
     int heads_q, heads_kv, group, num_splits, heads_per_split;
     int seqlen_q, seqlen_k, num_m_tiles, num_n_tiles;
     float scale, scale_log2;
+    DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
     VParams vp;
   };
 
@@ -593,6 +594,27 @@ struct BwdKernel {
                                                      int lane) {
     const int g = lane >> 2, t = lane & 3;
     [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
+    // Dropout (FlashAttention, Alg. 4): the forward's keep mask Z, regenerated (dropout.cuh;
+    // here rows are keys, so a group is kv {g, g + 8} x q {c, c + 8} of m-blocks j, j + 1).
+    // With P~ = P * Z / (1 - p): dV = P~^T dO, dP = dP~ * Z / (1 - p), dS = P * (dP - D), D as
+    // without dropout (rowsum(dO * O) with O = P~ V).
+    [[maybe_unused]] uint32_t keep[kMBlocks / 2][2] = {};
+    [[maybe_unused]] float zs = 1.f;
+    [[maybe_unused]] bool drop = false;
+    if constexpr (Variant::kHasDropout) {
+      drop = p.dropout.state != nullptr;
+      if (drop) {
+        zs = p.dropout.scale;
+        const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
+#pragma unroll
+        for (int jp = 0; jp < kMBlocks / 2; ++jp) {
+#pragma unroll
+          for (int e0 = 0; e0 < 2; ++e0) {
+            keep[jp][e0] = dropout_bits(key, q_lo + jp * 16 + 2 * t + e0, kv_row0 + g);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kMBlocks; ++j) {
       const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
@@ -606,18 +628,32 @@ struct BwdKernel {
           const int q = q_lo + j * 8 + 2 * t + (e & 1);
           const int kv = kv_row0 + g + (e >> 1) * 8;
           float pv = 0.f, ds = 0.f;
+          float dp = dpt[j][e];
+          bool kept = true;
+          if constexpr (Variant::kHasDropout) {
+            kept = !drop || ((keep[j >> 1][e & 1] >> ((j & 1) | ((e >> 1) << 1))) & 1u);
+            dp = kept ? dp * zs : 0.f;
+          }
           if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
                                                        p.seqlen_q, p.seqlen_k)) {
             // With kWarpsD == 2 both warps of a key slab compute it; the wd == 0 one reports.
             bwd_detail::score_grads<Variant, Variant::kHasParamGrad>(
-                p.vp, st[j][e], p.scale, l[e & 1], dpt[j][e] - d[e & 1], b, h, q, kv,
+                p.vp, st[j][e], p.scale, l[e & 1], dp - d[e & 1], b, h, q, kv,
                 p.seqlen_q, p.seqlen_k, kWarpsD == 1 || wd == 0, pv, ds);
           }
+          if constexpr (Variant::kHasDropout) pv = kept ? pv * zs : 0.f;  // P~ for dV
           st[j][e] = pv;
           dpt[j][e] = ds;
         } else {
           float pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e & 1]));
-          float ds = pv * (dpt[j][e] - d[e & 1]);
+          float dp = dpt[j][e];
+          bool kept = true;
+          if constexpr (Variant::kHasDropout) {
+            kept = !drop || ((keep[j >> 1][e & 1] >> ((j & 1) | ((e >> 1) << 1))) & 1u);
+            dp = kept ? dp * zs : 0.f;
+          }
+          float ds = pv * (dp - d[e & 1]);
+          if constexpr (Variant::kHasDropout) pv = kept ? pv * zs : 0.f;  // P~ for dV
           if constexpr (kMasked) {
             const int q = q_lo + j * 8 + 2 * t + (e & 1);
             const int kv = kv_row0 + g + (e >> 1) * 8;
@@ -1058,6 +1094,7 @@ struct DqKernel {
     int64_t total_work;  // num_m_tiles * heads_q * batch
     int heads_q, group, seqlen_q, seqlen_k, num_m_tiles;
     float scale, scale_log2;
+    DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
     VParams vp;
   };
 
@@ -1085,10 +1122,33 @@ struct DqKernel {
                                                      int kv_begin, int kv_end, int lane) {
     const int g = lane >> 2, t = lane & 3;
     [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
+    // Dropout: dP = dP~ * Z / (1 - p) with the forward's keep mask (layout as in the forward:
+    // rows q {g, g + 8} x kv {c, c + 8} of blocks j, j + 1); see BwdKernel::probs_grads.
+    [[maybe_unused]] uint32_t keep[kNBlocks / 2][2] = {};
+    [[maybe_unused]] bool drop = false;
+    if constexpr (Variant::kHasDropout) {
+      drop = p.dropout.state != nullptr;
+      if (drop) {
+        const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
+#pragma unroll
+        for (int jp = 0; jp < kNBlocks / 2; ++jp) {
+#pragma unroll
+          for (int e0 = 0; e0 < 2; ++e0) {
+            keep[jp][e0] = dropout_bits(key, q_row0 + g, kv0 + jp * 16 + 2 * t + e0);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kNBlocks; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        float dpe = dp[j][e];
+        if constexpr (Variant::kHasDropout) {
+          const bool kept =
+              !drop || ((keep[j >> 1][e & 1] >> ((e >> 1) | ((j & 1) << 1))) & 1u);
+          dpe = kept ? dpe * p.dropout.scale : 0.f;
+        }
         if constexpr (Variant::kHasScoreMod) {
           // As in BwdKernel::probs_grads, without param_grad (the main kernel calls it).
           const int q = q_row0 + g + (e >> 1) * 8;
@@ -1097,13 +1157,13 @@ struct DqKernel {
           if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
                                                        p.seqlen_q, p.seqlen_k)) {
             bwd_detail::score_grads<Variant, false>(p.vp, s[j][e], p.scale, l2[e >> 1],
-                                                    dp[j][e] - dd[e >> 1], b, h, q, kv,
+                                                    dpe - dd[e >> 1], b, h, q, kv,
                                                     p.seqlen_q, p.seqlen_k, false, pv, ds);
           }
           dp[j][e] = ds;
         } else {
           float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
-          float ds = pv * (dp[j][e] - dd[e >> 1]);
+          float ds = pv * (dpe - dd[e >> 1]);
           if constexpr (kMasked) {
             const int q = q_row0 + g + (e >> 1) * 8;
             const int kv = kv0 + j * 8 + 2 * t + (e & 1);
@@ -1353,19 +1413,20 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   (void)&Variant::dscore;
   (void)&Variant::param_grad;
   (void)Variant::kHasParamGrad;
+  (void)Variant::kRowExact;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",
                         (long long)a.head_dim, kHeadDim);
   }
   const int64_t kIntMax = 2147483647;
-  const int64_t kPad = 256;
   if (a.batch < 0 || a.heads_q < 0 || a.heads_kv < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 ||
       a.batch > kIntMax || a.heads_q > kIntMax || a.heads_kv > kIntMax ||
-      a.seqlen_q > kIntMax - kPad || a.seqlen_k > kIntMax - kPad) {
+      a.seqlen_q > FG_MAX_SEQLEN || a.seqlen_k > FG_MAX_SEQLEN) {
     return detail::fail(FG_ERR_BAD_SHAPE,
                         "sizes out of range: batch %lld, heads_q %lld, heads_kv %lld, seqlen_q "
-                        "%lld, seqlen_k %lld (each must be >= 0 and fit in int32)",
+                        "%lld, seqlen_k %lld (each must be >= 0; batch and heads fit in int32, "
+                        "seqlens at most 2^30)",
                         (long long)a.batch, (long long)a.heads_q, (long long)a.heads_kv,
                         (long long)a.seqlen_q, (long long)a.seqlen_k);
   }
@@ -1518,6 +1579,9 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.total_work = int64_t(num_n_tiles) * splits * Hkv * a.batch;
       p.scale = a.scale;
       p.scale_log2 = a.scale * K::kLog2e;
+      p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
+      p.dropout.threshold = a.dropout_threshold;
+      p.dropout.scale = a.dropout_scale;
       if constexpr (!std::is_empty<typename Variant::Params>::value) {
         if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
       }
@@ -1565,6 +1629,9 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.total_work = int64_t(p.num_m_tiles) * Hq * a.batch;
       p.scale = a.scale;
       p.scale_log2 = a.scale * KA::kLog2e;
+      p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
+      p.dropout.threshold = a.dropout_threshold;
+      p.dropout.scale = a.dropout_scale;
       if constexpr (!std::is_empty<typename Variant::Params>::value) {
         if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
       }

@@ -35,7 +35,10 @@
 // Masking by tile class: tiles outside the variant's [kv_lo, kv_hi) are never visited; a
 // visited tile takes the per-element path (bounds + Variant::keep + score on in-bounds elements
 // only) only if it crosses kv_lo/kv_hi/seqlen_k, or Variant::tile_full says the mask is partial
-// there, or (with a score mod) the query tile runs past seqlen_q. All other tiles run the bare
+// there, or (with a score mod) the query tile runs past seqlen_q. On such a tile, when the mask
+// keeps an interval of keys per row (Variant::kRowExact: causal, windows, prefix-LM, key
+// padding), the mask is two integer compares per element against that row's bounds
+// (row_bounds); otherwise bounds + keep() per element. All other tiles run the bare
 // path (one multiply per score, or score() per element with a score mod: every element of such
 // a tile is in bounds). Iterating from the high end puts the partial tiles of causal and
 // bottom-aligned masks first.
@@ -85,6 +88,7 @@
 #include <type_traits>
 
 #include "flashgen/args.h"
+#include "flashgen/cuda/dropout.cuh"
 #include "flashgen/cuda/ptx.cuh"
 #include "flashgen/cuda/status.cuh"
 #include "flashgen/variant.h"
@@ -134,27 +138,27 @@ struct FwdTile {
 
 // Default tile per padded head dim kD, from H200 measurements (bf16, B*N = 16K tokens) and
 // ptxas reports.
-// Without a score mod (no local-memory spills for Dense/Causal-like variants at d = 64 and 128,
-// on sm_80 and sm_90a):
+// Without a score mod (dense: no local-memory spills at d = 64 and 128 on sm_80 and sm_90a;
+// masked variants may spill a few dozen bytes at kD = 128):
 //   kD <= 64        128 x 64, 4 warps x 32 rows, Q re-read from smem (~218 regs, 55,296 B smem)
 //   64 < kD < 128   128 x 32, same shape
 //   kD == 128       128 x 64 on sm_90 (128 x 48 on sm_8x) (255 regs, 104,448 B)
 //   kD <= 192       64 x 64, 4 warps x 16 rows (O alone is kD/2 registers per thread)
 //   kD <= 256       64 x 32, 4 warps x 16 rows
-// With a score mod every visited element runs score() (and generated hooks do their index
-// arithmetic in 64 bits), which needs more registers. The tiles below keep a heavy generated-style
-// example (softcap of score + per-head ALiBi slope from a tensor parameter, sliding-window mask)
-// free of spills on sm_90a (registers 252-255 / 225-244 / 212-254 / 247-255 over the kD of each
-// row), where the tiles above spilled 24-48 B at kD = 64..112, 136 B with the earlier 128 x 48 at
-// kD = 128 and 8 B at kD = 192:
+// With a score mod every visited element runs score(), which needs more registers. The tiles
+// below were chosen from ptxas reports on a heavy generated-style example (softcap of score +
+// per-head ALiBi slope, sliding-window mask), except kD = 128, which was timed on the H200
+// (docs/perf-notes.md, "Variants v2"): 128 x 64 spills ~50 B there but runs ALiBi 12-17% and
+// softcap 16-19% faster than 64 x 64 (spill-free) and 2-6% faster than 128 x 32:
 //   kD <= 32        128 x 64
 //   kD <= 64        128 x 32
-//   kD <= 128       64 x 64, 4 warps x 16 rows
+//   kD < 128        64 x 64, 4 warps x 16 rows
+//   kD == 128       128 x 64 on sm_90 (128 x 32 on sm_8x)
 //   kD <= 256       64 x 32
 // Everything fits two CTAs per SM on sm_90 and at least one on sm_80 (kD > 128 needs more than
-// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may still spill a few bytes
-// (e.g. a mask-only sliding window in 64-bit arithmetic: 32 B at 128 x 64, kD = 128, sm_90a);
-// other FwdTile shapes can be passed to launch_fwd_tiled (autotuning).
+// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may still spill a few dozen
+// bytes at 128 x 64, kD = 128 (ptxas, sm_90a); FLASHGEN_CUDA_FWD_TILE=BMxBNxW (flashgen/env.py)
+// forces another FwdTile for experiments, and launch_fwd_tiled takes any.
 template <class Variant, int kHeadDim>
 struct DefaultFwdTile {
   static constexpr int kD = (kHeadDim + 15) / 16 * 16;
@@ -170,8 +174,10 @@ struct DefaultFwdTile {
       (kD <= 32), FwdTile<128, 64, 4, false>,
       typename std::conditional<
           (kD <= 64), FwdTile<128, 32, 4, false>,
-          typename std::conditional<(kD <= 128), FwdTile<64, 64, 4, false>,
-                                    FwdTile<64, 32, 4, false>>::type>::type>::type;
+          typename std::conditional<
+              (kD < 128), FwdTile<64, 64, 4, false>,
+              typename std::conditional<(kD == 128), FwdTile<128, 64, 4, false, 32>,
+                                        FwdTile<64, 32, 4, false>>::type>::type>::type>::type;
   using type = typename std::conditional<Variant::kHasScoreMod, score_mod, plain>::type;
 };
 
@@ -235,6 +241,7 @@ struct FwdKernel {
     int heads_q, group, seqlen_q, seqlen_k, num_m_tiles;
     float scale;       // natural units (score mods see scale * q.k)
     float scale_log2;  // scale * log2(e)
+    DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
     VParams vp;
   };
 
@@ -295,6 +302,8 @@ struct FwdKernel {
     }
   }
 
+  static constexpr int kNoMask = 0, kRowMask = 1, kElemMask = 2;
+
   // Per-element visibility on a partial tile. Bounds first, so the variant's hooks are only
   // ever called with in-range (q, kv).
   static __device__ __forceinline__ bool visible(const Params& p, int b, int h, int q, int kv,
@@ -305,6 +314,19 @@ struct FwdKernel {
     } else {
       return true;
     }
+  }
+
+  // Keys [lo, hi) of query row q within [kv_begin, kv_end): the variant's key range for the
+  // single row [q, q+1) (empty for q >= seqlen_q). With Variant::kRowExact (the mask keeps an
+  // interval of keys per row: causal, windows, prefix-LM, key padding; proven by the generator),
+  // visible(q, kv) <=> lo <= kv < hi.
+  static __device__ __forceinline__ void row_bounds(const Params& p, int b, int h, int q,
+                                                    int kv_begin, int kv_end, int& lo, int& hi) {
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    lo = hi = 0;
+    if (q >= Nq) return;
+    lo = imax(imin(imax(Variant::kv_lo(p.vp, b, h, q, q + 1, Nq, Nk), 0), Nk), kv_begin);
+    hi = imin(imin(imax(Variant::kv_hi(p.vp, b, h, q, q + 1, Nq, Nk), 0), Nk), kv_end);
   }
 
   // Row-wise max (kMax) or min of the raw accumulators, reduced over the quad.
@@ -344,11 +366,15 @@ struct FwdKernel {
   //  * otherwise (the hot path): s' = c*x with c = scale*log2(e) is never materialised; the row
   //    max is c * max(x) (c * min(x) when c < 0) and P = exp2(fma(x, c, -m)), one FFMA + one
   //    MUFU per element.
-  template <bool kMasked>
+  // kMask: kNoMask (every element of the tile is visible), kRowMask (visible iff
+  // row_lo <= kv < row_hi, the per-row bounds of row_bounds) or kElemMask (bounds, then
+  // Variant::keep per element).
+  template <int kMask>
   static __device__ __forceinline__ void softmax_tile(
       const Params& p, float (&s)[kMAtoms][kNBlocks][4], float (&row_max)[kMAtoms][2],
       float (&row_sum)[kMAtoms][2], float (&o)[kMAtoms][kDBlocks][4], int b, int h, int q_row0,
       int kv0, int kv_begin, int kv_end, int lane) {
+    constexpr bool kMasked = kMask != kNoMask;
     constexpr bool kRaw = !kMasked && !Variant::kHasScoreMod;
     const int g = lane >> 2, t = lane & 3;
     const float c = p.scale_log2;
@@ -365,27 +391,38 @@ struct FwdKernel {
         tile_max[ma][1] *= c;
       }
     } else {
+      // Row by row: with kRowMask only that row's bounds are live (recomputed per partial tile,
+      // cheaper than keeping 4 * kMAtoms registers across the key loop).
 #pragma unroll
       for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
-        for (int j = 0; j < kNBlocks; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          const int q = q_row0 + ma * 16 + g + half * 8;
+          int lo = 0, hi = 0;
+          if constexpr (kMask == kRowMask) row_bounds(p, b, h, q, kv_begin, kv_end, lo, hi);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = s[ma][j][e];
-            const int q = q_row0 + ma * 16 + g + (e >> 1) * 8;
-            const int kv = kv0 + j * 8 + 2 * t + (e & 1);
-            if constexpr (Variant::kHasScoreMod) {
-              if (!kMasked || visible(p, b, h, q, kv, kv_begin, kv_end)) {
-                x = Variant::score(p.vp, x * p.scale, b, h, q, kv, p.seqlen_q, p.seqlen_k) *
-                    kLog2e;
+          for (int j = 0; j < kNBlocks; ++j) {
+#pragma unroll
+            for (int e1 = 0; e1 < 2; ++e1) {
+              const int e = 2 * half + e1;
+              float x = s[ma][j][e];
+              const int kv = kv0 + j * 8 + 2 * t + e1;
+              const bool vis = kMask == kNoMask ||
+                               (kMask == kRowMask ? (kv >= lo && kv < hi)
+                                                  : visible(p, b, h, q, kv, kv_begin, kv_end));
+              if constexpr (Variant::kHasScoreMod) {
+                if (vis) {
+                  x = Variant::score(p.vp, x * p.scale, b, h, q, kv, p.seqlen_q, p.seqlen_k) *
+                      kLog2e;
+                } else {
+                  x = -INFINITY;
+                }
               } else {
-                x = -INFINITY;
+                x *= c;
+                if (!vis) x = -INFINITY;
               }
-            } else {
-              x *= c;
-              if (!visible(p, b, h, q, kv, kv_begin, kv_end)) x = -INFINITY;
+              s[ma][j][e] = x;
             }
-            s[ma][j][e] = x;
           }
         }
       }
@@ -459,6 +496,34 @@ struct FwdKernel {
     }
   }
 
+  // Dropout on this tile's P (after softmax_tile: the row sums, so l and LSE, are those of the
+  // undropped P, as in FlashAttention): dropped entries become 0 before O += P V; the factor
+  // 1 / (1 - p) is applied once, in the epilogue. One Philox call per four elements: rows
+  // {g, g + 8} x columns {c, c + 8} of two adjacent 8-column blocks (see dropout.cuh).
+  static __device__ __forceinline__ void apply_dropout(const Params& p,
+                                                       float (&s)[kMAtoms][kNBlocks][4], int b,
+                                                       int h, int q_row0, int kv0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
+#pragma unroll
+    for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+      for (int jp = 0; jp < kNBlocks / 2; ++jp) {
+#pragma unroll
+        for (int e0 = 0; e0 < 2; ++e0) {
+          const uint32_t bits =
+              dropout_bits(key, q_row0 + ma * 16 + g, kv0 + jp * 16 + 2 * t + e0);
+          float(&lo)[4] = s[ma][2 * jp];
+          float(&hi)[4] = s[ma][2 * jp + 1];
+          lo[e0] = (bits & 1u) ? lo[e0] : 0.f;      // (q, kv)
+          lo[2 + e0] = (bits & 2u) ? lo[2 + e0] : 0.f;  // (q + 8, kv)
+          hi[e0] = (bits & 4u) ? hi[e0] : 0.f;      // (q, kv + 8)
+          hi[2 + e0] = (bits & 8u) ? hi[2 + e0] : 0.f;  // (q + 8, kv + 8)
+        }
+      }
+    }
+  }
+
   // Work items are numbered query-tile fastest (CTAs of one head run together and share its
   // K/V in L2), heaviest query tile first within a head (better tail balance under causal
   // masks). CTA x handles items x, x + gridDim.x, ...; `iter` counts those.
@@ -512,6 +577,7 @@ struct FwdKernel {
     }
     // With a score mod, rows past seqlen_q must not reach score(): treat that tile as partial.
     const bool q_partial = Variant::kHasScoreMod && (q_hi - q_lo < kBlockM);
+
 
     float o[kMAtoms][kDBlocks][4];
     float row_max[kMAtoms][2], row_sum[kMAtoms][2];
@@ -604,12 +670,19 @@ struct FwdKernel {
             kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
             (Variant::kHasMask &&
              !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
-        if (need_mask) {
-          softmax_tile<true>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
-                             kv_end, lane);
+        if (!need_mask) {
+          softmax_tile<kNoMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
+                                kv_end, lane);
+        } else if constexpr (!Variant::kHasMask || Variant::kRowExact) {
+          softmax_tile<kRowMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0,
+                                 kv_begin, kv_end, lane);
         } else {
-          softmax_tile<false>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
-                              kv_end, lane);
+          softmax_tile<kElemMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0,
+                                  kv_begin, kv_end, lane);
+        }
+
+        if constexpr (Variant::kHasDropout) {
+          if (p.dropout.state) apply_dropout(p, s, b, h, q_lo + warp_row0, kv0, lane);
         }
 
         // O += P V, with P taken from the S accumulators (see the layout notes). The lane
@@ -653,7 +726,10 @@ struct FwdKernel {
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const bool has = l > 0.f;
-        const float inv = has ? 1.f / l : 0.f;
+        float inv = has ? 1.f / l : 0.f;
+        if constexpr (Variant::kHasDropout) {
+          if (p.dropout.state) inv *= p.dropout.scale;
+        }
         const int row = warp_row0 + ma * 16 + g + half * 8;
 #pragma unroll
         for (int dn = 0; dn < kDBlocks; ++dn) {
@@ -748,6 +824,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   (void)&Variant::dscore;
   (void)&Variant::param_grad;
   (void)Variant::kHasParamGrad;
+  (void)Variant::kRowExact;
   detail::clear_error();
   if (a.head_dim != kHeadDim) {
     return detail::fail(FG_ERR_BAD_HEAD_DIM, "head_dim %lld differs from this kernel's %d",
@@ -755,11 +832,10 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   }
   const int64_t kIntMax = 2147483647;
   if (a.batch < 0 || a.heads_q < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.batch > kIntMax ||
-      a.heads_q > kIntMax || a.seqlen_q > kIntMax - K::kBlockM ||
-      a.seqlen_k > kIntMax - K::kBlockNMax) {
+      a.heads_q > kIntMax || a.seqlen_q > FG_MAX_SEQLEN || a.seqlen_k > FG_MAX_SEQLEN) {
     return detail::fail(FG_ERR_BAD_SHAPE,
                         "sizes out of range: batch %lld, heads_q %lld, seqlen_q %lld, seqlen_k "
-                        "%lld (each must be >= 0 and fit in int32)",
+                        "%lld (each must be >= 0; batch and heads fit in int32, seqlens at most 2^30)",
                         (long long)a.batch, (long long)a.heads_q, (long long)a.seqlen_q,
                         (long long)a.seqlen_k);
   }
@@ -816,6 +892,9 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   p.total_work = int64_t(p.num_m_tiles) * a.heads_q * a.batch;
   p.scale = a.scale;
   p.scale_log2 = a.scale * K::kLog2e;
+  p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
+  p.dropout.threshold = a.dropout_threshold;
+  p.dropout.scale = a.dropout_scale;
   if constexpr (!std::is_empty<typename K::VParams>::value) {
     if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
   }
