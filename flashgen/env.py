@@ -53,3 +53,23 @@ def cuda_fwd_tile() -> tuple[tuple[str, int], ...]:
         raise ValueError(f"FLASHGEN_CUDA_FWD_TILE: {raw!r} is not a valid tile (BM/W must be 16 or 32 "
                          "rows per warp, BN a multiple of 16 up to 256)")
     return (("fwd_block_m", bm), ("fwd_block_n", bn), ("fwd_warps", w))
+
+
+def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
+    """FLASHGEN_CUDA_BWD_TILE=BMxWxWDxWQ (e.g. 64x8x1x2): force the CUDA backward's main tile —
+    BM queries per step, W warps (16·W/WD keys per CTA), WD warps sharing a key slab's dK/dV
+    (1 or 2), WQ warps along the queries of the dQ product — instead of the default for the head
+    dim (templates/include/flashgen/cuda/bwd.cuh, BwdTile). For tuning experiments; each tile is
+    a separate cache entry. ValueError when malformed."""
+    raw = os.environ.get("FLASHGEN_CUDA_BWD_TILE", "").strip()
+    if not raw:
+        return ()
+    try:
+        bm, w, wd, wq = (int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"FLASHGEN_CUDA_BWD_TILE: expected BMxWxWDxWQ such as 64x8x1x2, got {raw!r}") from None
+    if not (bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2) and w % wd == 0
+            and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32):
+        raise ValueError(f"FLASHGEN_CUDA_BWD_TILE: {raw!r} is not a valid tile (BM a multiple of 16 up to "
+                         "128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with BM/WQ 16 or 32)")
+    return (("bwd_block_m", bm), ("bwd_warps", w), ("bwd_warps_d", wd), ("bwd_warps_mdq", wq))

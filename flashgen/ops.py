@@ -364,7 +364,8 @@ class AttentionOp:
         if device.type == "cpu":  # the CPU family takes head_dim at run time
             return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim, env.cuda_fwd_tile())
+        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim,
+                                   env.cuda_fwd_tile() + env.cuda_bwd_tile())
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None) -> list[build.Instantiation]:

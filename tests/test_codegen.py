@@ -112,3 +112,32 @@ def test_abi_version_matches_header():
 
     assert abi._header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION
     assert abi.status_name(0) == "FG_OK"
+
+
+def test_tile_overrides_reach_the_cuda_entry_points(monkeypatch):
+    """FLASHGEN_CUDA_FWD_TILE / FLASHGEN_CUDA_BWD_TILE become the instantiation's config (its own
+    cache key) and the rendered entry points launch exactly that tile; malformed values raise."""
+    from flashgen import build, env
+
+    spec = frontend.parse("attention c { mask = causal }")
+    monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "128x32x4")
+    monkeypatch.setenv("FLASHGEN_CUDA_BWD_TILE", "64x8x1x2")
+    config = env.cuda_fwd_tile() + env.cuda_bwd_tile()
+    assert dict(config) == {"fwd_block_m": 128, "fwd_block_n": 32, "fwd_warps": 4, "bwd_block_m": 64,
+                            "bwd_warps": 8, "bwd_warps_d": 1, "bwd_warps_mdq": 2}
+    target = build.Target("cuda", "sm_90a")
+    plain = build.Instantiation(spec, target, ir.DType.BF16, 128)
+    tuned = build.Instantiation(spec, target, ir.DType.BF16, 128, config)
+    assert plain.key != tuned.key
+    src = tuned.sources()
+    fwd = next(v for k, v in src.items() if "fwd" in k)
+    bwd = next(v for k, v in src.items() if "bwd" in k)
+    assert "launch_fwd_tiled<Variant_c, __nv_bfloat16, 128, Tile>" in fwd and "FwdTile<128, 32, 4, false>" in fwd
+    assert "BwdTile<64, 8, 1, 2>" in bwd and "launch_bwd_tiled<" in bwd
+    assert "launch_fwd<Variant_c" in next(v for k, v in plain.sources().items() if "fwd" in k)
+    for var, bad in (("FLASHGEN_CUDA_FWD_TILE", "128x64"), ("FLASHGEN_CUDA_FWD_TILE", "128x60x4"),
+                     ("FLASHGEN_CUDA_BWD_TILE", "64x8x3x1"), ("FLASHGEN_CUDA_BWD_TILE", "a")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            env.cuda_fwd_tile() if "FWD" in var else env.cuda_bwd_tile()
+        monkeypatch.delenv(var)
