@@ -252,6 +252,9 @@ def cmd_bench(args) -> int:
     print(f"# {op.name} {'forward+backward' if args.backward else 'forward'} on {where}, torch {torch.__version__}, {dtype.value}, "
           f"threads={torch.get_num_threads()}")
     given = parse_params(op.spec, args.param)
+    if args.dropout_p and not op.spec.dropout:
+        raise ValueError(f"--dropout-p {args.dropout_p}: spec '{op.spec.name}' declares no dropout; add a line "
+                         "`dropout` to the spec to enable it")
     op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None)
     rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
                      backward=args.backward, params=given, dropout_p=args.dropout_p)

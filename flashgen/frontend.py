@@ -36,10 +36,12 @@ PARAM_TYPES = {
 # name a parameter and `window(l, r)` still means the built-in).
 RESERVED = set(X.POSITION_NAMES) | set(X.CONSTANTS) | {
     n for n, k in X.MASK_BUILTINS.items() if k == 0} | {"score", "none", "head_dim", "batch", "heads"}
-# The op's own keyword arguments and the names its schemas and generated code use.
+# The op's own keyword arguments, those of flashgen.reference / flashgen.check (which take the
+# parameters by keyword too), and the names its schemas and generated code use.
 OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p", "dropout_seed", "dropout_state",
-            "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out", "lse", "dout",
-            "dlse", "need_param_grads", "params", "Params"}
+            "dropout_offset", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out",
+            "lse", "dout", "dlse", "need_param_grads", "params", "Params", "spec", "lowp_matmuls", "atol", "grads",
+            "param_grads", "wrt", "dropout"}
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if

@@ -127,6 +127,8 @@ def test_bad_character():
         ("param p: f33[heads]", 2, 12, "unknown parameter type 'f33'"),
         ("param p: f32[heads, sequence]", 2, 23, "unknown dimension 'sequence'"),
         ("param q: int", 2, 9, "'q' is a reserved name"),
+        ("param dropout_offset: int", 2, 9, "'dropout_offset' cannot name a parameter"),
+        ("param lowp_matmuls: int", 2, 9, "'lowp_matmuls' cannot name a parameter"),
         ("param w: int[heads]", 2, 15, "scalar parameter 'w' (int) takes no shape"),
         ("param p: f32[batch|2]", 2, 22, "only '|1' is allowed"),
         ("param p: f32[heads, 2 * m]\n  param m: int", 2, 27, "dimension uses parameter 'm' before its declaration"),
