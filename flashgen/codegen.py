@@ -31,32 +31,24 @@ class Field:
     cxx: str  # the C++ declaration
 
 
-def member(name: str) -> str:
-    """The C++ member of the Params struct for parameter field ``name``: prefixed, so that a
-    parameter named like a C/C++ macro (NAN, EOF, errno, ...) never meets the preprocessor."""
-    return f"fgp_{name}"
-
-
 def param_fields(spec: ir.Spec) -> list[Field]:
     """The Params struct of a spec, in order: per parameter, a scalar (int64_t / float), or for a
     tensor its element pointer, sizes, strides (in elements) and, when its gradient can be asked
-    for, an fp32 gradient pointer (contiguous, the parameter's own shape; null when not needed).
-    Field names are the Python (ctypes) names; the C++ members are ``member(name)``."""
+    for, an fp32 gradient pointer (contiguous, the parameter's own shape; null when not needed)."""
     grads = {p.name for p in expr.grad_params(spec)}
     out = []
     for p in spec.params:
-        m = member(p.name)
         if p.kind == "int":
-            out.append(Field(p.name, "int64", f"int64_t {m};"))
+            out.append(Field(p.name, "int64", f"int64_t {p.name};"))
         elif p.kind == "float":
-            out.append(Field(p.name, "float", f"float {m};"))
+            out.append(Field(p.name, "float", f"float {p.name};"))
         else:
             n = len(p.shape)
-            out.append(Field(p.name, "ptr", f"const {PARAM_CTYPE[p.dtype]}* {m};"))
-            out.append(Field(f"{p.name}_size", f"int64[{n}]", f"int64_t {m}_size[{n}];"))
-            out.append(Field(f"{p.name}_stride", f"int64[{n}]", f"int64_t {m}_stride[{n}];"))
+            out.append(Field(p.name, "ptr", f"const {PARAM_CTYPE[p.dtype]}* {p.name};"))
+            out.append(Field(f"{p.name}_size", f"int64[{n}]", f"int64_t {p.name}_size[{n}];"))
+            out.append(Field(f"{p.name}_stride", f"int64[{n}]", f"int64_t {p.name}_stride[{n}];"))
             if p.name in grads:
-                out.append(Field(f"{p.name}_grad", "gradptr", f"float* {m}_grad;"))
+                out.append(Field(f"{p.name}_grad", "gradptr", f"float* {p.name}_grad;"))
     return out
 
 
@@ -89,9 +81,9 @@ def hook_bodies(spec: ir.Spec) -> dict[str, str]:
                 if d is None:
                     continue
                 _, flat = cx.index_code(read)
-                stmts.append(f"fg_atomic_add(p.{member(p.name)}_grad + ({flat}), ds * ({cx(d, expr.FLOAT)}));")
+                stmts.append(f"fg_atomic_add(p.{p.name}_grad + ({flat}), ds * ({cx(d, expr.FLOAT)}));")
             if stmts:
-                out["param_grad"].append((f"p.{member(p.name)}_grad", stmts))
+                out["param_grad"].append((f"p.{p.name}_grad", stmts))
     return out
 
 

@@ -259,8 +259,7 @@ NARROW = "i32"  # emission type of an int computed in 32 bits (type_of still say
 
 
 class Cxx:
-    """Emit C++ for expressions inside a generated Variant (params as ``p.fgp_<name>``, the
-    prefixed members of codegen.member).
+    """Emit C++ for expressions inside a generated Variant (params as ``p.<name>``).
 
     ``names`` maps a position name to the C++ that stands for it (default: the hook's ``int``
     argument; ``score`` → ``s``). Floats are ``float``, bools ``bool``. Ints are exact: an int
@@ -354,11 +353,11 @@ class Cxx:
     def index_code(self, e: ir.Index) -> tuple[str, str]:
         """(element offset with the tensor's strides, flat offset in a contiguous buffer)."""
         p = self.params[e.base.id]
-        idx = [f"fg_index({self(i)}, p.fgp_{p.name}_size[{d}])" for d, i in enumerate(e.indices)]
-        strided = " + ".join(f"{ix} * p.fgp_{p.name}_stride[{d}]" for d, ix in enumerate(idx))
+        idx = [f"fg_index({self(i)}, p.{p.name}_size[{d}])" for d, i in enumerate(e.indices)]
+        strided = " + ".join(f"{ix} * p.{p.name}_stride[{d}]" for d, ix in enumerate(idx))
         flat = idx[0]
         for d in range(1, len(idx)):
-            flat = f"({flat}) * p.fgp_{p.name}_size[{d}] + {idx[d]}"
+            flat = f"({flat}) * p.{p.name}_size[{d}] + {idx[d]}"
         return strided, flat
 
     def emit(self, e: ir.Expr) -> tuple[str, str]:
@@ -383,11 +382,11 @@ class Cxx:
                 return self.names.get("score", "s")
             if e.id in POSITION_NAMES:
                 return e.id if t == NARROW else self.names.get(e.id, f"(fg_int){e.id}")
-            return f"p.fgp_{e.id}"  # codegen.member
+            return f"p.{e.id}"
         if isinstance(e, ir.Index):
             p = self.params[e.base.id]
             strided, _ = self.index_code(e)
-            load = f"p.fgp_{p.name}[{strided}]"
+            load = f"p.{p.name}[{strided}]"
             if p.dtype == "bool":
                 return f"({load} != 0)"
             if t == INT:

@@ -50,6 +50,11 @@ register reinterpret_cast requires return short signed sizeof static static_asse
 template this thread_local throw true try typedef typeid typename union unsigned using virtual void volatile
 wchar_t while xor xor_eq int8_t int16_t int32_t int64_t uint8_t uint16_t uint32_t uint64_t size_t""".split())
 
+# Lower-case names the C/C++ and CUDA headers define as macros (upper-case names are refused as a
+# class: NAN, EOF, INT_MAX, ... would be replaced by the preprocessor in the generated code).
+C_MACROS = {"errno", "assert", "stdin", "stdout", "stderr", "offsetof", "math_errhandling", "setjmp", "va_arg",
+            "va_start", "va_end", "va_copy", "alloca"}
+
 HEAD_DIM_MAX = 256
 MAX_NAME = 64
 
@@ -318,6 +323,10 @@ class _Lowering:
         if name in OP_NAMES or keyword.iskeyword(name) or name in CXX_KEYWORDS or name.startswith(("fg_", "__")):
             raise self.error(name_tok, f"'{name}' cannot name a parameter (it is a keyword or a name the op "
                              "and its generated code use)", expected="another name")
+        if name in C_MACROS or (name.upper() == name and sum(c.isalpha() for c in name) >= 2):
+            raise self.error(name_tok, f"'{name}' cannot name a parameter (it is, or looks like, a C/C++ macro, "
+                             "which the generated code would not survive)", expected="a lower-case name",
+                             hint=f"try '{name.lower()}'" if name.lower() not in C_MACROS else None)
         for other in params:
             for suffix in ("_size", "_stride", "_grad"):
                 if name == other.name + suffix or other.name == name + suffix:

@@ -217,13 +217,3 @@ def test_same_spec_compiles_to_same_op():
     b = flashgen.compile("attention same {\n    mask = causal  # reformatted\n}")
     assert a is b and a.name.startswith("flashgen::same_")
 
-
-def test_parameter_named_like_a_c_macro():
-    """Parameters live in prefixed C++ members, so names the C/C++ headers define as macros
-    (NAN, EOF, errno) compile and mean the parameter."""
-    op = flashgen.compile("attention m {\n  param NAN: float\n  param EOF: int\n  param errno: f32[heads]\n"
-                          "  mask = kv <= q + EOF\n  score = score * NAN + errno[h]\n}\n")
-    q, k, v = inputs(1, 2, 2, 9, 9, 16, torch.float32, seed=3)
-    params = {"NAN": 0.5, "EOF": 1, "errno": torch.randn(2)}
-    out, lse = op(q, k, v, return_lse=True, **params)
-    assert check.compare(op.spec, q, k, v, out, lse, **params).ok

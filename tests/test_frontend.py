@@ -129,6 +129,8 @@ def test_bad_character():
         ("param q: int", 2, 9, "'q' is a reserved name"),
         ("param dropout_offset: int", 2, 9, "'dropout_offset' cannot name a parameter"),
         ("param lowp_matmuls: int", 2, 9, "'lowp_matmuls' cannot name a parameter"),
+        ("param NAN: float", 2, 9, "'NAN' cannot name a parameter (it is, or looks like, a C/C++ macro"),
+        ("param errno: int", 2, 9, "'errno' cannot name a parameter (it is, or looks like, a C/C++ macro"),
         ("param w: int[heads]", 2, 15, "scalar parameter 'w' (int) takes no shape"),
         ("param p: f32[batch|2]", 2, 22, "only '|1' is allowed"),
         ("param p: f32[heads, 2 * m]\n  param m: int", 2, 27, "dimension uses parameter 'm' before its declaration"),

@@ -14,10 +14,10 @@ namespace {
 using namespace flashgen;
 struct Variant_alibi {
   struct Params {
-    const float* fgp_slopes;
-    int64_t fgp_slopes_size[1];
-    int64_t fgp_slopes_stride[1];
-    float* fgp_slopes_grad;
+    const float* slopes;
+    int64_t slopes_size[1];
+    int64_t slopes_stride[1];
+    float* slopes_grad;
   };
   static constexpr bool kHasMask = true;
   static constexpr bool kHasScoreMod = true;
@@ -40,7 +40,7 @@ struct Variant_alibi {
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
-    return (s + (p.fgp_slopes[fg_index(h, p.fgp_slopes_size[0]) * p.fgp_slopes_stride[0]] * (float)(((kv - q) - (seqlen_k - seqlen_q)))));
+    return (s + (p.slopes[fg_index(h, p.slopes_size[0]) * p.slopes_stride[0]] * (float)(((kv - q) - (seqlen_k - seqlen_q)))));
   }
   static FG_HD float dscore(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                             int seqlen_k) {
@@ -48,8 +48,8 @@ struct Variant_alibi {
   }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
-    if (p.fgp_slopes_grad) {
-      fg_atomic_add(p.fgp_slopes_grad + (fg_index(h, p.fgp_slopes_size[0])), ds * ((float)(((kv - q) - (seqlen_k - seqlen_q)))));
+    if (p.slopes_grad) {
+      fg_atomic_add(p.slopes_grad + (fg_index(h, p.slopes_size[0])), ds * ((float)(((kv - q) - (seqlen_k - seqlen_q)))));
     }
   }
 };

@@ -14,10 +14,10 @@ namespace {
 using namespace flashgen;
 struct Variant_bias {
   struct Params {
-    const float* fgp_bias;
-    int64_t fgp_bias_size[4];
-    int64_t fgp_bias_stride[4];
-    float* fgp_bias_grad;
+    const float* bias;
+    int64_t bias_size[4];
+    int64_t bias_stride[4];
+    float* bias_grad;
   };
   static constexpr bool kHasMask = false;
   static constexpr bool kHasScoreMod = true;
@@ -40,7 +40,7 @@ struct Variant_bias {
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
-    return (s + p.fgp_bias[fg_index(b, p.fgp_bias_size[0]) * p.fgp_bias_stride[0] + fg_index(h, p.fgp_bias_size[1]) * p.fgp_bias_stride[1] + fg_index(q, p.fgp_bias_size[2]) * p.fgp_bias_stride[2] + fg_index(kv, p.fgp_bias_size[3]) * p.fgp_bias_stride[3]]);
+    return (s + p.bias[fg_index(b, p.bias_size[0]) * p.bias_stride[0] + fg_index(h, p.bias_size[1]) * p.bias_stride[1] + fg_index(q, p.bias_size[2]) * p.bias_stride[2] + fg_index(kv, p.bias_size[3]) * p.bias_stride[3]]);
   }
   static FG_HD float dscore(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                             int seqlen_k) {
@@ -48,8 +48,8 @@ struct Variant_bias {
   }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
-    if (p.fgp_bias_grad) {
-      fg_atomic_add(p.fgp_bias_grad + ((((fg_index(b, p.fgp_bias_size[0])) * p.fgp_bias_size[1] + fg_index(h, p.fgp_bias_size[1])) * p.fgp_bias_size[2] + fg_index(q, p.fgp_bias_size[2])) * p.fgp_bias_size[3] + fg_index(kv, p.fgp_bias_size[3])), ds * (1.0f));
+    if (p.bias_grad) {
+      fg_atomic_add(p.bias_grad + ((((fg_index(b, p.bias_size[0])) * p.bias_size[1] + fg_index(h, p.bias_size[1])) * p.bias_size[2] + fg_index(q, p.bias_size[2])) * p.bias_size[3] + fg_index(kv, p.bias_size[3])), ds * (1.0f));
     }
   }
 };

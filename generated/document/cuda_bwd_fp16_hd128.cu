@@ -14,9 +14,9 @@ namespace {
 using namespace flashgen;
 struct Variant_document {
   struct Params {
-    const int32_t* fgp_document_id;
-    int64_t fgp_document_id_size[2];
-    int64_t fgp_document_id_stride[2];
+    const int32_t* document_id;
+    int64_t document_id_size[2];
+    int64_t document_id_stride[2];
   };
   static constexpr bool kHasMask = true;
   static constexpr bool kHasScoreMod = false;
@@ -35,7 +35,7 @@ struct Variant_document {
     return false;
   }
   static FG_HD bool keep(const Params& p, int b, int h, int q, int kv, int seqlen_q, int seqlen_k) {
-    return ((p.fgp_document_id[fg_index(b, p.fgp_document_id_size[0]) * p.fgp_document_id_stride[0] + fg_index(q, p.fgp_document_id_size[1]) * p.fgp_document_id_stride[1]] == p.fgp_document_id[fg_index(b, p.fgp_document_id_size[0]) * p.fgp_document_id_stride[0] + fg_index(kv, p.fgp_document_id_size[1]) * p.fgp_document_id_stride[1]]) && (kv <= q));
+    return ((p.document_id[fg_index(b, p.document_id_size[0]) * p.document_id_stride[0] + fg_index(q, p.document_id_size[1]) * p.document_id_stride[1]] == p.document_id[fg_index(b, p.document_id_size[0]) * p.document_id_stride[0] + fg_index(kv, p.document_id_size[1]) * p.document_id_stride[1]]) && (kv <= q));
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {

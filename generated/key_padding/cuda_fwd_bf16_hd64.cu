@@ -14,9 +14,9 @@ namespace {
 using namespace flashgen;
 struct Variant_key_padding {
   struct Params {
-    const int32_t* fgp_kv_len;
-    int64_t fgp_kv_len_size[1];
-    int64_t fgp_kv_len_stride[1];
+    const int32_t* kv_len;
+    int64_t kv_len_size[1];
+    int64_t kv_len_stride[1];
   };
   static constexpr bool kHasMask = true;
   static constexpr bool kHasScoreMod = false;
@@ -28,14 +28,14 @@ struct Variant_key_padding {
     return 0;
   }
   static FG_HD int kv_hi(const Params& p, int b, int h, int q_lo, int q_hi, int seqlen_q, int seqlen_k) {
-    return fg_clamp_kv((fg_int)p.fgp_kv_len[fg_index((fg_int)b, p.fgp_kv_len_size[0]) * p.fgp_kv_len_stride[0]], seqlen_k);
+    return fg_clamp_kv((fg_int)p.kv_len[fg_index((fg_int)b, p.kv_len_size[0]) * p.kv_len_stride[0]], seqlen_k);
   }
   static FG_HD bool tile_full(const Params& p, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi,
                               int seqlen_q, int seqlen_k) {
-    return ((fg_int)kv_hi - 1 < (fg_int)p.fgp_kv_len[fg_index((fg_int)b, p.fgp_kv_len_size[0]) * p.fgp_kv_len_stride[0]]);
+    return ((fg_int)kv_hi - 1 < (fg_int)p.kv_len[fg_index((fg_int)b, p.kv_len_size[0]) * p.kv_len_stride[0]]);
   }
   static FG_HD bool keep(const Params& p, int b, int h, int q, int kv, int seqlen_q, int seqlen_k) {
-    return (kv < p.fgp_kv_len[fg_index(b, p.fgp_kv_len_size[0]) * p.fgp_kv_len_stride[0]]);
+    return (kv < p.kv_len[fg_index(b, p.kv_len_size[0]) * p.kv_len_stride[0]]);
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {

@@ -14,9 +14,9 @@ namespace {
 using namespace flashgen;
 struct Variant_prefix_lm {
   struct Params {
-    const int32_t* fgp_prefix_len;
-    int64_t fgp_prefix_len_size[1];
-    int64_t fgp_prefix_len_stride[1];
+    const int32_t* prefix_len;
+    int64_t prefix_len_size[1];
+    int64_t prefix_len_stride[1];
   };
   static constexpr bool kHasMask = true;
   static constexpr bool kHasScoreMod = false;
@@ -28,14 +28,14 @@ struct Variant_prefix_lm {
     return 0;
   }
   static FG_HD int kv_hi(const Params& p, int b, int h, int q_lo, int q_hi, int seqlen_q, int seqlen_k) {
-    return fg_clamp_kv(fg_maxi((fg_int)p.fgp_prefix_len[fg_index((fg_int)b, p.fgp_prefix_len_size[0]) * p.fgp_prefix_len_stride[0]], ((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1)), seqlen_k);
+    return fg_clamp_kv(fg_maxi((fg_int)p.prefix_len[fg_index((fg_int)b, p.prefix_len_size[0]) * p.prefix_len_stride[0]], ((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1)), seqlen_k);
   }
   static FG_HD bool tile_full(const Params& p, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi,
                               int seqlen_q, int seqlen_k) {
-    return (((fg_int)kv_hi - 1 < (fg_int)p.fgp_prefix_len[fg_index((fg_int)b, p.fgp_prefix_len_size[0]) * p.fgp_prefix_len_stride[0]]) || ((fg_int)kv_hi - 1 <= ((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q))));
+    return (((fg_int)kv_hi - 1 < (fg_int)p.prefix_len[fg_index((fg_int)b, p.prefix_len_size[0]) * p.prefix_len_stride[0]]) || ((fg_int)kv_hi - 1 <= ((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q))));
   }
   static FG_HD bool keep(const Params& p, int b, int h, int q, int kv, int seqlen_q, int seqlen_k) {
-    return ((kv < p.fgp_prefix_len[fg_index(b, p.fgp_prefix_len_size[0]) * p.fgp_prefix_len_stride[0]]) || (kv <= (q + (seqlen_k - seqlen_q))));
+    return ((kv < p.prefix_len[fg_index(b, p.prefix_len_size[0]) * p.prefix_len_stride[0]]) || (kv <= (q + (seqlen_k - seqlen_q))));
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {

@@ -14,11 +14,11 @@ namespace {
 using namespace flashgen;
 struct Variant_relative_bias {
   struct Params {
-    int64_t fgp_max_distance;
-    const float* fgp_rel;
-    int64_t fgp_rel_size[2];
-    int64_t fgp_rel_stride[2];
-    float* fgp_rel_grad;
+    int64_t max_distance;
+    const float* rel;
+    int64_t rel_size[2];
+    int64_t rel_stride[2];
+    float* rel_grad;
   };
   static constexpr bool kHasMask = false;
   static constexpr bool kHasScoreMod = true;
@@ -41,7 +41,7 @@ struct Variant_relative_bias {
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
-    return (s + p.fgp_rel[fg_index(h, p.fgp_rel_size[0]) * p.fgp_rel_stride[0] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.fgp_max_distance)), p.fgp_max_distance) + p.fgp_max_distance), p.fgp_rel_size[1]) * p.fgp_rel_stride[1]]);
+    return (s + p.rel[fg_index(h, p.rel_size[0]) * p.rel_stride[0] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.max_distance)), p.max_distance) + p.max_distance), p.rel_size[1]) * p.rel_stride[1]]);
   }
   static FG_HD float dscore(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                             int seqlen_k) {
@@ -49,8 +49,8 @@ struct Variant_relative_bias {
   }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
-    if (p.fgp_rel_grad) {
-      fg_atomic_add(p.fgp_rel_grad + ((fg_index(h, p.fgp_rel_size[0])) * p.fgp_rel_size[1] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.fgp_max_distance)), p.fgp_max_distance) + p.fgp_max_distance), p.fgp_rel_size[1])), ds * (1.0f));
+    if (p.rel_grad) {
+      fg_atomic_add(p.rel_grad + ((fg_index(h, p.rel_size[0])) * p.rel_size[1] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.max_distance)), p.max_distance) + p.max_distance), p.rel_size[1])), ds * (1.0f));
     }
   }
 };

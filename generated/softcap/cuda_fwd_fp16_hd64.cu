@@ -14,7 +14,7 @@ namespace {
 using namespace flashgen;
 struct Variant_softcap {
   struct Params {
-    float fgp_softcap;
+    float softcap;
   };
   static constexpr bool kHasMask = false;
   static constexpr bool kHasScoreMod = true;
@@ -37,11 +37,11 @@ struct Variant_softcap {
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
-    return (p.fgp_softcap * fg_tanh((s / p.fgp_softcap)));
+    return (p.softcap * fg_tanh((s / p.softcap)));
   }
   static FG_HD float dscore(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                             int seqlen_k) {
-    return (p.fgp_softcap * ((1.0f - (fg_tanh((s / p.fgp_softcap)) * fg_tanh((s / p.fgp_softcap)))) * (1.0f / p.fgp_softcap)));
+    return (p.softcap * ((1.0f - (fg_tanh((s / p.softcap)) * fg_tanh((s / p.softcap)))) * (1.0f / p.softcap)));
   }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
