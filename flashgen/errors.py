@@ -32,7 +32,9 @@ class SpecError(FlashgenError, ValueError):
         self.summary, self.expected, self.hint = message, expected, hint
         lines = source.splitlines() or [""]
         text = lines[line - 1] if 0 < line <= len(lines) else ""
-        parts = [f"{file}:{line}:{column}: error: {message}", f"    {text}", "    " + " " * (column - 1) + "^"]
+        # The caret's indent copies the line's tabs, so it lines up however a terminal shows them.
+        indent = "".join("\t" if c == "\t" else " " for c in text[: column - 1])
+        parts = [f"{file}:{line}:{column}: error: {message}", f"    {text}", f"    {indent}^"]
         if expected:
             parts.append(f"expected {expected}")
         if hint:

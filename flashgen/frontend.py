@@ -158,8 +158,11 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> S
         hint = did_you_mean(found, STATEMENTS)
         return SpecError(f"unknown statement '{found}'", file=file, source=text, line=line,
                          column=column, expected="a statement: " + ", ".join(STATEMENTS), hint=hint)
+    if isinstance(e, lark.exceptions.UnexpectedToken) and e.token.type == "COMP_OP":
+        hint = "comparisons do not chain: write `a <= b and b <= c` for `a <= b <= c`"
     return SpecError(f"unexpected {found!r}" if found != "end of line" else "unexpected end of line",
-                     file=file, source=text, line=line, column=column, expected=_describe(expected))
+                     file=file, source=text, line=line, column=column, expected=_describe(expected),
+                     hint=hint)
 
 
 # ---------------------------------------------------------------- lowering

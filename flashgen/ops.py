@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import numbers
 import sys
 import threading
 from collections.abc import Iterable
@@ -177,7 +178,7 @@ class AttentionOp:
             raise ValueError(f"dropout_p={dropout_p}: spec '{self.spec.name}' declares no dropout; add a line "
                              "`dropout` to the spec to enable it")
         if dropout_seed is not None:
-            _check_dropout_seed(dropout_seed)
+            dropout_seed = _check_dropout_seed(dropout_seed)
         for name, value in (("block_mask", block_mask), ("cu_seqlens_q", cu_seqlens_q),
                             ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
                             ("max_seqlen_k", max_seqlen_k)):
@@ -538,7 +539,7 @@ def dropout_state(dropout_seed: int | None = None, device: torch.device | str | 
     device = torch.device(device) if device is not None else torch.device("cpu")
     if dropout_seed is None:
         return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
-    _check_dropout_seed(dropout_seed)
+    dropout_seed = _check_dropout_seed(dropout_seed)
     state = torch.zeros(2, dtype=torch.int64, device=device)
     state[0] = dropout_seed - 2**64 if dropout_seed >= 2**63 else dropout_seed  # an int64 fill: no host copy
     return state
@@ -552,11 +553,16 @@ def _check_dropout_p(value) -> float:
     return float(value) if isinstance(value, int | float) else value
 
 
-def _check_dropout_seed(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | torch.SymInt):
+def _check_dropout_seed(value):
+    """The seed as an int (numpy and other integral types accepted; bool and floats are not)."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"dropout_seed: expected None or an int, got {type(value).__name__}")
+    value = int(value)
     if not 0 <= value < 2**64:
         raise ValueError(f"dropout_seed: {value} is out of range (expected 0 <= dropout_seed < 2^64)")
+    return value
 
 
 def _describe_tensor(t) -> str:

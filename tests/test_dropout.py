@@ -269,6 +269,11 @@ def test_errors_name_the_argument(causal_op):
         causal_op(q, k, v, dropout_p=0.5)
     with pytest.raises(ValueError, match="^dropout_seed: "):
         flashgen.dropout_state(-3)
+    # integral types other than int (numpy) are seeds too, the same seed as the int
+    import numpy as np
+
+    assert torch.equal(op(q, k, v, dropout_p=0.3, dropout_seed=np.int64(7)), op(q, k, v, dropout_p=0.3, dropout_seed=7))
+    assert torch.equal(flashgen.dropout_state(np.uint64(2**64 - 1)), flashgen.dropout_state(2**64 - 1))
     # the raw op checks the state it is handed
     with pytest.raises(ValueError, match=r"^dropout_state: expected an int64 tensor of shape \(2,\)"):
         op.torch_op(q, k, v, 0.25, False, 0.1, torch.zeros(3, dtype=torch.int64))

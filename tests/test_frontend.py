@@ -186,3 +186,16 @@ def test_example_specs_parse():
     assert dense.mask_kind is ir.MaskKind.NONE and causal.mask_kind is ir.MaskKind.CAUSAL
     for s in (dense, causal):  # the examples restrict nothing
         assert s.head_dims is None and s.dtypes is None
+
+
+def test_chained_comparison_hint():
+    e = error("attention x {\n  mask = 0 <= kv <= q\n}\n")
+    assert (e.line, e.column) == (2, 18), str(e)
+    assert "comparisons do not chain" in str(e)
+
+
+def test_caret_follows_tabs():
+    e = error("attention x {\n\tmask = kv < windw\n}\n")
+    lines = str(e).splitlines()
+    assert lines[1] == "    \tmask = kv < windw"
+    assert lines[2] == "    \t" + " " * (e.column - 2) + "^"
