@@ -37,22 +37,31 @@ def cuda_home() -> str | None:
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
 
 
+def _tile(var: str, form: str, fields: tuple[str, ...], example: str, valid, rule: str) -> tuple[tuple[str, int], ...]:
+    """Parse ``var`` (``form``: ints joined by 'x') into (field, value) pairs; () when unset."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return ()
+    try:
+        values = tuple(int(x) for x in raw.lower().split("x"))
+    except ValueError:
+        values = ()
+    if len(values) != len(fields):
+        raise ValueError(f"{var}: expected {form} such as {example}, got {raw!r}")
+    if not valid(*values):
+        raise ValueError(f"{var}: {raw!r} is not a valid tile ({rule})")
+    return tuple(zip(fields, values, strict=True))
+
+
 def cuda_fwd_tile() -> tuple[tuple[str, int], ...]:
     """FLASHGEN_CUDA_FWD_TILE=BMxBNxW (e.g. 128x64x4): force the CUDA forward's tile (BM query
     rows, BN keys, W warps; BM/W must be 16 or 32, BN a multiple of 16) instead of the default for
     the head dim. For tuning experiments; each tile is a separate cache entry. ValueError when
     malformed."""
-    raw = os.environ.get("FLASHGEN_CUDA_FWD_TILE", "").strip()
-    if not raw:
-        return ()
-    try:
-        bm, bn, w = (int(x) for x in raw.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"FLASHGEN_CUDA_FWD_TILE: expected BMxBNxW such as 128x64x4, got {raw!r}") from None
-    if not (w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32) and bn % 16 == 0 and 16 <= bn <= 256):
-        raise ValueError(f"FLASHGEN_CUDA_FWD_TILE: {raw!r} is not a valid tile (BM/W must be 16 or 32 "
-                         "rows per warp, BN a multiple of 16 up to 256)")
-    return (("fwd_block_m", bm), ("fwd_block_n", bn), ("fwd_warps", w))
+    return _tile("FLASHGEN_CUDA_FWD_TILE", "BMxBNxW", ("fwd_block_m", "fwd_block_n", "fwd_warps"), "128x64x4",
+                 lambda bm, bn, w: w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32)
+                 and bn % 16 == 0 and 16 <= bn <= 256,
+                 "BM/W must be 16 or 32 rows per warp, BN a multiple of 16 up to 256")
 
 
 def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
@@ -61,15 +70,8 @@ def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
     (1 or 2), WQ warps along the queries of the dQ product — instead of the default for the head
     dim (templates/include/flashgen/cuda/bwd.cuh, BwdTile). For tuning experiments; each tile is
     a separate cache entry. ValueError when malformed."""
-    raw = os.environ.get("FLASHGEN_CUDA_BWD_TILE", "").strip()
-    if not raw:
-        return ()
-    try:
-        bm, w, wd, wq = (int(x) for x in raw.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"FLASHGEN_CUDA_BWD_TILE: expected BMxWxWDxWQ such as 64x8x1x2, got {raw!r}") from None
-    if not (bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2) and w % wd == 0
-            and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32):
-        raise ValueError(f"FLASHGEN_CUDA_BWD_TILE: {raw!r} is not a valid tile (BM a multiple of 16 up to "
-                         "128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with BM/WQ 16 or 32)")
-    return (("bwd_block_m", bm), ("bwd_warps", w), ("bwd_warps_d", wd), ("bwd_warps_mdq", wq))
+    return _tile("FLASHGEN_CUDA_BWD_TILE", "BMxWxWDxWQ", ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"), "64x8x1x2",
+                 lambda bm, w, wd, wq: bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2)
+                 and w % wd == 0 and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32,
+                 "BM a multiple of 16 up to 128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with "
+                 "BM/WQ 16 or 32")

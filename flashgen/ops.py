@@ -11,7 +11,6 @@ device with no host synchronisation.
 from __future__ import annotations
 
 import ctypes
-import math
 import numbers
 import sys
 import threading

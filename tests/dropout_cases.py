@@ -5,11 +5,10 @@ float64 reference computed with the regenerated keep mask."""
 from __future__ import annotations
 
 import torch
+from variant_cases import SPECS, alibi_slopes
 
 import flashgen
 from flashgen import check
-
-from variant_cases import SPECS, alibi_slopes
 
 # Dropout with a score modification: ALiBi takes the backward's score-mod path with a parameter
 # gradient, window + softcap the one that multiplies dscore in the gemm epilogue.

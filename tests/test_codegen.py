@@ -3,8 +3,8 @@
 import shutil
 
 import pytest
-
 from conftest import ROOT, SPECS
+
 from flashgen import build, cli, codegen, frontend, ir, paths
 
 

@@ -1,6 +1,5 @@
 """The CPU family end to end: spec → build → op, against the float64 reference."""
 
-import itertools
 
 import pytest
 import torch

@@ -9,13 +9,12 @@ import subprocess
 
 import pytest
 import torch
+from conftest import SPECS
+from dropout_cases import fwd_bwd, inputs, run_case, spec_op
 
 import flashgen
 from flashgen import check, ops, philox
 from flashgen.paths import include_dir
-
-from conftest import SPECS
-from dropout_cases import fwd_bwd, inputs, run_case, spec_op
 
 
 @pytest.fixture(scope="module", autouse=True)

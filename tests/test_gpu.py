@@ -6,7 +6,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-import flashgen
 from flashgen import check
 
 pytestmark = pytest.mark.gpu

@@ -4,10 +4,9 @@ while ops.DROPOUT_BACKENDS lacks "cuda" (the op then refuses dropout on CUDA).""
 
 import pytest
 import torch
+from dropout_cases import fwd_bwd, inputs, run_case, spec_op
 
 from flashgen import check, ops, philox
-
-from dropout_cases import fwd_bwd, inputs, run_case, spec_op
 
 pytestmark = pytest.mark.gpu
 

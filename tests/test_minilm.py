@@ -89,8 +89,9 @@ def embed_batch(model, tokenizer, sentences, device="cpu"):
 def run_padded_batch(model, tokenizer, device="cpu"):
     """Sentences of different lengths in one right-padded batch: attention through the key-padding
     spec with kv_len = the number of real tokens of each sentence, against the unmodified model."""
-    import flashgen
     from transformers import AttentionInterface
+
+    import flashgen
 
     kp = flashgen.compile(Path(__file__).resolve().parent.parent / "specs" / "key_padding.attn")
     reference, attention_mask = embed_batch(model, tokenizer, SENTENCES, device)

@@ -3,10 +3,9 @@ against the float64 reference, edge cases of masks and score modifications."""
 
 import pytest
 import torch
+from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, make_params, op, run_case
 
 from flashgen import reference
-
-from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, make_params, op, run_case
 
 SEQLENS = [(1, 1), (65, 65), (127, 129), (129, 127), (300, 300), (7, 300)]
 # bf16 on the CPU for the specs whose score modification or parameter gradient is most exposed to
