@@ -84,6 +84,7 @@ def hook_bodies(spec: ir.Spec) -> dict[str, str]:
                 stmts.append(f"fg_atomic_add(p.{p.name}_grad + ({flat}), ds * ({cx(d, expr.FLOAT)}));")
             if stmts:
                 out["param_grad"].append((f"p.{p.name}_grad", stmts))
+    out["param_grad_enabled"] = " || ".join(f"{ptr} != nullptr" for ptr, _ in out["param_grad"]) or "false"
     return out
 
 

@@ -64,6 +64,9 @@ extern "C" int row_exact_violations(const void* p, int b, int h, int nq, int nk)
   return bad;
 }
 extern "C" int row_exact(void) { return V::kRowExact; }
+extern "C" int param_grad_enabled(const void* p) {
+  return V::param_grad_enabled(*static_cast<const V::Params*>(p));
+}
 extern "C" int keep_at(const void* p, int b, int h, int q, int kv, int nq, int nk) {
   return V::keep(*static_cast<const V::Params*>(p), b, h, q, kv, nq, nk);
 }
@@ -141,6 +144,7 @@ def libs(tmp_path_factory):
         lib.range_violations.argtypes = [vp, i, i, i, i, i, i]
         lib.keep_at.argtypes = [vp, i, i, i, i, i, i]
         lib.row_exact_violations.argtypes = [vp, i, i, i, i]
+        lib.param_grad_enabled.argtypes = [vp]
         lib.score_at.argtypes = [vp, ctypes.c_float, i, i, i, i, i, i]
         lib.score_at.restype = ctypes.c_float
         result[name] = lib
@@ -219,8 +223,16 @@ def test_score_and_derivative_match_reference(libs, name):
         for p in spec.params:
             f = f"{p.name}_grad"
             if any(fl.name == f for fl in codegen.param_fields(spec)):
+                # param_grad_enabled (kernels skip param_grad without it) follows the pointers
+                assert ptr is None or not lib.param_grad_enabled(ptr), f"{name}: enabled before {f} is set"
                 grads[p.name] = torch.zeros(params[p.name].shape)
                 setattr(block, f, grads[p.name].data_ptr())
+                assert lib.param_grad_enabled(ptr), f"{name}: {f} set but param_grad_enabled is false"
+                setattr(block, f, None)
+        for n, g in grads.items():
+            setattr(block, f"{n}_grad", g.data_ptr())
+        if ptr is not None and not grads:
+            assert not lib.param_grad_enabled(ptr), f"{name}: no parameter gradient, yet enabled"
         if grads:
             ds32 = ds.float().contiguous()
             lib.param_grad_all(ptr, B, H, nq, nk, ctypes.c_void_p(s32.data_ptr()), ctypes.c_void_p(ds32.data_ptr()))

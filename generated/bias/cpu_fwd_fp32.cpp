@@ -46,6 +46,9 @@ struct Variant_bias {
                             int seqlen_k) {
     return 1.0f;
   }
+  static FG_HD bool param_grad_enabled(const Params& p) {
+    return p.bias_grad != nullptr;
+  }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
     if (p.bias_grad) {

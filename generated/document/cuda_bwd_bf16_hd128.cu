@@ -45,6 +45,9 @@ struct Variant_document {
                             int seqlen_k) {
     return 1.f;
   }
+  static FG_HD bool param_grad_enabled(const Params& p) {
+    return false;
+  }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
   }

@@ -44,6 +44,9 @@ struct Variant_gemma {
                             int seqlen_k) {
     return (p.softcap * ((1.0f - (fg_tanh((s / p.softcap)) * fg_tanh((s / p.softcap)))) * (1.0f / p.softcap)));
   }
+  static FG_HD bool param_grad_enabled(const Params& p) {
+    return false;
+  }
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
   }

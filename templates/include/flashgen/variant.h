@@ -34,6 +34,10 @@
 //     // d score(s) / d s, derived symbolically from the spec (backward only).
 //     static float dscore(const Params&, float s, int b, int h, int q, int kv, int seqlen_q,
 //                         int seqlen_k);
+//     // True when some gradient pointer in Params is non-null (param_grad would write): lets a
+//     // kernel take a path without param_grad's atomics, whose possible aliasing with the
+//     // parameters' reads would otherwise force those reads to repeat per element.
+//     static bool param_grad_enabled(const Params&);
 //     // Adds ds * d score(s) / d param to every float tensor parameter whose gradient pointer
 //     // in Params is non-null (atomically: fg_atomic_add). ds is dL/d score(s) (backward only).
 //     static void param_grad(const Params&, float ds, float s, int b, int h, int q, int kv,

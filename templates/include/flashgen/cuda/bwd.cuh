@@ -73,7 +73,9 @@
 // proportional to the key tile index and wraps around.)
 // Tile classification as in the forward: the per-element path (bounds + Variant::keep) runs
 // only on tiles that cross that (head, query tile)'s [kv_lo, kv_hi), seqlen_k or seqlen_q, or
-// where Variant::tile_full says the mask is partial. The bare path therefore only sees in-bounds
+// where Variant::tile_full says the mask is partial; there, with bwd_detail::kRowBounds (no mask
+// or Variant::kRowExact), each query row's key interval is computed once per tile and tested with
+// two compares per element instead. The bare path therefore only sees in-bounds
 // elements, which is what lets it call score/dscore/param_grad without per-element bounds tests
 // (the same holds in DqKernel).
 //
@@ -193,6 +195,24 @@ __device__ __forceinline__ bool visible(const typename Variant::Params& vp, int 
   } else {
     return true;
   }
+}
+
+// Keys [lo, hi) of query row q within [kv_begin, kv_end): the variant's key range for the single
+// row [q, q+1), clamped to [0, seqlen_k) (empty for q >= seqlen_q). When kRowBounds<Variant>
+// (no mask, or Variant::kRowExact: the generator proved that the mask keeps one interval of keys
+// per row), visible(q, kv) <=> lo <= kv < hi, so a partial tile tests two bounds computed once
+// per query row instead of the bounds and keep() per element (as fwd.cuh's row_bounds).
+template <class Variant>
+inline constexpr bool kRowBounds = !Variant::kHasMask || Variant::kRowExact;
+
+template <class Variant>
+__device__ __forceinline__ void row_bounds(const typename Variant::Params& vp, int b, int h, int q,
+                                           int kv_begin, int kv_end, int Nq, int Nk, int& lo,
+                                           int& hi) {
+  lo = hi = 0;
+  if (q >= Nq) return;
+  lo = imax(imin(imax(Variant::kv_lo(vp, b, h, q, q + 1, Nq, Nk), 0), Nk), kv_begin);
+  hi = imin(imin(imax(Variant::kv_hi(vp, b, h, q, q + 1, Nq, Nk), 0), Nk), kv_end);
 }
 
 // LSE (natural log) -> log2 units, with -inf (row sees no key) mapped to +inf so that
@@ -585,8 +605,11 @@ struct BwdKernel {
     }
   }
 
-  // P^T and dS^T from the S^T / dP^T accumulators of one (query tile, key slab).
-  template <bool kMasked>
+  // P^T and dS^T from the S^T / dP^T accumulators of one (query tile, key slab). kParamGrad:
+  // call param_grad (only instantiated when Variant::kHasParamGrad; the caller picks it when
+  // Variant::param_grad_enabled, so that without parameter gradients no atomic sits between
+  // the elements and the score's parameter reads are loaded once per call, not per element).
+  template <bool kMasked, bool kParamGrad>
   static __device__ __forceinline__ void probs_grads(const Params& p, float (&st)[kMBlocks][4],
                                                      float (&dpt)[kMBlocks][4], const float* sL,
                                                      const float* sD, int b, int h, int q_lo,
@@ -615,53 +638,65 @@ struct BwdKernel {
         }
       }
     }
+    constexpr bool kBounds = kMasked && bwd_detail::kRowBounds<Variant>;
 #pragma unroll
     for (int j = 0; j < kMBlocks; ++j) {
       const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
       const float2 dd = *reinterpret_cast<const float2*>(sD + j * 8 + 2 * t);
       const float l[2] = {bwd_detail::lse_log2(lse.x), bwd_detail::lse_log2(lse.y)};
       const float d[2] = {dd.x, dd.y};
+      // Query columns q_lo + j * 8 + 2t + {0, 1}: their key bounds once, for both key rows.
+      [[maybe_unused]] int lo[2] = {0, 0}, hi[2] = {0, 0};
+      if constexpr (kBounds) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if constexpr (Variant::kHasScoreMod) {
-          // Hooks only on in-bounds kept elements; everything else is P = dS = 0 by selection.
-          const int q = q_lo + j * 8 + 2 * t + (e & 1);
-          const int kv = kv_row0 + g + (e >> 1) * 8;
+        for (int e1 = 0; e1 < 2; ++e1) {
+          bwd_detail::row_bounds<Variant>(p.vp, b, h, q_lo + j * 8 + 2 * t + e1, r.begin, r.end,
+                                          p.seqlen_q, p.seqlen_k, lo[e1], hi[e1]);
+        }
+      }
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+          const int q = q_lo + j * 8 + 2 * t + e1;
+          const int e = e1 | (e2 << 1);
+          const int kv = kv_row0 + g + e2 * 8;
+          // Visibility (kMasked): the bounds, or (below, where the baseline evaluates it)
+          // bounds + keep() per element.
+          bool vis = true;
+          if constexpr (kBounds) vis = kv >= lo[e1] && kv < hi[e1];
+          float dp = dpt[j][e];
+          bool kept = true;
+          if constexpr (Variant::kHasDropout) {
+            kept = !drop || ((keep[j >> 1][e1] >> ((j & 1) | (e2 << 1))) & 1u);
+            dp = kept ? dp * zs : 0.f;
+          }
           float pv = 0.f, ds = 0.f;
-          float dp = dpt[j][e];
-          bool kept = true;
-          if constexpr (Variant::kHasDropout) {
-            kept = !drop || ((keep[j >> 1][e & 1] >> ((j & 1) | ((e >> 1) << 1))) & 1u);
-            dp = kept ? dp * zs : 0.f;
-          }
-          if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
-                                                       p.seqlen_q, p.seqlen_k)) {
-            // With kWarpsD == 2 both warps of a key slab compute it; the wd == 0 one reports.
-            bwd_detail::score_grads<Variant, Variant::kHasParamGrad>(
-                p.vp, st[j][e], p.scale, l[e & 1], dp - d[e & 1], b, h, q, kv,
-                p.seqlen_q, p.seqlen_k, kWarpsD == 1 || wd == 0, pv, ds);
+          if constexpr (Variant::kHasScoreMod) {
+            // Hooks only on in-bounds kept elements; everything else is P = dS = 0 by selection.
+            if constexpr (kMasked && !kBounds) {
+              vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end, p.seqlen_q,
+                                                 p.seqlen_k);
+            }
+            if (vis) {
+              // With kWarpsD == 2 both warps of a key slab compute it; the wd == 0 one reports.
+              bwd_detail::score_grads<Variant, kParamGrad>(
+                  p.vp, st[j][e], p.scale, l[e1], dp - d[e1], b, h, q, kv, p.seqlen_q,
+                  p.seqlen_k, kWarpsD == 1 || wd == 0, pv, ds);
+            }
+          } else {
+            pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e1]));
+            ds = pv * (dp - d[e1]);
+            if constexpr (kMasked) {
+              if constexpr (!kBounds) {
+                vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
+                                                   p.seqlen_q, p.seqlen_k);
+              }
+              pv = vis ? pv : 0.f;
+              ds = vis ? ds : 0.f;
+            }
           }
           if constexpr (Variant::kHasDropout) pv = kept ? pv * zs : 0.f;  // P~ for dV
-          st[j][e] = pv;
-          dpt[j][e] = ds;
-        } else {
-          float pv = ptx::exp2_approx(fmaf(st[j][e], c, -l[e & 1]));
-          float dp = dpt[j][e];
-          bool kept = true;
-          if constexpr (Variant::kHasDropout) {
-            kept = !drop || ((keep[j >> 1][e & 1] >> ((j & 1) | ((e >> 1) << 1))) & 1u);
-            dp = kept ? dp * zs : 0.f;
-          }
-          float ds = pv * (dp - d[e & 1]);
-          if constexpr (Variant::kHasDropout) pv = kept ? pv * zs : 0.f;  // P~ for dV
-          if constexpr (kMasked) {
-            const int q = q_lo + j * 8 + 2 * t + (e & 1);
-            const int kv = kv_row0 + g + (e >> 1) * 8;
-            const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, r.begin, r.end,
-                                                          p.seqlen_q, p.seqlen_k);
-            pv = vis ? pv : 0.f;
-            ds = vis ? ds : 0.f;
-          }
           st[j][e] = pv;
           dpt[j][e] = ds;
         }
@@ -906,11 +941,22 @@ struct BwdKernel {
       }
     }
 
-    if (need_mask) {
-      probs_grads<true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, kv_range(p, b, h, m),
-                        wd, lane);
+    if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
+      if constexpr (Variant::kHasParamGrad) {
+        if (need_mask) {
+          probs_grads<true, true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0,
+                                  kv_range(p, b, h, m), wd, lane);
+        } else {
+          probs_grads<false, true>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0},
+                                   wd, lane);
+        }
+      }
+    } else if (need_mask) {
+      probs_grads<true, false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0,
+                               kv_range(p, b, h, m), wd, lane);
     } else {
-      probs_grads<false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0}, wd, lane);
+      probs_grads<false, false>(p, st, dpt, sL, sD, b, h, q_lo, kv0 + warp_kv0, Range{0, 0}, wd,
+                                lane);
     }
 
     // dV += P^T dO.
@@ -1139,10 +1185,29 @@ struct DqKernel {
         }
       }
     }
+    // Rows q_row0 + g and q_row0 + g + 8: their key bounds once (kRowBounds; see row_bounds).
+    constexpr bool kBounds = kMasked && bwd_detail::kRowBounds<Variant>;
+    [[maybe_unused]] int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if constexpr (kBounds) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        bwd_detail::row_bounds<Variant>(p.vp, b, h, q_row0 + g + r * 8, kv_begin, kv_end,
+                                        p.seqlen_q, p.seqlen_k, lo[r], hi[r]);
+      }
+    }
 #pragma unroll
     for (int j = 0; j < kNBlocks; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
+        const int q = q_row0 + g + (e >> 1) * 8;
+        const int kv = kv0 + j * 8 + 2 * t + (e & 1);
+        bool vis = true;
+        if constexpr (kBounds) {
+          vis = kv >= lo[e >> 1] && kv < hi[e >> 1];
+        } else if constexpr (kMasked) {
+          vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end, p.seqlen_q,
+                                             p.seqlen_k);
+        }
         float dpe = dp[j][e];
         if constexpr (Variant::kHasDropout) {
           const bool kept =
@@ -1151,27 +1216,17 @@ struct DqKernel {
         }
         if constexpr (Variant::kHasScoreMod) {
           // As in BwdKernel::probs_grads, without param_grad (the main kernel calls it).
-          const int q = q_row0 + g + (e >> 1) * 8;
-          const int kv = kv0 + j * 8 + 2 * t + (e & 1);
           float pv = 0.f, ds = 0.f;
-          if (!kMasked || bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
-                                                       p.seqlen_q, p.seqlen_k)) {
+          if (vis) {
             bwd_detail::score_grads<Variant, false>(p.vp, s[j][e], p.scale, l2[e >> 1],
                                                     dpe - dd[e >> 1], b, h, q, kv,
                                                     p.seqlen_q, p.seqlen_k, false, pv, ds);
           }
           dp[j][e] = ds;
         } else {
-          float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
-          float ds = pv * (dpe - dd[e >> 1]);
-          if constexpr (kMasked) {
-            const int q = q_row0 + g + (e >> 1) * 8;
-            const int kv = kv0 + j * 8 + 2 * t + (e & 1);
-            const bool vis = bwd_detail::visible<Variant>(p.vp, b, h, q, kv, kv_begin, kv_end,
-                                                          p.seqlen_q, p.seqlen_k);
-            ds = vis ? ds : 0.f;
-          }
-          dp[j][e] = ds;
+          const float pv = ptx::exp2_approx(fmaf(s[j][e], c, -l2[e >> 1]));
+          const float ds = pv * (dpe - dd[e >> 1]);
+          dp[j][e] = kMasked && !vis ? 0.f : ds;
         }
       }
     }
