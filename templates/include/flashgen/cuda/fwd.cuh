@@ -823,6 +823,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   (void)&Variant::tile_full;
   (void)&Variant::dscore;
   (void)&Variant::param_grad;
+  (void)&Variant::param_grad_enabled;
   (void)Variant::kHasParamGrad;
   (void)Variant::kRowExact;
   detail::clear_error();
