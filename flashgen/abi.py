@@ -12,6 +12,8 @@ _i64, _f32 = ctypes.c_int64, ctypes.c_float
 
 # Last in both blocks: {seed, offset} pointer (null: no dropout), the 24-bit keep threshold, 1/(1-p).
 _DROPOUT = [("dropout_state", ctypes.c_void_p), ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", _f32)]
+# After them, in both blocks: packed (varlen) batches. cu_seqlens_q null: the padded layout.
+_VARLEN = [("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("total_q", _i64), ("total_k", _i64)]
 
 
 class FgFwdArgs(ctypes.Structure):
@@ -27,6 +29,7 @@ class FgFwdArgs(ctypes.Structure):
         ("scale", _f32), ("num_sms", ctypes.c_int32),
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p),
         *_DROPOUT,
+        *_VARLEN,
     ]  # fmt: skip
 
 
@@ -43,6 +46,7 @@ class FgBwdArgs(ctypes.Structure):
         ("scale", _f32), ("num_sms", ctypes.c_int32), ("deterministic", ctypes.c_int32),
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
         *_DROPOUT,
+        *_VARLEN,
     ]
 
 
@@ -54,7 +58,7 @@ def _header_constants() -> dict[str, int]:
     return consts
 
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 def status_name(code: int) -> str:

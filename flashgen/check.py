@@ -52,14 +52,25 @@ def _params_as(params: dict, dtype: torch.dtype | None, device=None) -> dict:
     return out
 
 
+def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
+    """The reference's packed-layout keywords (empty for the padded layout)."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return {}
+    return {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+            "max_seqlen_k": max_seqlen_k}
+
+
 def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None, dropout_p: float = 0.0,
-            dropout_seed: int | None = None, dropout_offset: int = 0, **params) -> Comparison:
+            dropout_seed: int | None = None, dropout_offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None, **params) -> Comparison:
     """Compare a kernel's (out, lse) for inputs q, k, v (and the spec's ``params``) with the
     reference of ``spec``: float64, and in the kernel's precision for the tolerance. With
     ``dropout_p``, the references apply the keep mask regenerated from the kernel's
-    ``dropout_seed`` and ``dropout_offset`` (flashgen.dropout_state)."""
+    ``dropout_seed`` and ``dropout_offset`` (flashgen.dropout_state). With ``cu_seqlens_q`` and
+    ``cu_seqlens_k``: the packed layout (q [total_q, Hq, d], out like q, lse [Hq, total_q])."""
     p64, plo = _params_as(params, torch.float64, q.device), _params_as(params, None, q.device)
     drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
+    drop |= _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     ref64, lse64 = reference.attention(spec, q.double(), k.double(), v.double(), scale=scale, return_lse=True,
                                        **drop, **p64)
     # ref_lowp: the reference computed in the input dtype (fp32 for fp32 inputs: its rounding grows
@@ -73,7 +84,8 @@ def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None, d
     lse_slack = 2 * _max_abs((lse_lo.double() - lse64)[finite]) + 1e-4
     lse_excess = ((lsek - lse64).abs() - 1e-6 * lse64.abs())[finite]
     lse_err = _max_abs(lse_excess.clamp(min=0))
-    empty_ok = bool(torch.isneginf(lsek[empty]).all()) and bool((out64[empty] == 0).all())
+    rows = empty.transpose(0, 1) if cu_seqlens_q is not None else empty  # out's rows: [total_q, Hq]
+    empty_ok = bool(torch.isneginf(lsek[empty]).all()) and bool((out64[rows] == 0).all())
     return Comparison(
         max_error=_max_abs(out64 - ref64),
         bound=2 * _max_abs(ref_lo.double() - ref64) + atol,
@@ -100,10 +112,12 @@ class GradComparison:
         return f"{verdict}: " + ", ".join(parts) + (", NaN present" if self.nan else "")
 
 
-def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, wrt=(), dropout=None) -> dict:
+def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, wrt=(), dropout=None,
+                    varlen=None) -> dict:
     """Gradients of the reference by autograd, in the dtype of q/k/v (float64 for the oracle):
     {"dq", "dk", "dv"} and "d<name>" for each parameter name in ``wrt``, plus its "out".
-    ``dropout``: the reference's dropout keywords (dropout_p, dropout_seed, dropout_offset).
+    ``dropout``: the reference's dropout keywords (dropout_p, dropout_seed, dropout_offset);
+    ``varlen``: its packed-layout keywords (cu_seqlens_q, cu_seqlens_k, ...).
 
     With fp16/bf16 inputs the products and their gradients run in that dtype (FlashAttention's
     test reference for the backward), softmax in fp32."""
@@ -115,31 +129,45 @@ def reference_grads(spec, q, k, v, dout, *, scale=None, dlse=None, params=None, 
         leaves["d" + name] = params[name]
     out, lse = reference.attention(spec, q, k, v, scale=scale, return_lse=True,
                                    lowp_matmuls=q.dtype in (torch.float16, torch.bfloat16), **(dropout or {}),
-                                   **params)
+                                   **(varlen or {}), **params)
     loss = (out.to(dout.dtype) * dout).sum()
     if dlse is not None:
         finite = torch.isfinite(lse)
         loss = loss + torch.where(finite, lse, torch.zeros_like(lse)).mul(dlse.to(lse.dtype)).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    # A batch without a single query (every packed sequence empty) has a loss that depends on
+    # nothing: every gradient is zero.
+    grads = (torch.autograd.grad(loss, list(leaves.values()), allow_unused=True) if loss.requires_grad
+             else [None] * len(leaves))
     return {n: (g if g is not None else torch.zeros_like(leaves[n]))
             for n, g in zip(leaves, grads, strict=True)} | {"out": out.detach()}
 
 
+def _longest_q(q: torch.Tensor, cu_seqlens_q) -> int:
+    """seqlen_q, or the longest query sequence of a packed batch."""
+    if cu_seqlens_q is None:
+        return q.shape[2]
+    cu = torch.as_tensor(cu_seqlens_q).to("cpu", torch.int64)
+    return int((cu[1:] - cu[:-1]).max())
+
+
 def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: float = 1e-5, params=None,
                   param_grads=None, dropout_p: float = 0.0, dropout_seed: int | None = None,
-                  dropout_offset: int = 0, out: torch.Tensor | None = None) -> GradComparison:
+                  dropout_offset: int = 0, out: torch.Tensor | None = None, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> GradComparison:
     """Compare a kernel's (dq, dk, dv) — and ``param_grads`` {name: gradient} — for
     loss = Σ out·dout (+ Σ lse·dlse) with the reference's (with the kernel's dropout mask, as
     ``compare``). ``out``: the kernel's own forward output, when available; its rounding then
     enters the low-precision reference's D = rowsum(dO ∘ O) exactly as it enters the kernel's
-    (otherwise the reference's own rounded output stands in for it)."""
+    (otherwise the reference's own rounded output stands in for it). With ``cu_seqlens_q`` and
+    ``cu_seqlens_k``: the packed layout (as ``compare``; dlse [Hq, total_q])."""
     params = params or {}
     param_grads = param_grads or {}
     wrt = tuple(param_grads)
     drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     g64 = reference_grads(spec, q.double(), k.double(), v.double(), dout.double(), scale=scale,
                           dlse=None if dlse is None else dlse.double(),
-                          params=_params_as(params, torch.float64, q.device), wrt=wrt, dropout=drop)
+                          params=_params_as(params, torch.float64, q.device), wrt=wrt, dropout=drop, varlen=varlen)
     if q.dtype == torch.float32:
         glo = {n: g.float() for n, g in g64.items()}
     else:
@@ -150,10 +178,13 @@ def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: fl
         plo = _params_as(params, None, q.device)
         with torch.no_grad():
             out_lo = out.detach() if out is not None else \
-                reference.attention(spec, q, k, v, scale=scale, lowp_matmuls=True, **drop, **plo)
+                reference.attention(spec, q, k, v, scale=scale, lowp_matmuls=True, **drop, **varlen, **plo)
         d_shift = (dout.double() * g64["out"]).sum(-1) - (dout.double() * out_lo.double()).sum(-1)
+        if varlen:  # rows [total_q, Hq] -> the LSE's [Hq, total_q]
+            d_shift = d_shift.transpose(0, 1)
         dlse_lo = d_shift if dlse is None else dlse.double() + d_shift
-        glo = reference_grads(spec, q, k, v, dout, scale=scale, dlse=dlse_lo, params=plo, wrt=wrt, dropout=drop)
+        glo = reference_grads(spec, q, k, v, dout, scale=scale, dlse=dlse_lo, params=plo, wrt=wrt, dropout=drop,
+                              varlen=varlen)
     got = dict(zip(("dq", "dk", "dv"), grads, strict=True)) | {"d" + n: g for n, g in param_grads.items()}
     errors, bounds = {}, {}
     for name, g in got.items():
@@ -165,6 +196,6 @@ def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: fl
             lo_t = lo.to(q.dtype)
             slack = atol + 2 * _max_abs(((lo_t + 0.3) - 0.3) - lo_t) if q.dtype != torch.float32 else atol
         else:  # parameter gradients sum over many (q, kv) entries: allow for the fp32 summation
-            slack = atol + 1e-5 * _max_abs(ref) * max(1, q.shape[2])
+            slack = atol + 1e-5 * _max_abs(ref) * max(1, _longest_q(q, cu_seqlens_q))
         bounds[name] = 2 * _max_abs(lo.double() - ref) + slack
     return GradComparison(errors, bounds, nan=any(bool(torch.isnan(g).any()) for g in got.values()))

@@ -15,6 +15,7 @@ import numbers
 import sys
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,6 +46,10 @@ CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
 # Backend families whose kernels apply dropout; on the others dropout_p > 0 raises
 # NotImplementedError (check_dropout_backend).
 DROPOUT_BACKENDS = ("cpu", "cuda")
+
+# Backend families whose kernels take packed (varlen) batches (cu_seqlens_q, ...); on the others
+# the op raises NotImplementedError naming cu_seqlens_q (check_varlen_backend).
+VARLEN_BACKENDS = ("cpu", "cuda")
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -133,6 +138,8 @@ class AttentionOp:
                strides (a transposed view of [B, N, H, d] works without a copy). Hq must be a
                multiple of Hkv (GQA/MQA: query head h reads kv head h // (Hq // Hkv)). d is a
                multiple of 8 up to 256, within the spec's ``head_dim`` line if it has one.
+               Packed (varlen) layout, with ``cu_seqlens_q``: q [total_q, Hq, d], k, v
+               [total_k, Hkv, d] (rank 3, same rules otherwise).
             scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
             return_lse: also return the log-sum-exp.
             deterministic: make the backward bitwise repeatable (also on when
@@ -149,9 +156,23 @@ class AttentionOp:
                (b, h, q, kv) depends only on the seed, the offset and those absolute indices
                (Philox4x32-10, flashgen/philox.py): ``flashgen.reference.attention(..,
                dropout_p=, dropout_seed=, dropout_offset=)`` regenerates it exactly.
-            block_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: reserved for
-               block sparsity and packed (varlen) batches; this version raises
-               NotImplementedError when they are set.
+            block_mask: reserved for block sparsity; this version raises NotImplementedError
+               when it is set.
+            cu_seqlens_q, cu_seqlens_k: packed (varlen) batches, as flash_attn's varlen
+               interface: int32 [batch + 1] tensors on q's device, starting at 0,
+               non-decreasing, ending at total_q and total_k; sequence b owns the query rows
+               [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and the key rows [cu_seqlens_k[b],
+               cu_seqlens_k[b + 1]) (lengths may be 0). Both or neither. Masks and score
+               expressions see per-sequence values: q and kv count from the sequence's start,
+               seqlen_q and seqlen_k are its lengths, b is its index (so batch-shaped
+               parameters and the dropout mask index by sequence). Their values are checked
+               before any launch, which reads them on the host (on CUDA, one device-to-host
+               copy per forward and per backward call).
+            max_seqlen_q, max_seqlen_k: ints, at least every sequence's length and at most
+               2^30; None (default): derived from cu_seqlens_q / cu_seqlens_k. Parameter dims
+               ``seqlen_q`` / ``seqlen_k`` take these values in the packed layout (e.g.
+               ``document_id: i32[batch, seqlen_k]`` is [batch, max_seqlen_k], indexed by the
+               per-sequence position). Only with cu_seqlens_q / cu_seqlens_k.
             **params: the spec's parameters by keyword, all required: ints and floats as Python
                numbers (kernel arguments: a new value never recompiles), tensors on q's device
                with the declared dtype (f32 → torch.float32, i32 → int32, i64 → int64, bool)
@@ -161,14 +182,17 @@ class AttentionOp:
 
         Returns:
             out [B, Hq, Nq, d] in q's dtype (q's strides when q is dense), or ``(out, lse)``
-            with lse fp32 [B, Hq, Nq], natural log. A query row that sees no key gets out 0
-            and lse -inf.
+            with lse fp32 [B, Hq, Nq], natural log. Packed layout: out [total_q, Hq, d], lse
+            fp32 [Hq, total_q] (sequence b's rows from cu_seqlens_q[b]). A query row that sees
+            no key (also every row of a sequence without keys) gets out 0 and lse -inf.
 
         Raises:
             TypeError / ValueError: bad arguments, naming the argument, before any launch (also
-               dropout_p > 0 for a spec without ``dropout``).
+               dropout_p > 0 for a spec without ``dropout``, and cu_seqlens_q / cu_seqlens_k /
+               max_seqlen_q / max_seqlen_k of the wrong type, dtype, shape, device or values).
             NotImplementedError: a feature this version does not have, naming the argument
-               (also dropout_p > 0 on a family outside DROPOUT_BACKENDS).
+               (also dropout_p > 0 on a family outside DROPOUT_BACKENDS, and cu_seqlens_q on a
+               family outside VARLEN_BACKENDS).
             BuildError: the first-use compile failed (message has compiler output and path).
             KernelError: the kernel reported a failure (e.g. a failed CUDA launch).
         """
@@ -178,17 +202,26 @@ class AttentionOp:
                              "`dropout` to the spec to enable it")
         if dropout_seed is not None:
             dropout_seed = _check_dropout_seed(dropout_seed)
-        for name, value in (("block_mask", block_mask), ("cu_seqlens_q", cu_seqlens_q),
-                            ("cu_seqlens_k", cu_seqlens_k), ("max_seqlen_q", max_seqlen_q),
-                            ("max_seqlen_k", max_seqlen_k)):
-            if value is not None:
-                what = "block-sparse attention is" if name == "block_mask" else "packed (varlen) batches are"
-                raise NotImplementedError(f"{name}: {what} not supported in this version")
+        if block_mask is not None:
+            raise NotImplementedError("block_mask: block-sparse attention is not supported in this version")
+        packed = _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-        self.check_inputs(q, k, v)
+        self.check_inputs(q, k, v, packed=packed)
+        varlen = {}
+        sizes = None
+        if packed:
+            check_varlen_backend(q.device)
+            _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            max_seqlen_q, max_seqlen_k = (int(x) if isinstance(x, numbers.Integral) else x
+                                          for x in (max_seqlen_q, max_seqlen_k))
+            varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+                      "max_seqlen_k": max_seqlen_k}
+            # seqlen dims unknown here when derived from the values (checked again in the op)
+            sizes = {"batch": cu_seqlens_q.shape[0] - 1, "heads": q.shape[1], "seqlen_q": max_seqlen_q,
+                     "seqlen_k": max_seqlen_k}
         if scale is None:
             try:
                 scale = default_scale(self.spec, q.shape[-1])
@@ -199,7 +232,7 @@ class AttentionOp:
                                  "(expected a positive float within fp32 range)")
         elif isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
-        values = self.check_params(q, k, params)
+        values = self.check_params(q, k, params, sizes)
         dropout = ()
         if self.spec.dropout:  # the op's two extra arguments: p and the {seed, offset} tensor
             state = None
@@ -207,7 +240,7 @@ class AttentionOp:
                 check_dropout_backend(q.device)
                 state = dropout_state(dropout_seed, q.device)
             dropout = (dropout_p, state)
-        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout)
+        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout, **varlen)
         return (out, lse) if return_lse else out
 
     def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
@@ -222,9 +255,12 @@ class AttentionOp:
             raise ValueError(f"dropout_state: expected an int64 tensor of shape (2,) (seed, offset) on {q.device}, "
                              f"got {_describe_tensor(state)}")
 
-    def check_params(self, q: torch.Tensor, k: torch.Tensor, params: dict) -> list:
+    def check_params(self, q: torch.Tensor, k: torch.Tensor, params: dict, sizes: dict | None = None) -> list:
         """The spec's parameters from ``params`` in declaration order, validated against q and k's
-        shapes; raises TypeError / ValueError naming the parameter."""
+        shapes; raises TypeError / ValueError naming the parameter. ``sizes``: the dims batch,
+        heads, seqlen_q and seqlen_k (default: q and k's padded shapes; packed layout: the number
+        of sequences, Hq, max_seqlen_q and max_seqlen_k, None where not known yet, which skips
+        the checks that need it)."""
         declared = {p.name: p for p in self.spec.params}
         for name in params:
             if name not in declared:
@@ -239,7 +275,8 @@ class AttentionOp:
         if missing:
             raise TypeError(f"missing parameter(s) of spec '{self.spec.name}': "
                             + ", ".join(_describe_param(p) for p in missing))
-        ints = {"batch": q.shape[0], "heads": q.shape[1], "seqlen_q": q.shape[2], "seqlen_k": k.shape[2]}
+        ints = dict(sizes) if sizes is not None else \
+            {"batch": q.shape[0], "heads": q.shape[1], "seqlen_q": q.shape[2], "seqlen_k": k.shape[2]}
         out = []
         for p in self.spec.params:
             value = params[p.name]
@@ -269,6 +306,8 @@ class AttentionOp:
                                      f"got shape {tuple(value.shape)}")
                 for d, dim in enumerate(p.shape):
                     size = _eval_dim(dim.size, ints)
+                    if size is None:  # a max_seqlen still to be derived from cu_seqlens
+                        continue
                     if size < 1:
                         raise ValueError(f"{p.name}: dim {d} = {_dim_text(dim.size)} is {size} for these inputs "
                                          "and parameters (must be at least 1)")
@@ -278,9 +317,11 @@ class AttentionOp:
                         raise ValueError(f"{p.name}: dim {d} has size {got}, expected {size}{alt} "
                                          f"({_shape_text(p)} = {_shape_values(p, ints)} for these inputs)")
             out.append(value)
-        reach = {"b": q.shape[0], "h": q.shape[1], "q": q.shape[2], "kv": k.shape[2]}
+        reach = {"b": ints["batch"], "h": ints["heads"], "q": ints["seqlen_q"], "kv": ints["seqlen_k"]}
         for name, d, pos in self._direct_reads:
             p, t = declared[name], params[name]
+            if reach[pos] is None:
+                continue
             if t.shape[d] < reach[pos] and not (p.shape[d].broadcast and t.shape[d] == 1):
                 raise ValueError(f"{name}: dim {d} has size {t.shape[d]} but the spec reads it at {pos} up to "
                                  f"{reach[pos] - 1} for these inputs")
@@ -301,16 +342,22 @@ class AttentionOp:
             getattr(block, p.name + "_stride")[:] = list(value.stride())
         return block
 
-    def check_inputs(self, q, k, v) -> None:
-        """Validate q, k, v as ``__call__`` documents; raise naming the offending argument."""
+    def check_inputs(self, q, k, v, *, packed: bool = False) -> None:
+        """Validate q, k, v as ``__call__`` documents; raise naming the offending argument.
+        ``packed``: the varlen layout (q [total_q, Hq, d], k and v [total_k, Hkv, d])."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         for name, t, what in (("q", q, "seqlen_q"), ("k", k, "seqlen_k"), ("v", v, "seqlen_k")):
-            if t.dim() != 4:
-                heads = "heads" if name == "q" else "kv_heads"
+            heads = "heads" if name == "q" else "kv_heads"
+            if packed and t.dim() != 3:
+                total = "total_q" if name == "q" else "total_k"
+                raise ValueError(f"{name}: expected 3 dims [{total}, {heads}, head_dim] with cu_seqlens_q "
+                                 f"(packed layout), got shape {tuple(t.shape)}")
+            if not packed and t.dim() != 4:
+                hint = " (or 3 dims with cu_seqlens_q and cu_seqlens_k: packed layout)" if t.dim() == 3 else ""
                 raise ValueError(f"{name}: expected 4 dims [batch, {heads}, {what}, head_dim], "
-                                 f"got shape {tuple(t.shape)}")
+                                 f"got shape {tuple(t.shape)}{hint}")
         for name, t in (("k", k), ("v", v)):
             if t.device != q.device:
                 raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
@@ -325,14 +372,14 @@ class AttentionOp:
             names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
             raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{self.spec.name}' on {backend} "
                              f"(expected one of: {names})")
-        B, Hq, Nq, d = q.shape
-        if k.shape[0] != B:
-            raise ValueError(f"k: batch {k.shape[0]} differs from q's {B}")
+        Hq, d = q.shape[-3 if not packed else 1], q.shape[-1]
+        Hkv = k.shape[-3 if not packed else 1]
+        if not packed and k.shape[0] != q.shape[0]:
+            raise ValueError(f"k: batch {k.shape[0]} differs from q's {q.shape[0]}")
         if v.shape != k.shape:
             raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
-        if k.shape[3] != d:
-            raise ValueError(f"k: head_dim {k.shape[3]} differs from q's {d}")
-        Hkv = k.shape[1]
+        if k.shape[-1] != d:
+            raise ValueError(f"k: head_dim {k.shape[-1]} differs from q's {d}")
         if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
             raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads "
                              "(GQA/MQA need heads_q to be a multiple of heads_kv)")
@@ -341,12 +388,13 @@ class AttentionOp:
             raise ValueError(f"q: head_dim {d} is not supported by spec '{self.spec.name}' on {backend} "
                              f"(expected one of {_ranges(dims)})")
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.stride(3) != 1:
+            if t.stride(-1) != 1:
                 raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
-        for name, n in (("q", Nq), ("k", k.shape[2])):
-            if n > X.MAX_SEQLEN:
-                raise ValueError(f"{name}: sequence length {n} exceeds the kernels' limit of 2^30 = "
-                                 f"{X.MAX_SEQLEN} (positions are 32-bit)")
+        if not packed:  # packed: the per-sequence lengths are bounded through max_seqlen_q / _k
+            for name, n in (("q", q.shape[2]), ("k", k.shape[2])):
+                if n > X.MAX_SEQLEN:
+                    raise ValueError(f"{name}: sequence length {n} exceeds the kernels' limit of 2^30 = "
+                                     f"{X.MAX_SEQLEN} (positions are 32-bit)")
 
     def head_dims(self, backend: str) -> tuple[int, ...]:
         """Head dims this spec can run on ``backend`` ('cpu' or 'cuda')."""
@@ -358,17 +406,21 @@ class AttentionOp:
 
     # ------------------------------------------------------------ build
 
-    def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int) -> build.Instantiation:
-        """The compiled artifact that serves (device, dtype, head_dim)."""
+    def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int,
+                      packed: bool = False) -> build.Instantiation:
+        """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
+        the packed (varlen) layout with ``packed`` (CUDA builds the two apart, so padded calls
+        never pay for varlen code; the CPU family takes both at run time)."""
         device = torch.device(device)
-        if device.type == "cpu":  # the CPU family takes head_dim at run time
+        if device.type == "cpu":  # the CPU family takes head_dim and the layout at run time
             return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim,
-                                   env.cuda_fwd_tile() + env.cuda_bwd_tile())
+                                   env.cuda_fwd_tile() + env.cuda_bwd_tile() + ((("varlen", 1),) if packed else ()))
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
-              head_dims: Iterable[int] | None = None, *, jobs: int | None = None) -> list[build.Instantiation]:
+              head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
+              layouts: Iterable[str] = ("padded",)) -> list[build.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
@@ -377,6 +429,9 @@ class AttentionOp:
             head_dims: default every allowed head dim on CUDA among (64, 128); ignored on CPU,
                 whose kernels take the head dim at run time.
             jobs: instantiations compiled at once (default: all of them).
+            layouts: "padded" and/or "packed" (varlen batches: cu_seqlens_q, ...); on CUDA each
+                is its own instantiation, built at its first use unless built here. Ignored on
+                CPU, whose kernels take both.
 
         Returns the instantiations, now loaded in this process.
         """
@@ -398,51 +453,61 @@ class AttentionOp:
             hds: list[int] = [8]
         else:
             hds = list(head_dims) if head_dims is not None else [d for d in (64, 128) if d in self.head_dims("cuda")]
-        insts = list(dict.fromkeys(self.instantiation(device, dt, hd) for dt in dts for hd in hds))
+        layouts = tuple(layouts)
+        for lay in layouts:
+            if lay not in ("padded", "packed"):
+                raise ValueError(f"layouts: unknown layout {lay!r} (expected 'padded' and/or 'packed')")
+        packs = sorted({lay == "packed" for lay in layouts}) if device.type == "cuda" else [False]
+        insts = list(dict.fromkeys(self.instantiation(device, dt, hd, pk) for dt in dts for hd in hds
+                                   for pk in packs))
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            self._remember(device, inst.dtype, inst.head_dim, lib)
+            self._remember(device, inst.dtype, inst.head_dim, lib, ("varlen", 1) in inst.config)
         return insts
 
-    def _remember(self, device, dtype, head_dim, lib) -> None:
+    def _remember(self, device, dtype, head_dim, lib, packed: bool = False) -> None:
         with self._libs_lock:
-            self._libs[(device.type, device.index, dtype, head_dim)] = lib
+            self._libs[(device.type, device.index, dtype, head_dim, packed)] = lib
 
-    def _library(self, device: torch.device, dtype: ir.DType, head_dim: int) -> build.LoadedLibrary:
+    def _library(self, device: torch.device, dtype: ir.DType, head_dim: int,
+                 packed: bool = False) -> build.LoadedLibrary:
         hd = None if device.type == "cpu" else head_dim
-        lib = self._libs.get((device.type, device.index, dtype, hd))
+        packed = packed and device.type == "cuda"
+        lib = self._libs.get((device.type, device.index, dtype, hd, packed))
         if lib is None:
-            lib = build.load(self.instantiation(device, dtype, head_dim), announce=_announce)
-            self._remember(device, dtype, hd, lib)
+            lib = build.load(self.instantiation(device, dtype, head_dim, packed), announce=_announce)
+            self._remember(device, dtype, hd, lib, packed)
         return lib
 
     # ------------------------------------------------------------ kernel call
 
     def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
-                 dropout_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        B, Hq, Nq, d = q.shape
+                 dropout_state: torch.Tensor | None = None, *,
+                 packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
         out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
-        lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device)
+        lse = torch.empty(_row_shape(B, Hq, Nq, packed, "q"), dtype=torch.float32, device=q.device)
         if fill is not None:
             lse.fill_(fill)
         if out.numel() == 0:
             return out, lse
         if q.device.type == "cuda":
             q, k, v = (_aligned(t) for t in (q, k, v))
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d)
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None)
         block = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-            B, Hq, k.shape[1], Nq, k.shape[2], d,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            B, Hq, Hkv, Nq, Nk, d,
+            *_strides(q, packed), *_strides(k, packed), *_strides(v, packed), *_strides(out, packed),
             scale, 0, None, ctypes.addressof(block) if block is not None else None,
         )  # fmt: skip
         _set_dropout(args, dropout_p, dropout_state)
+        _set_varlen(args, packed)
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -454,13 +519,14 @@ class AttentionOp:
         return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
-                  need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None):
+                  need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
+                  packed: Packed | None = None):
         """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
         the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
         for those not in ``need_param_grads``). With dropout, the forward's ``dropout_p`` and
-        ``dropout_state``: the kernel regenerates its mask (FlashAttention, Alg. 4)."""
-        B, Hq, Nq, d = q.shape
-        Hkv, Nk = k.shape[1], k.shape[2]
+        ``dropout_state``: the kernel regenerates its mask (FlashAttention, Alg. 4). ``packed``:
+        the validated varlen layout (None: padded)."""
+        B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # Like the inputs' layout when dense, else contiguous (empty_like's rule; the fake's too).
         dq, dk, dv = (torch.empty_like(t) if fill is None else torch.full_like(t, fill) for t in (q, k, v))
@@ -481,13 +547,14 @@ class AttentionOp:
         if q.device.type == "cuda":
             q, k, v, out, dout = (_aligned(t) for t in (q, k, v, out, dout))
         f32 = {"dtype": torch.float32, "device": q.device}
-        dq_accum = torch.zeros((B, Hq, Nq, d), **f32)
-        softmax_d = torch.empty((B, Hq, Nq), **f32)
+        rows_q, rows_k = _row_shape(B, Hq, Nq, packed, "q"), _row_shape(B, Hkv, Nk, packed, "k")
+        dq_accum = torch.zeros((*rows_q, d), **f32)
+        softmax_d = torch.empty(rows_q, **f32)
         gqa = Hq != Hkv
-        dk_accum = torch.zeros((B, Hkv, Nk, d), **f32) if gqa else None
-        dv_accum = torch.zeros((B, Hkv, Nk, d), **f32) if gqa else None
+        dk_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
+        dv_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dlse = dlse.float().contiguous() if dlse is not None else None
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d)
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None)
         if lib.bwd is None:
             raise NotImplementedError(f"{self.name}: the backward pass is not implemented in this version "
                                       "(forward only); call the op under torch.no_grad() or on inputs "
@@ -498,12 +565,12 @@ class AttentionOp:
             dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
             dq_accum.data_ptr(), softmax_d.data_ptr(), ptr(dk_accum), ptr(dv_accum),
             B, Hq, Hkv, Nq, Nk, d,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], *dout.stride()[:3],
-            *dq.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+            *(x for t in (q, k, v, out, dout, dq, dk, dv) for x in _strides(t, packed)),
             scale, 0, int(deterministic), None, ctypes.addressof(block) if block is not None else None,
             ptr(dlse),
         )  # fmt: skip
         _set_dropout(args, dropout_p, dropout_state)
+        _set_varlen(args, packed)
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -520,6 +587,139 @@ def check_dropout_backend(device: torch.device) -> None:
     if device.type not in DROPOUT_BACKENDS:
         raise NotImplementedError(f"dropout_p: dropout is not implemented for {device.type.upper()} in this "
                                   f"version (it runs on: {', '.join(DROPOUT_BACKENDS)})")
+
+
+def check_varlen_backend(device: torch.device) -> None:
+    """Raise NotImplementedError naming cu_seqlens_q unless the kernels for ``device`` take packed
+    (varlen) batches (VARLEN_BACKENDS)."""
+    if device.type not in VARLEN_BACKENDS:
+        raise NotImplementedError(f"cu_seqlens_q: packed (varlen) batches are not implemented for "
+                                  f"{device.type.upper()} in this version (they run on: {', '.join(VARLEN_BACKENDS)})")
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A validated packed (varlen) batch: the contiguous int32 cu_seqlens tensors (on the inputs'
+    device), the number of sequences, the resolved max_seqlen_q / max_seqlen_k and the token
+    counts total_q / total_k."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    total_q: int
+    total_k: int
+
+    def sizes(self, heads: int) -> dict:
+        """The parameter dims (batch, heads, seqlen_q, seqlen_k) of this layout."""
+        return {"batch": self.batch, "heads": heads, "seqlen_q": self.max_seqlen_q, "seqlen_k": self.max_seqlen_k}
+
+
+def _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
+    """True for the packed layout; raises naming the argument when it comes incomplete."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name}: given without cu_seqlens_q and cu_seqlens_k (it belongs to the packed "
+                                 "(varlen) layout)")
+        return False
+    if cu_seqlens_q is None:
+        raise ValueError("cu_seqlens_q: required with cu_seqlens_k (the packed layout takes both)")
+    if cu_seqlens_k is None:
+        raise ValueError("cu_seqlens_k: required with cu_seqlens_q (the packed layout takes both)")
+    return True
+
+
+def _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> None:
+    """Type, dtype, shape and device of the packed layout's metadata; reads no value (so it
+    traces under torch.compile)."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected an int32 tensor [batch + 1], got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name}: dtype {t.dtype}, expected torch.int32")
+        if t.dim() != 1 or t.shape[0] < 2:
+            raise ValueError(f"{name}: expected 1 dim [batch + 1] with at least 2 entries, got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+    if cu_seqlens_k.shape[0] != cu_seqlens_q.shape[0]:
+        raise ValueError(f"cu_seqlens_k: {cu_seqlens_k.shape[0]} entries but cu_seqlens_q has "
+                         f"{cu_seqlens_q.shape[0]} (both are [batch + 1])")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral | torch.SymInt):
+            raise TypeError(f"{name}: expected None or an int, got {type(value).__name__}")
+        if not 0 <= value <= X.MAX_SEQLEN:
+            raise ValueError(f"{name}: {value} is out of range (expected 0 <= {name} <= 2^30 = {X.MAX_SEQLEN}: "
+                             "positions are 32-bit in the kernels)")
+
+
+def packed_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None) -> Packed:
+    """Validate the packed layout's metadata against q [total_q, Hq, d] and k [total_k, Hkv, d]
+    and resolve max_seqlen_q / max_seqlen_k (None: the longest sequence); raises TypeError /
+    ValueError naming the argument. Reads the cu_seqlens values on the host: one device-to-host
+    copy when they live on a GPU."""
+    _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    n = cu_seqlens_q.shape[0]
+    host = torch.cat([cu_seqlens_q, cu_seqlens_k]).to("cpu", torch.int64)  # the one copy
+    out = {}
+    for name, cu, total, what, mname, given in (
+            ("cu_seqlens_q", host[:n], q.shape[0], "total_q = q.shape[0]", "max_seqlen_q", max_seqlen_q),
+            ("cu_seqlens_k", host[n:], k.shape[0], "total_k = k.shape[0]", "max_seqlen_k", max_seqlen_k)):
+        if int(cu[0]) != 0:
+            raise ValueError(f"{name}: must start at 0, got {int(cu[0])}")
+        lengths = cu[1:] - cu[:-1]
+        if bool((lengths < 0).any()):
+            i = int(torch.nonzero(lengths < 0)[0])
+            raise ValueError(f"{name}: must be non-decreasing, but entry {i + 1} ({int(cu[i + 1])}) < entry {i} "
+                             f"({int(cu[i])})")
+        if int(cu[-1]) != total:
+            raise ValueError(f"{name}: last entry {int(cu[-1])} differs from {what} ({total})")
+        longest = int(lengths.max())
+        if given is None:
+            if longest > X.MAX_SEQLEN:
+                raise ValueError(f"{name}: sequence {int(lengths.argmax())} has length {longest}, beyond the "
+                                 f"kernels' limit of 2^30 = {X.MAX_SEQLEN} (positions are 32-bit)")
+            given = longest
+        elif given < longest:
+            raise ValueError(f"{mname}: {given} is less than the longest sequence in {name} "
+                             f"({longest}, sequence {int(lengths.argmax())})")
+        out[mname] = int(given)
+    return Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), n - 1, out["max_seqlen_q"],
+                  out["max_seqlen_k"], q.shape[0], k.shape[0])
+
+
+def _dims(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:
+    """(batch, heads_q, heads_kv, seqlen_q, seqlen_k, head_dim) as the ABI takes them."""
+    if packed is None:
+        B, Hq, Nq, d = q.shape
+        return B, Hq, k.shape[1], Nq, k.shape[2], d
+    return packed.batch, q.shape[1], k.shape[1], packed.max_seqlen_q, packed.max_seqlen_k, q.shape[2]
+
+
+def _row_shape(B: int, H: int, N: int, packed: Packed | None, side: str) -> tuple[int, ...]:
+    """The shape of an fp32 per-row buffer (lse, softmax_d, ...): [B, H, N], packed [H, total]."""
+    if packed is None:
+        return (B, H, N)
+    return (H, packed.total_q if side == "q" else packed.total_k)
+
+
+def _strides(t: torch.Tensor, packed: Packed | None) -> tuple[int, int, int]:
+    """(stride_b, stride_h, stride_n) of an input or output; packed [total, H, d]: (0, H's, row's)."""
+    if packed is None:
+        return t.stride()[:3]
+    return 0, t.stride(1), t.stride(0)
+
+
+def _set_varlen(args, packed: Packed | None) -> None:
+    """Fill the ABI's packed-layout fields (left null / 0 for the padded layout)."""
+    if packed is not None:
+        args.cu_seqlens_q = packed.cu_seqlens_q.data_ptr()
+        args.cu_seqlens_k = packed.cu_seqlens_k.data_ptr()
+        args.total_q = packed.total_q
+        args.total_k = packed.total_k
 
 
 def dropout_state(dropout_seed: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
@@ -587,7 +787,7 @@ def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
 
 def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     """t if its last dim is contiguous and no other dim is broadcast (stride 0), else a copy."""
-    if t.stride(3) == 1 and all(st != 0 or n == 1 for st, n in zip(t.stride()[:3], t.shape[:3], strict=True)):
+    if t.stride(-1) == 1 and all(st != 0 or n == 1 for st, n in zip(t.stride()[:-1], t.shape[:-1], strict=True)):
         return t
     return t.contiguous()
 
@@ -608,7 +808,7 @@ def _as_dtype(d) -> ir.DType:
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t, or a contiguous copy when its pointer or strides break the 16-byte vector loads."""
     elems = 16 // t.element_size()
-    if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:3]):
+    if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
         return t.contiguous()
     return t
 
@@ -642,10 +842,13 @@ def _register(op: AttentionOp, qualname: str):
 
     Schema: ``(q, k, v, scale, deterministic, *params)`` → ``(out, lse)``, the spec's parameters
     in declaration order (int, float or Tensor), then, for a spec that declares ``dropout``,
-    ``float dropout_p, Tensor? dropout_state`` (int64 [2] {seed, offset}; None when p is 0). The
-    backward is an op of its own, ``<qualname>_bwd``, returning dq, dk, dv and a list with one
-    gradient per float tensor parameter that enters the score (empty where not requested); it
-    takes the forward's dropout arguments last and regenerates the same mask.
+    ``float dropout_p, Tensor? dropout_state`` (int64 [2] {seed, offset}; None when p is 0), then
+    the packed layout's ``Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt?
+    max_seqlen_q=None, SymInt? max_seqlen_k=None`` (None: padded; a None max_seqlen is derived).
+    The backward is an op of its own, ``<qualname>_bwd``, returning dq, dk, dv and a list with
+    one gradient per float tensor parameter that enters the score (empty where not requested);
+    it takes the forward's dropout and packed-layout arguments last and regenerates the same
+    mask.
 
     Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
     imports torch._dynamo at the first call (seconds), which would dominate a cached load.
@@ -658,23 +861,42 @@ def _register(op: AttentionOp, qualname: str):
     npar = len(spec.params)
     ddecl = ", float dropout_p, Tensor? dropout_state" if spec.dropout else ""
     ndrop = 2 if spec.dropout else 0
-    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}{ddecl}) "
-                    "-> (Tensor, Tensor)")
+    vdecl = (", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
+             "SymInt? max_seqlen_k=None")
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}{ddecl}"
+                    f"{vdecl}) -> (Tensor, Tensor)")
+
+    def varlen_of(rest) -> tuple:
+        """The four packed-layout arguments at the end of ``rest`` (None when left out)."""
+        tail = tuple(rest[npar + ndrop:]) if len(rest) > npar + ndrop else ()
+        return tail + (None,) * (4 - len(tail))
+
+    def packed_of(q, k, v, varlen) -> Packed | None:
+        """The validated packed layout of a raw call (None: padded); checks q, k, v too."""
+        is_packed = _check_varlen_given(*varlen)
+        op.check_inputs(q, k, v, packed=is_packed)  # the raw op (torch.ops.flashgen.*) is callable directly too
+        if not is_packed:
+            return None
+        check_varlen_backend(q.device)
+        return packed_layout(q, k, *varlen)
 
     def forward(q, k, v, scale, deterministic, *rest):
-        values, dropout = rest[:npar], rest[npar:]
-        op.check_inputs(q, k, v)  # the raw op (torch.ops.flashgen.*) is callable directly too
+        values, dropout = rest[:npar], rest[npar:npar + ndrop]
+        packed = packed_of(q, k, v, varlen_of(rest))
         if not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
-        values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)})
+        values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},
+                                 packed.sizes(q.shape[1]) if packed is not None else None)
         if dropout:
             op.check_dropout(q, *dropout)
-        return op._forward(q, k, v, scale, values, *dropout)
+        return op._forward(q, k, v, scale, values, *dropout, packed=packed)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
 
-    def fake(q, k, v, scale, deterministic, *values):
+    def fake(q, k, v, scale, deterministic, *rest):
+        if varlen_of(rest)[0] is not None:  # packed: out [total_q, Hq, d], lse [Hq, total_q]
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         B, Hq, Nq, _d = q.shape
         return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
 
@@ -683,19 +905,25 @@ def _register(op: AttentionOp, qualname: str):
 
     def setup_context(ctx, inputs, output):
         q, k, v, scale, deterministic, *rest = inputs
-        values, dropout = rest[:npar], rest[npar:]
+        values, dropout = rest[:npar], rest[npar:npar + ndrop]
+        cu_q, cu_k, max_q, max_k = varlen_of(rest)
         out, lse = output
         tensors = [x for x in values if isinstance(x, torch.Tensor)]
         # The dropout state (not its mask) is all the backward needs to regenerate the mask.
         ctx.dropout_p = dropout[0] if dropout else 0.0
-        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, *tensors)
+        ctx.max_seqlens = (max_q, max_k)
+        ctx.ninputs = len(inputs)
+        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, cu_q, cu_k, *tensors)
         ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in values]
         ctx.scale = scale
         ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, dropout_state, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, dropout_state, cu_q, cu_k, *tensors = ctx.saved_tensors
         dropout = (ctx.dropout_p, dropout_state) if ndrop else ()
+        varlen = {} if cu_q is None and cu_k is None else {
+            "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": ctx.max_seqlens[0],
+            "max_seqlen_k": ctx.max_seqlens[1]}
         it = iter(tensors)
         values = [next(it) if x is None else x for x in ctx.scalars]
         need = ctx.needs_input_grad
@@ -714,23 +942,36 @@ def _register(op: AttentionOp, qualname: str):
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, pgrads = getattr(torch.ops.flashgen, qualname + "_bwd")(
-            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params, *dropout)
+            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params, *dropout,
+            **varlen)
         result = [dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None]
-        result += [None] * (npar + ndrop)
+        result += [None] * (ctx.ninputs - 5)
         for i, g, n in zip(grad_index, pgrads, need_params, strict=True):
             if n:
                 result[5 + i] = g
         return tuple(result)
 
     _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}) "
+                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}{vdecl}) "
                     "-> (Tensor, Tensor, Tensor, Tensor[])")
 
     def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
-        values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:]
+        values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
+        varlen = rest[npar + 1 + ndrop:]
+        packed = None
+        if any(x is not None for x in varlen):
+            packed = packed_of(q, k, v, tuple(varlen) + (None,) * (4 - len(varlen)))
+            for name, t in (("out", out), ("dout", dout)):
+                if t.shape != q.shape:
+                    raise ValueError(f"{name}: shape {tuple(t.shape)} differs from q's {tuple(q.shape)}")
+            want = (q.shape[1], q.shape[0])
+            for name, t in (("lse", lse), ("dlse", dlse)):
+                if t is not None and tuple(t.shape) != want:
+                    raise ValueError(f"{name}: expected shape [heads, total_q] = {want}, got {tuple(t.shape)}")
         if dropout:
             op.check_dropout(q, *dropout)
-        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout)
+        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
+                            packed=packed)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)
@@ -770,17 +1011,22 @@ def _shape_text(p: ir.Param) -> str:
 
 
 def _shape_values(p: ir.Param, ints: dict) -> str:
-    return "[" + ", ".join(str(_eval_dim(d.size, ints)) for d in p.shape) + "]"
+    sizes = (_eval_dim(d.size, ints) for d in p.shape)
+    return "[" + ", ".join("?" if x is None else str(x) for x in sizes) + "]"
 
 
-def _eval_dim(e: ir.Expr, ints: dict) -> int:
+def _eval_dim(e: ir.Expr, ints: dict) -> int | None:
+    """The size of a parameter dim; None when it uses a size not known yet (ints[name] None)."""
     if isinstance(e, ir.Num):
         return int(e.value)
     if isinstance(e, ir.Name):
-        return int(ints[e.id])
+        return None if ints[e.id] is None else int(ints[e.id])
     if isinstance(e, ir.Unary):
-        return -_eval_dim(e.operand, ints)
+        x = _eval_dim(e.operand, ints)
+        return None if x is None else -x
     a, b = _eval_dim(e.lhs, ints), _eval_dim(e.rhs, ints)
+    if a is None or b is None:
+        return None
     return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0}[e.op]
 
 

@@ -9,6 +9,7 @@ It materialises the Nq×Nk score matrix: for checking, not for speed.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -143,10 +144,11 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
     return out
 
 
-def positions(batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None) -> dict:
-    """The names every expression sees, as broadcastable int64 tensors over [B, H, Nq, Nk]."""
+def positions(batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None, batch_offset: int = 0) -> dict:
+    """The names every expression sees, as broadcastable int64 tensors over [B, H, Nq, Nk]
+    (``b`` counting from ``batch_offset``: one sequence of a packed batch is batch element b)."""
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
-    return {"b": ar(batch).view(-1, 1, 1, 1), "h": ar(heads).view(1, -1, 1, 1),
+    return {"b": (ar(batch) + batch_offset).view(-1, 1, 1, 1), "h": ar(heads).view(1, -1, 1, 1),
             "q": ar(seqlen_q).view(1, 1, -1, 1), "kv": ar(seqlen_k).view(1, 1, 1, -1),
             "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
 
@@ -155,9 +157,14 @@ def keep_mask(spec: ir.Spec, seqlen_q: int, seqlen_k: int, device=None, *, batch
               **params) -> torch.Tensor | None:
     """Bool [batch, heads, seqlen_q, seqlen_k] (dims the mask does not use are 1): True where
     query i may see key j in (batch b, query head h); None when the spec has no mask."""
+    return _keep_mask(spec, seqlen_q, seqlen_k, device, batch, heads, params)
+
+
+def _keep_mask(spec: ir.Spec, seqlen_q: int, seqlen_k: int, device, batch: int, heads: int, params: dict,
+               batch_offset: int = 0) -> torch.Tensor | None:
     if spec.mask is None:
         return None
-    env = positions(batch, heads, seqlen_q, seqlen_k, device)
+    env = positions(batch, heads, seqlen_q, seqlen_k, device, batch_offset)
     m = evaluate(spec.mask, spec, env, params, torch.float64)
     return torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, seqlen_q, seqlen_k)))
 
@@ -169,7 +176,9 @@ def default_scale(spec: ir.Spec, head_dim: int) -> float:
 
 def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
               return_lse: bool = False, lowp_matmuls: bool = False, dropout_p: float = 0.0,
-              dropout_seed: int | None = None, dropout_offset: int = 0, **params):
+              dropout_seed: int | None = None, dropout_offset: int = 0, cu_seqlens_q: torch.Tensor | None = None,
+              cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, **params):
     """Exact attention of ``spec`` (an ``ir.Spec``, spec text, a path or a compiled op).
 
     Args:
@@ -183,13 +192,77 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
            (the paper's fused dropout; the LSE is that of P), with the keep mask regenerated
            exactly from the Philox4x32-10 stream keyed by (seed, offset, b, h, q, kv) that the
            kernels use (flashgen/philox.py); dropout_seed is required when dropout_p > 0.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: the packed (varlen) layout, as
+           the op takes it: q [total_q, Hq, d], k, v [total_k, Hkv, d] and int tensors
+           [batch + 1] of sequence boundaries (both or neither). Each sequence b is computed on
+           its own, as batch element b of lengths cu_seqlens_*[b + 1] − cu_seqlens_*[b]
+           (positions from its start, its own seqlen_q / seqlen_k, the dropout mask keyed by b);
+           max_seqlen_q / max_seqlen_k are accepted for symmetry with the op and only checked
+           against the lengths.
         **params: the spec's parameters (tensors on q's device, any float dtype for float
            tensors: pass float64 ones with requires_grad for gradients to them).
 
     Returns:
         out [B, Hq, Nq, d] in q's dtype, or (out, lse). Rows that see no key: out 0, lse -inf.
+        Packed layout: out [total_q, Hq, d], lse [Hq, total_q].
+
+    Raises:
+        ValueError: Hq not a multiple of Hkv; an inconsistent packed layout (naming the
+           argument); dropout_p > 0 without dropout_seed.
+        IndexError: the spec reads a tensor parameter outside its shape.
     """
     spec = _as_spec(spec)
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if value is not None:
+                raise ValueError(f"{name}: given without cu_seqlens_q and cu_seqlens_k")
+        out, lse = _attention(spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params)
+        return (out, lse) if return_lse else out
+    cq, ck = _cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    Hq = q.shape[1]
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        if cq[b + 1] == cq[b]:
+            continue
+        qs, ks, vs = (t[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0) for t, cu in ((q, cq), (k, ck), (v, ck)))
+        o, lse = _attention(spec, qs, ks, vs, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params,
+                            batch_offset=b)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+    lse = torch.cat(lses, 1) if lses else torch.zeros((Hq, 0), dtype=acc, device=q.device)
+    return (out, lse) if return_lse else out
+
+
+def _cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple[list[int], list[int]]:
+    """The packed layout's boundaries as lists, checked against q and k (ValueError naming the
+    argument)."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected 3 dims [total, heads, head_dim] in the packed layout, "
+                             f"got shape {tuple(t.shape)}")
+    out = []
+    for name, cu, total, mname, given in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q),
+                                          ("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)):
+        if cu is None:
+            raise ValueError(f"{name}: required in the packed layout (pass cu_seqlens_q and cu_seqlens_k)")
+        vals = [int(x) for x in (cu.tolist() if isinstance(cu, torch.Tensor) else cu)]
+        lengths = [b - a for a, b in itertools.pairwise(vals)]
+        if len(vals) < 2 or vals[0] != 0 or vals[-1] != total or min(lengths) < 0:
+            raise ValueError(f"{name}: expected [batch + 1] non-decreasing boundaries from 0 to {total}, got {vals}")
+        if given is not None and given < max(lengths):
+            raise ValueError(f"{mname}: {given} is less than the longest sequence ({max(lengths)})")
+        out.append(vals)
+    if len(out[0]) != len(out[1]):
+        raise ValueError(f"cu_seqlens_k: {len(out[1])} entries but cu_seqlens_q has {len(out[0])}")
+    return out[0], out[1]
+
+
+def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params,
+               batch_offset: int = 0):
+    """(out, lse) of the padded layout; ``batch_offset``: the index of q's first batch element
+    (positions, parameters and the dropout mask see b + batch_offset)."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
     if Hq % Hkv:
@@ -204,10 +277,10 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if q.dtype != acc:  # the kernels' dQ = dS·K and dK = dSᵀ·Q take dS in the input dtype
         s = _RoundGrad.apply(s, q.dtype)
     s = s * scale
-    env = positions(B, Hq, Nq, Nk, q.device)
+    env = positions(B, Hq, Nq, Nk, q.device, batch_offset)
     if spec.score is not None:
         s = evaluate(spec.score, spec, env | {"score": s}, params, acc).to(acc).expand(s.shape)
-    keep = keep_mask(spec, Nq, Nk, q.device, batch=B, heads=Hq, **params)
+    keep = _keep_mask(spec, Nq, Nk, q.device, B, Hq, params, batch_offset)
     if keep is None:
         keep = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device)
     # A score of −inf (a score expression can make one) counts as masked, as in the kernels.
@@ -227,12 +300,31 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     if dropout_p:
         if dropout_seed is None:
             raise ValueError("dropout_seed: the reference needs the seed (and offset) the kernel used")
-        from . import philox
-
-        kept = philox.keep_mask(dropout_seed, dropout_offset, B, Hq, Nq, Nk, dropout_p, q.device)
+        kept = _dropout_keep(dropout_seed, dropout_offset, B, Hq, Nq, Nk, dropout_p, q.device, batch_offset)
         p = torch.where(kept, p / (1.0 - dropout_p), torch.zeros_like(p))
     out = torch.matmul(p.to(q.dtype).to(mm), v.to(mm)).to(q.dtype)
-    return (out, lse) if return_lse else out
+    return out, lse
+
+
+def _dropout_keep(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
+                  device, batch_offset: int = 0) -> torch.Tensor:
+    """flashgen.philox.keep_mask for batch elements batch_offset .. batch_offset + batch - 1."""
+    from . import philox
+
+    if not batch_offset:
+        return philox.keep_mask(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p, device)
+    if not 0 <= seed < 2**64 or not 0 <= offset < 2**64:
+        raise ValueError("seed and offset must lie in [0, 2^64)")
+    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
+    kv = ar(seqlen_k).view(1, 1, 1, -1) & philox.MASK32
+    q = ar(seqlen_q).view(1, 1, -1, 1) & philox.MASK32
+    bh = ((ar(batch) + batch_offset).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & philox.MASK32
+    words = philox.philox4x32_10(kv & ~8, q & ~8, bh, offset & philox.MASK32, seed & philox.MASK32,
+                                 ((seed >> 32) ^ (offset >> 32)) & philox.MASK32)
+    word = ((q >> 3) & 1) | (((kv >> 3) & 1) << 1)
+    picked = torch.where(word == 0, words[0], torch.where(word == 1, words[1], torch.where(word == 2, words[2],
+                                                                                          words[3])))
+    return (picked >> 8) >= philox.threshold(dropout_p)
 
 
 class _RoundGrad(torch.autograd.Function):

@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 3
+#define FG_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -23,6 +23,33 @@ extern "C" {
 // (flashgen/philox.py), so every family uses the same integers.
 // The op refuses dropout_p > 0 before any launch on a family that does not apply it yet
 // (flashgen.ops.DROPOUT_BACKENDS).
+
+// Packed (varlen) batches, the last fields of both blocks (flash_attn's varlen layout).
+// cu_seqlens_q null: the padded layout described below, total_q and total_k unused (0).
+// cu_seqlens_q set (and then cu_seqlens_k too): q [total_q, Hq, d], k/v [total_k, Hkv, d], out
+// like q; cu_seqlens_q and cu_seqlens_k are int32 [batch + 1] on the inputs' device, starting at
+// 0, non-decreasing, ending at total_q and total_k (the host checks this before any launch).
+//   * batch is the number of sequences; sequence b has length_q = cu_seqlens_q[b + 1] -
+//     cu_seqlens_q[b] queries and length_k = cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys.
+//   * seqlen_q / seqlen_k hold max_seqlen_q / max_seqlen_k: an upper bound on every sequence's
+//     length_q / length_k. Kernels may size grids and loops by them, but masks, hooks and
+//     bounds use each sequence's true lengths (the hooks' seqlen_q / seqlen_k arguments are
+//     length_q / length_k; their b is the sequence index; q and kv count from the sequence's
+//     start).
+//   * *_stride_b are 0 and ignored. Position i of sequence b is row cu_seqlens_*[b] + i: its
+//     element of head h is at (cu_seqlens_*[b] + i) * *_stride_n + h * *_stride_h from the base
+//     pointer (q, k, v, out, dout, dq, dk, dv alike).
+//   * Every fp32 per-row buffer that is [B, H, N(, d)] contiguous in the padded layout is
+//     [H, total(, d)] contiguous here, sequence b's rows starting at cu_seqlens_*[b] (the padded
+//     formula with B = 1, N = total and a row offset of cu_seqlens_*[b]): lse, dlse and
+//     softmax_d [Hq, total_q]; dq_accum [Hq, total_q, d]; dk_accum, dv_accum [Hkv, total_k, d].
+//   * A sequence with length_k == 0 writes out rows 0 and lse -inf; keys of a sequence with
+//     length_q == 0 (or that no query sees) get dk = dv = 0. Dropout keys the mask by the
+//     sequence index b and the per-sequence positions q, kv.
+//   * seqlen_q, seqlen_k <= FG_MAX_SEQLEN as in the padded layout; total_q and total_k fit
+//     cu_seqlens' int32, so row offsets need 64-bit arithmetic only when multiplied by strides.
+// The op refuses cu_seqlens_q before any launch on a family that does not take packed batches
+// yet (flashgen.ops.VARLEN_BACKENDS).
 
 // Forward pass: out = softmax(mods(scale * q k^T), masked) v, lse = logsumexp of the same row.
 // Layout (PyTorch SDPA's): q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], out like q; strides are in
@@ -46,6 +73,9 @@ typedef struct FgFwdArgs {
   const int64_t* dropout_state;  // nullable: int64[2] {seed, offset}; see "Dropout" above
   uint32_t dropout_threshold;     // keep iff (the element's Philox word >> 8) >= threshold
   float dropout_scale;            // 1 / (1 - p)
+  const int32_t* cu_seqlens_q;    // null: padded layout; packed: int32 [batch + 1], inputs' device
+  const int32_t* cu_seqlens_k;    // set iff cu_seqlens_q is set
+  int64_t total_q, total_k;       // packed: the token counts (cu_seqlens_*[batch]); padded: 0
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved
@@ -95,6 +125,10 @@ typedef struct FgBwdArgs {
   const int64_t* dropout_state;
   uint32_t dropout_threshold;
   float dropout_scale;
+  // Packed (varlen) batches, as in FgFwdArgs (see "Packed (varlen) batches" above).
+  const int32_t* cu_seqlens_q;
+  const int32_t* cu_seqlens_k;
+  int64_t total_q, total_k;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

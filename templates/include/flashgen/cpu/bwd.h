@@ -24,11 +24,18 @@
 //      args' strides); rows with lse == -inf (or seqlen_k == 0) are written as exact zeros.
 //   Segment 0's dQ buffer is args.dq_accum; more than one segment is used only when
 //   batch * heads_kv is too small to keep every thread busy (see bwd_plan); the extra segments'
-//   buffers ((nseg − 1) x [B, Hq, Nq, d] fp32) are allocated here. The kernel itself uses no
+//   buffers ((nseg − 1) x [B, Hq, Nq, d] fp32, packed [Hq, total_q, d]) are allocated here. The kernel itself uses no
 //   atomics: every sum has a fixed order, so dq, dk, dv (and, without a parameter gradient,
 //   everything) are bitwise repeatable for a given thread count whatever args.deterministic
 //   says (the segment count depends on at::get_num_threads()). Parameter gradients are the
 //   exception: param_grad adds into them atomically, in an order that depends on the schedule.
+//
+// Packed (varlen) batches (args.cu_seqlens_q set; layout in args.h): a task is (sequence, kv
+// head, segment of the sequence's own kv tiles), with the sequence's true lengths in every hook
+// and bound and its rows from cu_seqlens_*[b]; bwd_plan_packed sizes the segments per sequence
+// (no task for padding, none for a sequence without keys; a sequence without queries keeps its
+// tasks, which write dk = dv = 0). The D and dQ passes run over the Hq x total_q rows of the
+// per-row buffers. The metadata is re-checked here (FG_ERR_BAD_SHAPE when inconsistent).
 //
 // Score mods (Variant::kHasScoreMod; the "mod path", also taken for kHasParamGrad alone, where
 // score() is the identity): the chain rule through s' = score(s), as the contract's "Backward
@@ -71,8 +78,9 @@
 // The tile-size and segment cost models (bwd_choose_tiles, bwd_plan) have no particular work
 // item and evaluate kv_lo / kv_hi at b = h = 0.
 //
-// Workspaces: dq_accum (fp32 [B, Hq, Nq, d], zero-filled here: the caller's zeroing is not
-// needed) and softmax_d (written here) are used; dk_accum and dv_accum are NOT used (may be null).
+// Workspaces: dq_accum (fp32 [B, Hq, Nq, d], packed [Hq, total_q, d]; zero-filled here: the
+// caller's zeroing is not needed) and softmax_d (written here) are used; dk_accum and dv_accum
+// are NOT used (may be null).
 //
 // Which (q tile, kv tile) pairs run: query tile [q_lo, q_hi) of head h meets kv tile [k0, k1) iff
 // [Variant::kv_lo, Variant::kv_hi) for (b, h) (clamped to [0, seqlen_k]) intersects it; keys
@@ -87,8 +95,9 @@
 // compiled without AVX2/FMA or with FLASHGEN_CPU_GEMM=blas (and the symbol resolves).
 // 16-bit Elements are widened to fp32 tile by tile; P and dS stay fp32 (not rounded to Element).
 //
-// Edge cases: seqlen_q == 0 -> dk = dv = 0; seqlen_k == 0 -> dq = 0; batch == 0 -> nothing;
-// keys that no query sees -> dk = dv = 0 exactly; rows with lse == -inf -> dq = 0 exactly.
+// Edge cases: seqlen_q == 0 -> dk = dv = 0; seqlen_k == 0 -> dq = 0 (packed: the same per
+// sequence); batch == 0 -> nothing; keys that no query sees -> dk = dv = 0 exactly; rows with
+// lse == -inf -> dq = 0 exactly.
 // Masked K/V entries never leak: P is masked by selection, dS is selected to 0 where P is 0, and
 // for dQ += dS K on a tile with interior fully-masked columns the K rows of those columns are
 // replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Not covered (as in the
@@ -97,7 +106,7 @@
 // a kept entry (from the gemm or from score()) gives P = 0 (polynomial exp2), and a NaN lse is
 // treated like -inf (empty row). A non-finite dscore(s) reaches dS only where dS' != 0.
 // Any batch/head/seq strides (64-bit offsets), last dim contiguous; lse, dlse, softmax_d
-// contiguous [B, Hq, Nq].
+// contiguous [B, Hq, Nq] (packed: [Hq, total_q]).
 // Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > FG_MAX_SEQLEN,
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
@@ -371,13 +380,22 @@ static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int
 
 // ------------------------------------------------------------------------------------------
 // Plan: tiles, the kv range of every query tile, kv segments, task order.
+// Packed layout (sq.packed()): nqt and nkvt are the tile counts of max_seqlen_q / max_seqlen_k
+// (bounds: each sequence has its own, from its true lengths), and every sequence has its own
+// segment boundaries over its own kv tiles.
 struct BwdPlan {
   int64_t qb, kvb, nqt, nkvt, nseg, group;
   bool blas, mod;                       // mod: the score-mod path (bwd_mod_path)
   Dropout dr;                           // the forward's dropout (dr.on: regenerate its mask)
-  std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries
+  Seqs sq;                              // the layout (padded, or packed with cu_seqlens)
+  int64_t nrows = 0;                    // rows of a dQ buffer: B * Hq * Nq, packed Hq * total_q
+  std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries (packed: per sequence)
   std::vector<int64_t> tasks;           // task ids (bkv * nseg + seg), heaviest first
-  float* dq_extra = nullptr;            // (nseg - 1) x [B, Hq, Nq, d] fp32, or null
+  float* dq_extra = nullptr;            // (nseg - 1) x nrows x d fp32, or null
+  // First kv tile of segment s of batch element / sequence b (s == nseg: one past the last).
+  int64_t seg_lo(int64_t b, int64_t s) const {
+    return sq.packed() ? seg_begin[b * (nseg + 1) + s] : seg_begin[s];
+  }
 };
 
 template <class Variant>
@@ -450,6 +468,132 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
   });
 }
 
+// Packed layout: tiles from max_seqlen_q / max_seqlen_k; per sequence, the work of each of its
+// kv tiles from its true lengths (hooks at its b and h = 0, as the padded model at b = h = 0);
+// segments split each sequence's work into equal parts (at most one per kv tile); the segment
+// count is the smallest (up to 4 per thread, extra dQ buffers below 256 MiB) for which a
+// longest-first list schedule of the (sequence, kv head, segment) tasks keeps the threads >= 90%
+// busy. Sequences without keys get no task (nothing to write); sequences without queries keep
+// theirs (they write dk = dv = 0). Only the work model depends on the Variant; the rest is in
+// plain functions (bwd_packed_segments), which keeps the kernels' compile time down.
+
+// Boundaries bounds[0..s] of s segments over nkvt kv tiles with work prefix sums pre[0..nkvt]
+// (as bwd_plan splits; segments past the tile count stay empty).
+static inline void bwd_split(const double* pre, int64_t nkvt, int64_t s, int64_t* bounds) {
+  const int64_t used = std::min(s, nkvt);
+  bounds[0] = 0;
+  for (int64_t i = 1; i <= s; ++i) bounds[i] = nkvt;
+  for (int64_t i = 1; i < used; ++i) {
+    const double target = pre[nkvt] * double(i) / double(used);
+    int64_t kt = bounds[i - 1] + 1;
+    while (kt < nkvt - (used - i) && pre[kt] < target) ++kt;
+    bounds[i] = kt;
+  }
+}
+
+// Segments of every sequence into bounds (B x (s + 1)) and their work into w (B x s; -1: empty).
+// first[b] + b: where sequence b's nkvt_b + 1 prefix sums start in prefix.
+static inline void bwd_seg_work(const std::vector<int64_t>& first, const std::vector<double>& prefix,
+                                int64_t B, int64_t s, std::vector<int64_t>& bounds,
+                                std::vector<double>& w) {
+  bounds.assign(B * (s + 1), 0);
+  w.assign(B * s, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t* bd = bounds.data() + b * (s + 1);
+    const double* pre = prefix.data() + first[b] + b;
+    bwd_split(pre, first[b + 1] - first[b], s, bd);
+    for (int64_t i = 0; i < s; ++i)
+      w[b * s + i] = bd[i + 1] > bd[i] ? pre[bd[i + 1]] - pre[bd[i]] : -1.0;
+  }
+}
+
+// The segment count, boundaries and task list of the packed layout from the work prefix sums.
+static void bwd_packed_segments(const FgBwdArgs& a, const std::vector<int64_t>& first,
+                                const std::vector<double>& prefix, BwdPlan& pl) {
+  const int64_t B = a.batch, Hkv = a.heads_kv;
+  const int64_t T = std::max<int64_t>(1, at::get_num_threads());
+  const double seg_bytes = double(pl.nrows) * double(a.head_dim) * 4.0;
+  std::vector<int64_t> order;
+  std::vector<double> w, load;
+  int64_t nseg = 1;
+  if (Hkv > 0 && pl.nkvt > 1 && T > 1) {
+    double best_eff = -1.0;
+    const int64_t smax = std::min<int64_t>(pl.nkvt, 4 * T);
+    for (int64_t s = 1; s <= smax; ++s) {
+      if (s > 1 && double(s - 1) * seg_bytes > double(256 << 20)) break;
+      bwd_seg_work(first, prefix, B, s, pl.seg_begin, w);
+      order_by_work(w.data(), (int64_t)w.size(), order);
+      if (order.empty()) break;
+      load.assign(T, 0.0);  // longest first, each task to the least loaded thread
+      double total = 0.0;
+      for (int64_t i : order)
+        for (int64_t hk = 0; hk < Hkv; ++hk) {
+          int64_t t = 0;
+          for (int64_t u = 1; u < T; ++u) t = load[u] < load[t] ? u : t;
+          load[t] += w[i];
+          total += w[i];
+        }
+      double makespan = 0.0;
+      for (double x : load) makespan = std::max(makespan, x);
+      const double eff = makespan > 0.0 ? total / (double(T) * makespan) : 1.0;
+      if (eff > best_eff + 1e-9) {
+        best_eff = eff;
+        nseg = s;
+      }
+      if (eff >= 0.9) break;
+    }
+  }
+  pl.nseg = nseg;
+  bwd_seg_work(first, prefix, B, nseg, pl.seg_begin, w);
+  order_by_work(w.data(), (int64_t)w.size(), order);
+  pl.tasks.clear();
+  for (int64_t i : order)  // i = b * nseg + s
+    for (int64_t hk = 0; hk < Hkv; ++hk) pl.tasks.push_back(((i / nseg) * Hkv + hk) * nseg + i % nseg);
+}
+
+template <class Variant>
+static void bwd_plan_packed(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
+  const Seqs& sq = pl.sq;
+  const int64_t B = a.batch, Hkv = a.heads_kv;
+  const BwdTiles t = bwd_choose_tiles<Variant>(prm, sq.nq, sq.nk, a.head_dim, pl.dr.on);
+  pl.qb = t.qb;
+  pl.kvb = t.kvb;
+  pl.nqt = sq.nq > 0 ? (sq.nq + t.qb - 1) / t.qb : 0;
+  pl.nkvt = sq.nk > 0 ? (sq.nk + t.kvb - 1) / t.kvb : 0;
+  pl.group = Hkv > 0 ? a.heads_q / Hkv : 0;
+  pl.mod = bwd_mod_path<Variant>();
+  // Work prefix sums over each sequence's kv tiles (as bwd_plan's): sequence b's nkvt_b + 1
+  // entries start at first[b] + b.
+  std::vector<int64_t> first(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) first[b + 1] = first[b] + (sq.len_k(b) + t.kvb - 1) / t.kvb;
+  std::vector<double> prefix(first[B] + B, 0.0);
+  std::vector<int64_t> q_kvlo, q_kvhi;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t Nq = sq.len_q(b), Nk = sq.len_k(b), nkvt = first[b + 1] - first[b];
+    const int64_t nqt = (Nq + t.qb - 1) / t.qb;
+    q_kvlo.assign(nqt, 0);
+    q_kvhi.assign(nqt, 0);
+    for (int64_t qt = 0; qt < nqt; ++qt) {
+      const int64_t q_lo = qt * t.qb, q_hi = std::min(q_lo + t.qb, Nq);
+      const int64_t lo = Variant::kv_lo(prm, (int)b, 0, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+      const int64_t hi = Variant::kv_hi(prm, (int)b, 0, (int)q_lo, (int)q_hi, (int)Nq, (int)Nk);
+      q_kvlo[qt] = lo < 0 ? 0 : (lo > Nk ? Nk : lo);
+      q_kvhi[qt] = hi > Nk ? Nk : (hi < 0 ? 0 : hi);
+    }
+    double* pre = prefix.data() + first[b] + b;
+    for (int64_t kt = 0; kt < nkvt; ++kt) {
+      const int64_t k0 = kt * t.kvb, k1 = std::min(k0 + t.kvb, Nk);
+      double w = double(k1 - k0) * 8.0;  // write-back
+      for (int64_t qt = 0; qt < nqt; ++qt) {
+        const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
+        if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+      }
+      pre[kt + 1] = pre[kt] + w;
+    }
+  }
+  bwd_packed_segments(a, first, prefix, pl);
+}
+
 // Per-worker scratch.
 struct BwdWork {
   float *kt, *vt, *kf, *vf, *khole, *dk, *dv, *qf, *dof, *S, *dP, *L, *D;
@@ -519,8 +663,12 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
   using C = Conv<Element>;
   using T = typename C::T;
   constexpr bool kLowp = C::kLowp;
-  const int64_t Hq = a.heads_q, Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
+  const Seqs& sq = pl.sq;
+  // The sequence's own lengths and first rows (padded: seqlen_q, seqlen_k and 0).
+  const int64_t Hq = a.heads_q, Nq = sq.len_q(b), Nk = sq.len_k(b), d = a.head_dim;
+  const int64_t q_row0 = sq.q0(b), k_row0 = sq.k0(b);
   const int64_t qb = pl.qb, kvb = pl.kvb, ldS = w.ldS, group = pl.group;
+  const int64_t nqt = Nq > 0 ? (Nq + qb - 1) / qb : 0;  // <= pl.nqt (the rlo / rhi row length)
   const int nq_i = (int)Nq, nk_i = (int)Nk;
   const bool blas = pl.blas;
   const float alpha = a.scale * kLog2e;
@@ -533,7 +681,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
   // kv range [rlo, rhi) of every (query head of the group, q tile), clamped to [0, seqlen_k].
   for (int64_t g = 0; g < group; ++g) {
     const int hq = (int)(hk * group + g);
-    for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+    for (int64_t qt = 0; qt < nqt; ++qt) {
       const int64_t q_lo = qt * qb, q_hi = std::min(q_lo + qb, Nq);
       const int64_t lo = Variant::kv_lo(prm, bi, hq, (int)q_lo, (int)q_hi, nq_i, nk_i);
       const int64_t hi = Variant::kv_hi(prm, bi, hq, (int)q_lo, (int)q_hi, nq_i, nk_i);
@@ -542,13 +690,15 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
     }
   }
 
-  const T* Kh = static_cast<const T*>(a.k) + b * a.k_stride_b + hk * a.k_stride_h;
-  const T* Vh = static_cast<const T*>(a.v) + b * a.v_stride_b + hk * a.v_stride_h;
-  T* dKh = static_cast<T*>(a.dk) + b * a.dk_stride_b + hk * a.dk_stride_h;
-  T* dVh = static_cast<T*>(a.dv) + b * a.dv_stride_b + hk * a.dv_stride_h;
-  float* dq_seg = seg == 0 ? a.dq_accum : pl.dq_extra + (seg - 1) * a.batch * Hq * Nq * d;
+  const T* Kh =
+      static_cast<const T*>(a.k) + b * a.k_stride_b + hk * a.k_stride_h + k_row0 * a.k_stride_n;
+  const T* Vh =
+      static_cast<const T*>(a.v) + b * a.v_stride_b + hk * a.v_stride_h + k_row0 * a.v_stride_n;
+  T* dKh = static_cast<T*>(a.dk) + b * a.dk_stride_b + hk * a.dk_stride_h + k_row0 * a.dk_stride_n;
+  T* dVh = static_cast<T*>(a.dv) + b * a.dv_stride_b + hk * a.dv_stride_h + k_row0 * a.dv_stride_n;
+  float* dq_seg = seg == 0 ? a.dq_accum : pl.dq_extra + (seg - 1) * pl.nrows * d;
 
-  for (int64_t kt = pl.seg_begin[seg]; kt < pl.seg_begin[seg + 1]; ++kt) {
+  for (int64_t kt = pl.seg_lo(b, seg); kt < pl.seg_lo(b, seg + 1); ++kt) {
     const int64_t k0 = kt * kvb, k1 = std::min(k0 + kvb, Nk), n = k1 - k0;
     memset(w.dk, 0, sizeof(float) * n * d);
     memset(w.dv, 0, sizeof(float) * n * d);
@@ -562,13 +712,16 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
       const int hi_ = (int)h;
       const int64_t* rlo = w.rlo + g * pl.nqt;
       const int64_t* rhi = w.rhi + g * pl.nqt;
-      const float* lse_bh = a.lse + (b * Hq + h) * Nq;
-      const float* D_bh = a.softmax_d + (b * Hq + h) * Nq;
-      float* dq_bh = dq_seg + (b * Hq + h) * Nq * d;
-      const T* Qh = static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h;
-      const T* dOh = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h;
+      const int64_t row0 = sq.row_q(b, h, Hq, 0);  // the rows of (b, h) in lse, softmax_d, dQ
+      const float* lse_bh = a.lse + row0;
+      const float* D_bh = a.softmax_d + row0;
+      float* dq_bh = dq_seg + row0 * d;
+      const T* Qh =
+          static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h + q_row0 * a.q_stride_n;
+      const T* dOh = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h +
+                     q_row0 * a.do_stride_n;
 
-      for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+      for (int64_t qt = 0; qt < nqt; ++qt) {
         const int64_t cs = std::max(k0, rlo[qt]), ce = std::min(k1, rhi[qt]);
         if (cs >= ce) continue;
         const int64_t q_lo = qt * qb, mq = std::min(qb, Nq - q_lo);
@@ -859,7 +1012,7 @@ int run_bwd(const FgBwdArgs& args) {
   using namespace detail;
   using C = Conv<Element>;
   using T = typename C::T;
-  const FgBwdArgs& a = args;
+  FgBwdArgs a = args;
   const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv;
   const int64_t Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
@@ -867,7 +1020,16 @@ int run_bwd(const FgBwdArgs& args) {
     return FG_ERR_BAD_SHAPE;
   if (B == 0 || (Hq == 0 && Hkv == 0)) return FG_OK;
   if (Hkv == 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
-  const bool q_side = Hq > 0 && Nq > 0, k_side = Nk > 0;
+  Seqs sq;
+  if (!seqs_of(a, sq)) return FG_ERR_BAD_SHAPE;
+  if (sq.packed())  // the batch strides are ignored in the packed layout (args.h)
+    a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = a.do_stride_b = a.dq_stride_b =
+        a.dk_stride_b = a.dv_stride_b = 0;
+  // Rows of the per-row buffers: padded B * Hq rows of Nq; packed Hq rows of total_q (decoded
+  // below as "batch 0" with rows of total_q tokens, the batch strides being 0).
+  const int64_t Nrow = sq.packed() ? sq.total_q : Nq;
+  const bool no_keys = sq.packed() ? sq.total_k == 0 : Nk == 0;
+  const bool q_side = Hq > 0 && Nrow > 0, k_side = !no_keys;
   if (q_side && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.dq_accum || !a.softmax_d))
     return FG_ERR_BAD_SHAPE;
   if (k_side && (!a.k || !a.v || !a.dk || !a.dv)) return FG_ERR_BAD_SHAPE;
@@ -879,9 +1041,14 @@ int run_bwd(const FgBwdArgs& args) {
   try {
     BwdPlan pl;
     pl.dr = dropout_of<Variant>(a);
-    bwd_plan<Variant>(a, prm, pl);
+    pl.sq = sq;
+    pl.nrows = sq.rows_q(Hq);
+    if (sq.packed())
+      bwd_plan_packed<Variant>(a, prm, pl);
+    else
+      bwd_plan<Variant>(a, prm, pl);
     pl.blas = bwd_use_blas(a);
-    const int64_t nrows = B * Hq * Nq;
+    const int64_t nrows = pl.nrows;
     std::unique_ptr<Scratch> extra;
     if (pl.nseg > 1) {
       extra.reset(new Scratch(sizeof(float) * (pl.nseg - 1) * nrows * d));
@@ -892,7 +1059,7 @@ int run_bwd(const FgBwdArgs& args) {
     if (nrows > 0) {
       at::parallel_for(0, nrows, 256, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const int64_t i = r % Nq, bh = r / Nq, h = bh % Hq, b = bh / Hq;
+          const int64_t i = r % Nrow, bh = r / Nrow, h = bh % Hq, b = bh / Hq;
           for (int64_t s = 0; s < pl.nseg; ++s)
             memset((s == 0 ? a.dq_accum : pl.dq_extra + (s - 1) * nrows * d) + r * d, 0,
                    sizeof(float) * d);
@@ -933,10 +1100,10 @@ int run_bwd(const FgBwdArgs& args) {
     if (nrows > 0) {
       at::parallel_for(0, nrows, 128, [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          const int64_t i = r % Nq, bh = r / Nq, h = bh % Hq, b = bh / Hq;
+          const int64_t i = r % Nrow, bh = r / Nrow, h = bh % Hq, b = bh / Hq;
           T* dq = static_cast<T*>(a.dq) + b * a.dq_stride_b + h * a.dq_stride_h +
                   i * a.dq_stride_n;
-          if (Nk == 0 || !(a.lse[r] > kNegInf)) {
+          if (no_keys || !(a.lse[r] > kNegInf)) {
             memset(dq, 0, sizeof(T) * d);
             continue;
           }

@@ -20,6 +20,15 @@
 // then out = O / l and lse = ln(l) + m (natural log). log2(e) is folded into the QK gemm's
 // alpha (or applied after the score hook), so the softmax runs on a vectorised exp2.
 //
+// Packed (varlen) batches (args.cu_seqlens_q set; layout in args.h): b is a sequence, and its
+// tasks cover only its own query tiles (from its true length, never max_seqlen_q), so padding
+// costs nothing. Every hook and bound of a task sees the sequence's own lengths as seqlen_q /
+// seqlen_k and positions counted from its start; its rows start at cu_seqlens_*[b] and its lse
+// rows at h * total_q + cu_seqlens_q[b]. As lengths vary, tasks are handed out dynamically
+// (an atomic counter; the sequences with the most score entries first) rather than in equal
+// contiguous chunks. The padded layout's split and code path are unchanged. The metadata is
+// re-checked here (O(batch) reads; FG_ERR_BAD_SHAPE when inconsistent).
+//
 // Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
 // value-initialised Params when args.params is null (allowed when Params is empty); it is shared
 // read-only by all threads. kv_lo / kv_hi / tile_full are evaluated per work item with its own
@@ -58,8 +67,9 @@
 // exp2: Cephes minimax polynomial, relative error ~2e-7.
 //
 // Edge cases:
-//   * batch == 0 / heads_q == 0 / seqlen_q == 0: nothing to do, FG_OK. seqlen_k == 0, or a row
-//     that sees no key: out row exactly 0 and lse exactly -inf (never NaN).
+//   * batch == 0 / heads_q == 0 / seqlen_q == 0 (packed: total_q == 0): nothing to do, FG_OK.
+//     seqlen_k == 0 (packed: a sequence without keys), or a row that sees no key: out row
+//     exactly 0 and lse exactly -inf (never NaN).
 //   * Masked / out-of-range keys never leak, even when K/V hold NaN or inf there:
 //       - only kv rows in [kv_lo, kv_hi) ∩ [0, seqlen_k) are ever read; nothing past seqlen_k
 //         (or before 0) is touched;
@@ -76,13 +86,15 @@
 //   * A NaN score at a kept entry is not propagated by the polynomial exp2 (it gives P = 0).
 //   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv).
 //   * Any batch/head/seq strides (elements, 64-bit offsets); the last dim must be contiguous.
-//     lse is fp32, contiguous [B, Hq, Nq]; out is written in Element with args' strides.
+//     lse is fp32, contiguous [B, Hq, Nq] (packed: [Hq, total_q]); out is written in Element
+//     with args' strides.
 //   * Shape errors (negative sizes, heads_q % heads_kv != 0, null pointers, seqlens > FG_MAX_SEQLEN = 2^30)
 //     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
 //     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
-// Tiles: see choose_tiles(). Per-thread scratch is allocated once per parallel_for chunk
-// (O(qb * kvb + (qb + kvb) * d) floats; no N x N buffer).
+// Tiles: see choose_tiles() (packed: sized for max_seqlen_q / max_seqlen_k). Per-thread scratch
+// is allocated once per parallel_for chunk (O(qb * kvb + (qb + kvb) * d) floats; no N x N
+// buffer).
 //
 // Build requirements: -fopenmp at compile AND link (at::parallel_for is header-inline; without
 // _OPENMP it silently runs on ONE thread, hence the #warning below; the .so then binds to the
@@ -96,6 +108,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <new>
@@ -620,44 +634,154 @@ struct Scratch {
 
 static inline size_t al64(size_t bytes) { return (bytes + 63) & ~size_t(63); }
 
+// Packed (varlen) batches (args.h): sequence b's rows start at cu_seqlens_*[b] and it has its
+// own lengths; the padded layout is the same with row offset 0 and the lengths seqlen_q /
+// seqlen_k. Per-row fp32 buffers (lse, dlse, softmax_d, dq_accum rows) are [B, H, N] padded and
+// [H, total] packed; row_q / row_k give the index of row i of (b, h) in them.
+struct Seqs {
+  const int32_t* cu_q = nullptr;  // null: padded layout
+  const int32_t* cu_k = nullptr;
+  int64_t batch = 0, nq = 0, nk = 0;  // nq, nk: seqlen_q / seqlen_k (packed: the max_seqlen bounds)
+  int64_t total_q = 0, total_k = 0;
+  bool packed() const { return cu_q != nullptr; }
+  int64_t q0(int64_t b) const { return cu_q ? cu_q[b] : 0; }
+  int64_t k0(int64_t b) const { return cu_k ? cu_k[b] : 0; }
+  int64_t len_q(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : nq; }
+  int64_t len_k(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : nk; }
+  int64_t row_q(int64_t b, int64_t h, int64_t heads, int64_t i) const {
+    return cu_q ? h * total_q + cu_q[b] + i : (b * heads + h) * nq + i;
+  }
+  int64_t row_k(int64_t b, int64_t h, int64_t heads, int64_t i) const {
+    return cu_k ? h * total_k + cu_k[b] + i : (b * heads + h) * nk + i;
+  }
+  // Rows of the per-row fp32 buffers on the query side: B * Hq * Nq padded, Hq * total_q packed.
+  int64_t rows_q(int64_t heads) const { return cu_q ? heads * total_q : batch * heads * nq; }
+};
+
+// The layout of an FgFwdArgs / FgBwdArgs, or false when its packed metadata is inconsistent
+// (both or neither cu_seqlens; each starting at 0, non-decreasing, ending at total, every length
+// within seqlen). The host checks all of this before a launch; the kernel checks it again
+// because it indexes memory by these values (O(batch) reads of host memory).
+template <class Args>
+static inline bool seqs_of(const Args& a, Seqs& s) {
+  s.batch = a.batch;
+  s.nq = a.seqlen_q;
+  s.nk = a.seqlen_k;
+  if (!a.cu_seqlens_q && !a.cu_seqlens_k) return true;
+  if (!a.cu_seqlens_q || !a.cu_seqlens_k || a.total_q < 0 || a.total_k < 0) return false;
+  s.cu_q = a.cu_seqlens_q;
+  s.cu_k = a.cu_seqlens_k;
+  s.total_q = a.total_q;
+  s.total_k = a.total_k;
+  if (s.cu_q[0] != 0 || s.cu_k[0] != 0) return false;
+  for (int64_t b = 0; b < a.batch; ++b) {
+    const int64_t lq = s.len_q(b), lk = s.len_k(b);
+    if (lq < 0 || lk < 0 || lq > s.nq || lk > s.nk) return false;
+  }
+  return s.cu_q[a.batch] == s.total_q && s.cu_k[a.batch] == s.total_k;
+}
+
+// The indices i in [0, n) with w[i] >= 0, longest first: ordered by decreasing power of two of
+// w[i] (a counting sort, ties in index order). Close enough to a sort for a longest-first list
+// schedule, O(n), and far cheaper to compile than std::sort in every kernel translation unit.
+static inline void order_by_work(const double* w, int64_t n, std::vector<int64_t>& out) {
+  int64_t start[130] = {0};  // bucket 0: w == 0; 1 + (binary exponent of w + 1), clamped
+  auto bucket = [](double x) {
+    int e = 0;
+    if (!(x > 0.0)) return 0;
+    std::frexp(x, &e);
+    return e < -63 ? 1 : (e > 64 ? 129 : e + 65);
+  };
+  for (int64_t i = 0; i < n; ++i)
+    if (w[i] >= 0.0) ++start[129 - bucket(w[i])];
+  int64_t pos = 0;
+  for (int k = 0; k < 130; ++k) {
+    const int64_t c = start[k];
+    start[k] = pos;
+    pos += c;
+  }
+  out.assign(pos, 0);
+  for (int64_t i = 0; i < n; ++i)
+    if (w[i] >= 0.0) out[start[129 - bucket(w[i])]++] = i;
+}
+
+// Per-thread scratch of the forward (once per parallel_for chunk / worker).
+struct FwdWork {
+  float *qbuf, *kbuf, *vbuf, *S, *O, *M, *L, *A;
+  uint8_t *mask, *colkeep;
+  int64_t ldS;
+};
+
 template <class Variant, class Element>
-void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
-               const bool blas, const Dropout& dr, int64_t task_begin, int64_t task_end) {
+static inline size_t fwd_work_bytes(const Tiles t, int64_t d) {
+  constexpr bool kLowp = Conv<Element>::kLowp;
+  const int64_t qb = t.qb, kvb = t.kvb;
+  const int64_t ldS = round_up(kvb, 16) + 16;
+  const int64_t kvb16 = round_up(kvb, 16);
+  size_t off = 0;
+  off += kLowp ? al64(sizeof(float) * qb * d) : 0;
+  off += al64(sizeof(float) * kvb16 * d);
+  off += al64(sizeof(float) * kvb * d);
+  off += al64(sizeof(float) * qb * ldS);
+  off += al64(sizeof(float) * qb * d);
+  off += 3 * al64(sizeof(float) * qb);
+  off += Variant::kHasMask ? al64(qb * kvb) + al64(kvb) : 0;
+  return off;
+}
+
+template <class Variant, class Element>
+static inline FwdWork fwd_work_carve(const Tiles t, int64_t d, char* base) {
+  constexpr bool kLowp = Conv<Element>::kLowp;
+  const int64_t qb = t.qb, kvb = t.kvb;
+  FwdWork w;
+  w.ldS = round_up(kvb, 16) + 16;  // +16 floats: avoid 4 KiB set aliasing of rows
+  const int64_t kvb16 = round_up(kvb, 16);  // own path: K^T packed in d x 16 panels
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    char* p = base + off;
+    off += al64(bytes);
+    return p;
+  };
+  w.qbuf = kLowp ? reinterpret_cast<float*>(take(sizeof(float) * qb * d)) : nullptr;
+  w.kbuf = reinterpret_cast<float*>(take(sizeof(float) * kvb16 * d));
+  w.vbuf = reinterpret_cast<float*>(take(sizeof(float) * kvb * d));
+  w.S = reinterpret_cast<float*>(take(sizeof(float) * qb * w.ldS));
+  w.O = reinterpret_cast<float*>(take(sizeof(float) * qb * d));
+  w.M = reinterpret_cast<float*>(take(sizeof(float) * qb));
+  w.L = reinterpret_cast<float*>(take(sizeof(float) * qb));
+  w.A = reinterpret_cast<float*>(take(sizeof(float) * qb));
+  w.mask = Variant::kHasMask ? reinterpret_cast<uint8_t*>(take(qb * kvb)) : nullptr;
+  w.colkeep = Variant::kHasMask ? reinterpret_cast<uint8_t*>(take(kvb)) : nullptr;
+  return w;
+}
+
+// One work item: query rows [q_lo, q_hi) (positions within the sequence) of query head h of
+// sequence / batch element b, whose lengths are Nq, Nk; its q rows start at row q_row0 and its
+// k/v rows at k_row0 (0 padded; cu_seqlens_*[b] packed), its lse rows at lse_row.
+template <class Variant, class Element>
+static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
+                            const bool blas, const Dropout& dr, const FwdWork& w, const int64_t b,
+                            const int64_t h, const int64_t q_lo, const int64_t q_hi,
+                            const int64_t Nq, const int64_t Nk, const int64_t q_row0,
+                            const int64_t k_row0, const int64_t lse_row) {
   using C = Conv<Element>;
   using T = typename C::T;  // storage: float or uint16_t bits
   constexpr bool kLowp = C::kLowp;
-  const int64_t Hq = a.heads_q, Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
+  const int64_t Hq = a.heads_q, d = a.head_dim;
   const int64_t group = a.heads_q / a.heads_kv;
-  const int64_t qb = t.qb, kvb = t.kvb;
-  const int64_t nqt = (Nq + qb - 1) / qb;
-  const int64_t ldS = round_up(kvb, 16) + 16;  // +16 floats: avoid 4 KiB set aliasing of rows
-  const int64_t kvb16 = round_up(kvb, 16);      // own path: K^T packed in d x 16 panels
+  const int64_t kvb = t.kvb;
+  const int64_t ldS = w.ldS;
   const int nq_i = (int)Nq, nk_i = (int)Nk;
-
-  // Scratch, once per chunk.
-  size_t off = 0;
-  const size_t o_q = off; off += kLowp ? al64(sizeof(float) * qb * d) : 0;
-  const size_t o_k = off; off += al64(sizeof(float) * kvb16 * d);
-  const size_t o_v = off; off += al64(sizeof(float) * kvb * d);
-  const size_t o_s = off; off += al64(sizeof(float) * qb * ldS);
-  const size_t o_o = off; off += al64(sizeof(float) * qb * d);
-  const size_t o_m = off; off += al64(sizeof(float) * qb);
-  const size_t o_l = off; off += al64(sizeof(float) * qb);
-  const size_t o_a = off; off += al64(sizeof(float) * qb);
-  const size_t o_mask = off; off += Variant::kHasMask ? al64(qb * kvb) : 0;
-  const size_t o_col = off; off += Variant::kHasMask ? al64(kvb) : 0;
-  Scratch scratch(off);
-  char* base = static_cast<char*>(scratch.p);
-  float* qbuf = reinterpret_cast<float*>(base + o_q);
-  float* kbuf = reinterpret_cast<float*>(base + o_k);
-  float* vbuf = reinterpret_cast<float*>(base + o_v);
-  float* S = reinterpret_cast<float*>(base + o_s);
-  float* O = reinterpret_cast<float*>(base + o_o);
-  float* M = reinterpret_cast<float*>(base + o_m);
-  float* L = reinterpret_cast<float*>(base + o_l);
-  float* A = reinterpret_cast<float*>(base + o_a);
-  uint8_t* mask = reinterpret_cast<uint8_t*>(base + o_mask);
-  uint8_t* colkeep = reinterpret_cast<uint8_t*>(base + o_col);
+  float* const qbuf = w.qbuf;
+  float* const kbuf = w.kbuf;
+  float* const vbuf = w.vbuf;
+  float* const S = w.S;
+  float* const O = w.O;
+  float* const M = w.M;
+  float* const L = w.L;
+  float* const A = w.A;
+  uint8_t* const mask = w.mask;
+  uint8_t* const colkeep = w.colkeep;
 
   const T* Qg = static_cast<const T*>(a.q);
   const T* Kg = static_cast<const T*>(a.k);
@@ -666,20 +790,14 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
 
   const float gemm_alpha = Variant::kHasScoreMod ? a.scale : a.scale * kLog2e;
 
-  for (int64_t task = task_begin; task < task_end; ++task) {
-    const int64_t qt = task % nqt;
-    const int64_t bh = task / nqt;
-    const int64_t h = bh % Hq, b = bh / Hq;
+  {
     const int64_t hk = h / group;
-    const int64_t q_lo = qt * qb;
-    const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
     const int64_t mq = q_hi - q_lo;
     const int bi = (int)b, hi_ = (int)h;
 
-    const T* Qt = Qg + b * a.q_stride_b + h * a.q_stride_h + q_lo * a.q_stride_n;
-    const T* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h;
-    const T* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h;
-
+    const T* Qt = Qg + b * a.q_stride_b + h * a.q_stride_h + (q_row0 + q_lo) * a.q_stride_n;
+    const T* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h + k_row0 * a.k_stride_n;
+    const T* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h + k_row0 * a.v_stride_n;
     int64_t kv_begin = Variant::kv_lo(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     int64_t kv_end = Variant::kv_hi(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     kv_begin = kv_begin < 0 ? 0 : kv_begin;
@@ -851,8 +969,8 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
 
     // Epilogue: out = O / l (times 1 / (1 - p) with dropout), lse = ln l + m (natural units).
     // l == 0: exact zeros and -inf.
-    float* lse = a.lse + (b * Hq + h) * Nq + q_lo;
-    T* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + q_lo * a.o_stride_n;
+    float* lse = a.lse + lse_row;
+    T* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + (q_row0 + q_lo) * a.o_stride_n;
     for (int64_t i = 0; i < mq; ++i) {
       T* orow = Ot + i * a.o_stride_n;
       if (L[i] > 0.f) {
@@ -864,6 +982,65 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
       }
     }
   }
+}
+
+// Padded layout: tasks [task_begin, task_end) of the (batch, query head, query tile) space, in
+// that order (the contiguous chunk at::parallel_for hands one thread).
+template <class Variant, class Element>
+void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
+               const bool blas, const Dropout& dr, int64_t task_begin, int64_t task_end) {
+  const int64_t Hq = a.heads_q, Nq = a.seqlen_q, Nk = a.seqlen_k, d = a.head_dim;
+  const int64_t qb = t.qb;
+  const int64_t nqt = (Nq + qb - 1) / qb;
+  Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
+  const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
+  for (int64_t task = task_begin; task < task_end; ++task) {
+    const int64_t qt = task % nqt;
+    const int64_t bh = task / nqt;
+    const int64_t h = bh % Hq, b = bh / Hq;
+    const int64_t q_lo = qt * qb;
+    const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
+    fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, 0, 0,
+                               (b * Hq + h) * Nq + q_lo);
+  }
+}
+
+// Packed layout: one task per (sequence, query head, query tile of the sequence's true length);
+// sequences without queries take none. Tasks are handed out dynamically, the sequences with
+// the most score entries first (a longest-first list schedule: lengths vary, so equal task
+// counts per thread would not be equal work).
+template <class Variant, class Element>
+void fwd_packed(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Params& prm,
+                const Tiles t, const bool blas, const Dropout& dr) {
+  const int64_t B = a.batch, Hq = a.heads_q, d = a.head_dim, qb = t.qb;
+  std::vector<double> work(B);  // score entries (+ the epilogue), -1: no queries, no task
+  for (int64_t b = 0; b < B; ++b)
+    work[b] = sq.len_q(b) > 0 ? double(sq.len_q(b)) * double(sq.len_k(b) + 8) : -1.0;
+  std::vector<int64_t> order;
+  order_by_work(work.data(), B, order);
+  std::vector<int64_t> start(order.size() + 1, 0);  // first task of each sequence in `order`
+  for (size_t j = 0; j < order.size(); ++j)
+    start[j + 1] = start[j] + Hq * ((sq.len_q(order[j]) + qb - 1) / qb);
+  const int64_t ntasks = start.back();
+  if (ntasks == 0) return;
+  const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
+    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
+    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
+    for (;;) {
+      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
+      if (task >= ntasks) break;
+      const size_t j = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+      const int64_t b = order[j], Nq = sq.len_q(b), Nk = sq.len_k(b);
+      const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[j];
+      const int64_t h = r / nqt, q_lo = (r % nqt) * qb;
+      const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
+      fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b),
+                                 sq.k0(b), sq.row_q(b, h, Hq, q_lo));
+    }
+  });
 }
 
 }  // namespace detail
@@ -881,7 +1058,11 @@ int run_fwd(const FgFwdArgs& args) {
     return FG_ERR_BAD_SHAPE;
   if (B == 0 || Hq == 0 || Nq == 0) return FG_OK;
   if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
-  if (!args.q || !args.out || !args.lse || (Nk > 0 && (!args.k || !args.v))) return FG_ERR_BAD_SHAPE;
+  detail::Seqs sq;
+  if (!detail::seqs_of(args, sq)) return FG_ERR_BAD_SHAPE;
+  if (sq.packed() && sq.total_q == 0) return FG_OK;
+  const bool any_k = sq.packed() ? sq.total_k > 0 : Nk > 0;
+  if (!args.q || !args.out || !args.lse || (any_k && (!args.k || !args.v))) return FG_ERR_BAD_SHAPE;
 
   const typename Variant::Params empty_params{};
   const typename Variant::Params& prm =
@@ -890,8 +1071,14 @@ int run_fwd(const FgFwdArgs& args) {
   const detail::Tiles t = detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
   const bool blas = detail::use_blas(args);
   const Dropout dr = dropout_of<Variant>(args);
-  const int64_t ntasks = B * Hq * ((Nq + t.qb - 1) / t.qb);
   try {
+    if (sq.packed()) {
+      FgFwdArgs a = args;  // the batch strides are ignored in the packed layout (args.h)
+      a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = 0;
+      detail::fwd_packed<Variant, Element>(a, sq, prm, t, blas, dr);
+      return FG_OK;
+    }
+    const int64_t ntasks = B * Hq * ((Nq + t.qb - 1) / t.qb);
     at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
       detail::fwd_chunk<Variant, Element>(args, prm, t, blas, dr, begin, end);
     });

@@ -5,6 +5,13 @@
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim>
 //   int flashgen::cuda::launch_bwd(const FgBwdArgs& args);   // FgStatus; no host sync
 //
+// kPacked instantiations (launch_bwd<..., true>) take packed (varlen) batches (args.h): the
+// main kernel's items are (key tile up to max_seqlen_k, kv head share, sequence), DqKernel's
+// (query tile up to max_seqlen_q, query head, sequence); an item past its sequence's end does
+// nothing, and every other item runs on its sequence as a padded batch of that sequence's
+// lengths (BwdKernel::localize). The element-wise kernels (preprocess, convert) treat the
+// packed rows as one batch of total rows. Padded instantiations compile the code they had before.
+//
 // Supported head dims: every multiple of 8 from 8 to 256 (padded internally to kD = round_up(d,
 // 16) like the forward). Every Variant the forward takes is supported: masks (kv_lo / kv_hi /
 // tile_full / keep, evaluated per batch and query head), score mods (kHasScoreMod, through
@@ -439,7 +446,8 @@ __global__ void __launch_bounds__(256) bwd_convert_kernel(const BwdConvertParams
 // ---------------------------------------------------------------------------------------------
 // Main kernel.
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kComputeDq>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kComputeDq,
+          bool kPacked = false>
 struct BwdKernel {
   static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
                 "flashgen CUDA backward supports head_dim in {8, 16, 24, ..., 256} (multiples of "
@@ -495,6 +503,9 @@ struct BwdKernel {
     float* dq_accum;
     float* dk_accum;  // used when num_splits > 1
     float* dv_accum;
+    const int* cu_q;  // kPacked: cu_seqlens_q / cu_seqlens_k (args.h, packed batches)
+    const int* cu_k;
+    int64_t total_q, total_k;
     int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn;
     int64_t dk_sb, dk_sh, dk_sn, dv_sb, dv_sh, dv_sn;
     int64_t total_work;  // num_n_tiles * num_splits * heads_kv * batch
@@ -504,6 +515,36 @@ struct BwdKernel {
     DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
     VParams vp;
   };
+
+  // First row of (batch b, query head h) in the per-row fp32 buffers (lse, dsum, dq_accum
+  // rows) and of (b, kv head hkv) in dk_accum / dv_accum: padded [B, H, N] rows; packed
+  // [H, total] rows, offset by the sequence's start (already added to the pointers, localize).
+  static __device__ __forceinline__ int64_t q_rows(const Params& p, int b, int h) {
+    return kPacked ? wide(h) * p.total_q : (wide(b) * p.heads_q + h) * int64_t(p.seqlen_q);
+  }
+  static __device__ __forceinline__ int64_t k_rows(const Params& p, int b, int hkv) {
+    return kPacked ? wide(hkv) * p.total_k : (wide(b) * p.heads_kv + hkv) * int64_t(p.seqlen_k);
+  }
+  // Packed batches: the Params of sequence sp, as if it were a padded batch of its own lengths
+  // (pointers moved to its first rows; batch strides are 0).
+  static __device__ __forceinline__ Params localize(const Params& p, const SeqSpan& sp) {
+    Params lp = p;
+    lp.seqlen_q = sp.len_q;
+    lp.seqlen_k = sp.len_k;
+    lp.num_m_tiles = (sp.len_q + kBlockM - 1) / kBlockM;
+    lp.q += wide(sp.q0) * p.q_sn;
+    lp.dout += wide(sp.q0) * p.do_sn;
+    lp.k += wide(sp.k0) * p.k_sn;
+    lp.v += wide(sp.k0) * p.v_sn;
+    lp.dk += wide(sp.k0) * p.dk_sn;
+    lp.dv += wide(sp.k0) * p.dv_sn;
+    lp.lse += sp.q0;
+    lp.dsum += sp.q0;
+    if (p.dq_accum) lp.dq_accum += wide(sp.q0) * kHeadDim;
+    if (p.dk_accum) lp.dk_accum += wide(sp.k0) * kHeadDim;
+    if (p.dv_accum) lp.dv_accum += wide(sp.k0) * kHeadDim;
+    return lp;
+  }
 
   struct Range {
     int begin, end;
@@ -589,7 +630,7 @@ struct BwdKernel {
       bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sdO, do_g, p.do_sn, q_lo,
                                                                          0, Nq, tid);
     }
-    const int64_t row0 = (wide(b) * p.heads_q + h) * Nq;
+    const int64_t row0 = q_rows(p, b, h);
 #pragma unroll
     for (int i = 0; i < (2 * kBlockM + kThreads - 1) / kThreads; ++i) {
       const int c = tid + i * kThreads;
@@ -815,7 +856,7 @@ struct BwdKernel {
     const float sc = p.scale;
     if (p.num_splits > 1) {
       // Part of a GQA group: add into the fp32 workspaces.
-      const int64_t base = (wide(b) * p.heads_kv + item.hkv) * int64_t(Nk);
+      const int64_t base = k_rows(p, b, item.hkv);
 #pragma unroll
       for (int pi = 0; pi < kPairsKV; ++pi) {
         const int pp = wd + pi * kWarpsD;
@@ -1059,7 +1100,7 @@ struct BwdKernel {
           }
         }
       }
-      float* dqa = p.dq_accum + (wide(b) * p.heads_q + h) * int64_t(Nq) * kHeadDim;
+      float* dqa = p.dq_accum + q_rows(p, b, h) * kHeadDim;
 #pragma unroll
       for (int qa = 0; qa < kQAtomsDq; ++qa) {
 #pragma unroll
@@ -1092,7 +1133,16 @@ struct BwdKernel {
     const uint32_t base = ptx::smem_addr(smem_raw);
     for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       if (iter > 0) __syncthreads();  // shared memory of the previous item is free
-      run_item(p, iter, base, smem_raw);
+      if constexpr (kPacked) {
+        // Key tiles are counted up to max_seqlen_k: one past its sequence's keys has nothing
+        // to write (keys no query sees still get their zeros from the items that hold them).
+        const Item item = decode_item(p, iter);
+        const SeqSpan sp = seq_span(p.cu_q, p.cu_k, item.b, p.seqlen_q, p.seqlen_k);
+        if (item.n_tile * kBlockN >= sp.len_k) continue;
+        run_item(localize(p, sp), iter, base, smem_raw);
+      } else {
+        run_item(p, iter, base, smem_raw);
+      }
     }
   }
 };
@@ -1110,7 +1160,7 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Deterministic dQ kernel (query-major, recomputes S/P/dP/dS; no atomics).
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
 struct DqKernel {
   using VParams = typename Variant::Params;
   static constexpr int kBlockM = Tile::kBlockM;
@@ -1135,6 +1185,9 @@ struct DqKernel {
     const float* lse;
     const float* dsum;
     Element* dq;
+    const int* cu_q;  // kPacked: cu_seqlens_q / cu_seqlens_k (args.h, packed batches)
+    const int* cu_k;
+    int64_t total_q;
     int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, do_sb, do_sh, do_sn;
     int64_t dq_sb, dq_sh, dq_sn;
     int64_t total_work;  // num_m_tiles * heads_q * batch
@@ -1285,7 +1338,8 @@ struct DqKernel {
 
       // Per-row LSE (log2 units, +inf for rows without keys or past seqlen_q) and D.
       float l2[2], dd[2];
-      const int64_t row_base = (wide(b) * p.heads_q + h) * int64_t(Nq);
+      const int64_t row_base =
+          kPacked ? wide(h) * p.total_q : (wide(b) * p.heads_q + h) * int64_t(Nq);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int q = q_lo + warp_row0 + g + half * 8;
@@ -1392,7 +1446,28 @@ struct DqKernel {
     Element* smem = reinterpret_cast<Element*>(smem_raw);
     for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       if (iter > 0) __syncthreads();
-      run_item(p, iter, smem);
+      if constexpr (kPacked) {
+        // As run_item numbers items; a query tile past its sequence's end has no rows.
+        const int64_t w = int64_t(ptx::ctaid_x()) + int64_t(iter) * ptx::nctaid_x();
+        const int64_t bh = w / p.num_m_tiles;
+        const int m_tile = p.num_m_tiles - 1 - int(w - bh * p.num_m_tiles);
+        const SeqSpan sp =
+            seq_span(p.cu_q, p.cu_k, int(bh / p.heads_q), p.seqlen_q, p.seqlen_k);
+        if (m_tile * kBlockM >= sp.len_q) continue;
+        Params lp = p;  // sequence sp as a padded batch of its own lengths
+        lp.seqlen_q = sp.len_q;
+        lp.seqlen_k = sp.len_k;
+        lp.q += wide(sp.q0) * p.q_sn;
+        lp.dout += wide(sp.q0) * p.do_sn;
+        lp.dq += wide(sp.q0) * p.dq_sn;
+        lp.k += wide(sp.k0) * p.k_sn;
+        lp.v += wide(sp.k0) * p.v_sn;
+        lp.lse += sp.q0;
+        lp.dsum += sp.q0;
+        run_item(lp, iter, smem);
+      } else {
+        run_item(p, iter, smem);
+      }
     }
   }
 };
@@ -1457,11 +1532,12 @@ inline int grid_for(int64_t work, int64_t cap) {
 }  // namespace bwd_detail
 
 // launch_bwd with explicit tiles (tests / autotuning); launch_bwd picks the defaults.
-template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT>
+template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT,
+          bool kPacked = false>
 int launch_bwd_tiled(const FgBwdArgs& a) {
-  using KA = BwdKernel<Variant, Element, kHeadDim, Tile, true>;   // atomics for dQ
-  using KD = BwdKernel<Variant, Element, kHeadDim, Tile, false>;  // deterministic: no dQ
-  using KQ = DqKernel<Variant, Element, kHeadDim, DqTileT>;
+  using KA = BwdKernel<Variant, Element, kHeadDim, Tile, true, kPacked>;   // atomics for dQ
+  using KD = BwdKernel<Variant, Element, kHeadDim, Tile, false, kPacked>;  // deterministic
+  using KQ = DqKernel<Variant, Element, kHeadDim, DqTileT, kPacked>;
   (void)&Variant::keep;
   (void)&Variant::score;
   (void)&Variant::tile_full;
@@ -1489,9 +1565,31 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     return detail::fail(FG_ERR_BAD_SHAPE, "heads_q %lld is not a multiple of heads_kv %lld",
                         (long long)a.heads_q, (long long)a.heads_kv);
   }
+  // Packed (varlen) batches (args.h): per-sequence rows from cu_seqlens, batch strides unused,
+  // the fp32 per-row buffers [H, total]; the element-wise kernels treat them as one batch of
+  // total rows.
+  const bool packed = a.cu_seqlens_q != nullptr;
+  if (packed != kPacked) {
+    return detail::fail(FG_ERR_BAD_SHAPE, kPacked ? "this instantiation takes packed batches: "
+                                                    "cu_seqlens_q must be set"
+                                                  : "this instantiation takes padded batches: "
+                                                    "cu_seqlens_q must be null");
+  }
+  if (packed && (!a.cu_seqlens_k || a.total_q < 0 || a.total_k < 0 || a.total_q > kIntMax ||
+                 a.total_k > kIntMax)) {
+    return detail::fail(FG_ERR_BAD_SHAPE,
+                        "packed batch: cu_seqlens_k must be set with cu_seqlens_q, totals "
+                        "(%lld, %lld) in [0, 2^31)", (long long)a.total_q, (long long)a.total_k);
+  }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
 
-  const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
+  const bool has_q = a.seqlen_q > 0 && (!packed || a.total_q > 0);
+  const bool has_k = a.seqlen_k > 0 && (!packed || a.total_k > 0);
+  if (!has_q && !has_k) return FG_OK;
+  // Extents of the batch and row dims of the data tensors; the element-wise kernels' batch
+  // and sequence length (one batch of total rows when packed).
+  const int64_t nb = packed ? 1 : a.batch;
+  const int64_t rows_q = packed ? a.total_q : a.seqlen_q, rows_k = packed ? a.total_k : a.seqlen_k;
   bool det = a.deterministic != 0;
   if ((has_q && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.softmax_d)) ||
       (has_k && (!a.k || !a.v || !a.dk || !a.dv)) ||
@@ -1503,12 +1601,12 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   using detail::bad_stride;
   using detail::misaligned;
   auto bad_q = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_q && (misaligned(ptr) || bad_stride(sb, a.batch, kE16) ||
-                     bad_stride(sh, a.heads_q, kE16) || bad_stride(sn, a.seqlen_q, kE16));
+    return has_q && (misaligned(ptr) || bad_stride(sb, nb, kE16) ||
+                     bad_stride(sh, a.heads_q, kE16) || bad_stride(sn, rows_q, kE16));
   };
   auto bad_k = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_k && (misaligned(ptr) || bad_stride(sb, a.batch, kE16) ||
-                     bad_stride(sh, a.heads_kv, kE16) || bad_stride(sn, a.seqlen_k, kE16));
+    return has_k && (misaligned(ptr) || bad_stride(sb, nb, kE16) ||
+                     bad_stride(sh, a.heads_kv, kE16) || bad_stride(sn, rows_k, kE16));
   };
   const char* bad = nullptr;
   if (bad_q(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n)) bad = "q";
@@ -1574,18 +1672,18 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     memset(&pp, 0, sizeof(pp));
     pp.o = static_cast<const Element*>(a.out);
     pp.dout = static_cast<const Element*>(a.dout);
-    pp.o_sb = a.o_stride_b, pp.o_sh = a.o_stride_h, pp.o_sn = a.o_stride_n;
-    pp.do_sb = a.do_stride_b, pp.do_sh = a.do_stride_h, pp.do_sn = a.do_stride_n;
+    pp.o_sb = packed ? 0 : a.o_stride_b, pp.o_sh = a.o_stride_h, pp.o_sn = a.o_stride_n;
+    pp.do_sb = packed ? 0 : a.do_stride_b, pp.do_sh = a.do_stride_h, pp.do_sn = a.do_stride_n;
     pp.dsum = a.softmax_d;
     pp.dlse = a.dlse;
     pp.dq_accum = det ? nullptr : a.dq_accum;
-    pp.rows = a.batch * a.heads_q * a.seqlen_q;
+    pp.rows = nb * a.heads_q * rows_q;
     pp.heads_q = Hq;
-    pp.seqlen_q = Nq;
+    pp.seqlen_q = int(rows_q);
     if (splits > 1) {
       pp.zero_a = a.dk_accum;
       pp.zero_b = a.dv_accum;
-      pp.zero_count = a.batch * a.heads_kv * a.seqlen_k * kHeadDim;
+      pp.zero_count = nb * a.heads_kv * rows_k * kHeadDim;
     }
     constexpr int kTpr = kHeadDim / 8 <= 1 ? 1 : kHeadDim / 8 <= 2 ? 2 : kHeadDim / 8 <= 4 ? 4
                          : kHeadDim / 8 <= 8 ? 8 : kHeadDim / 8 <= 16 ? 16 : 32;
@@ -1616,12 +1714,16 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.dq_accum = a.dq_accum;
       p.dk_accum = a.dk_accum;
       p.dv_accum = a.dv_accum;
-      p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
-      p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
-      p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
-      p.do_sb = a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
-      p.dk_sb = a.dk_stride_b, p.dk_sh = a.dk_stride_h, p.dk_sn = a.dk_stride_n;
-      p.dv_sb = a.dv_stride_b, p.dv_sh = a.dv_stride_h, p.dv_sn = a.dv_stride_n;
+      p.cu_q = a.cu_seqlens_q;
+      p.cu_k = a.cu_seqlens_k;
+      p.total_q = a.total_q;
+      p.total_k = a.total_k;
+      p.q_sb = packed ? 0 : a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+      p.k_sb = packed ? 0 : a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+      p.v_sb = packed ? 0 : a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+      p.do_sb = packed ? 0 : a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
+      p.dk_sb = packed ? 0 : a.dk_stride_b, p.dk_sh = a.dk_stride_h, p.dk_sn = a.dk_stride_n;
+      p.dv_sb = packed ? 0 : a.dv_stride_b, p.dv_sh = a.dv_stride_h, p.dv_sn = a.dv_stride_n;
       p.heads_q = Hq;
       p.heads_kv = Hkv;
       p.group = group;
@@ -1671,11 +1773,14 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.lse = a.lse;
       p.dsum = a.softmax_d;
       p.dq = static_cast<Element*>(a.dq);
-      p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
-      p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
-      p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
-      p.do_sb = a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
-      p.dq_sb = a.dq_stride_b, p.dq_sh = a.dq_stride_h, p.dq_sn = a.dq_stride_n;
+      p.cu_q = a.cu_seqlens_q;
+      p.cu_k = a.cu_seqlens_k;
+      p.total_q = a.total_q;
+      p.q_sb = packed ? 0 : a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+      p.k_sb = packed ? 0 : a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+      p.v_sb = packed ? 0 : a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+      p.do_sb = packed ? 0 : a.do_stride_b, p.do_sh = a.do_stride_h, p.do_sn = a.do_stride_n;
+      p.dq_sb = packed ? 0 : a.dq_stride_b, p.dq_sh = a.dq_stride_h, p.dq_sn = a.dq_stride_n;
       p.heads_q = Hq;
       p.group = group;
       p.seqlen_q = Nq;
@@ -1697,10 +1802,10 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       BwdConvertParams<Element> cp;
       cp.src = a.dq_accum;
       cp.dst = static_cast<Element*>(a.dq);
-      cp.rows = a.batch * a.heads_q * a.seqlen_q;
+      cp.rows = nb * a.heads_q * rows_q;
       cp.heads = Hq;
-      cp.seqlen = Nq;
-      cp.sb = a.dq_stride_b, cp.sh = a.dq_stride_h, cp.sn = a.dq_stride_n;
+      cp.seqlen = int(rows_q);
+      cp.sb = packed ? 0 : a.dq_stride_b, cp.sh = a.dq_stride_h, cp.sn = a.dq_stride_n;
       cp.mul = a.scale;
       const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
       bwd_convert_kernel<Element, kHeadDim>
@@ -1716,10 +1821,10 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       BwdConvertParams<Element> cp;
       cp.src = which == 0 ? a.dk_accum : a.dv_accum;
       cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
-      cp.rows = a.batch * a.heads_kv * a.seqlen_k;
+      cp.rows = nb * a.heads_kv * rows_k;
       cp.heads = Hkv;
-      cp.seqlen = Nk;
-      cp.sb = which == 0 ? a.dk_stride_b : a.dv_stride_b;
+      cp.seqlen = int(rows_k);
+      cp.sb = packed ? 0 : which == 0 ? a.dk_stride_b : a.dv_stride_b;
       cp.sh = which == 0 ? a.dk_stride_h : a.dv_stride_h;
       cp.sn = which == 0 ? a.dk_stride_n : a.dv_stride_n;
       cp.mul = 1.f;  // dk_accum already holds scale * dS^T Q
@@ -1733,11 +1838,13 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   return FG_OK;
 }
 
-// Entry point used by generated translation units.
-template <class Variant, class Element, int kHeadDim>
+// Entry point used by generated translation units. kPacked: packed (varlen) batches only
+// (args.h); false: padded batches only.
+template <class Variant, class Element, int kHeadDim, bool kPacked = false>
 int launch_bwd(const FgBwdArgs& args) {
   using D = DefaultBwdTile<Variant, kHeadDim>;
-  return launch_bwd_tiled<Variant, Element, kHeadDim, typename D::type, typename D::dq_type>(args);
+  return launch_bwd_tiled<Variant, Element, kHeadDim, typename D::type, typename D::dq_type,
+                          kPacked>(args);
 }
 
 }  // namespace cuda

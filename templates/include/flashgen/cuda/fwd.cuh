@@ -1,8 +1,14 @@
 // flashgen CUDA forward kernel skeleton (sm_80+, runs on sm_90a): FlashAttention-2 with
 // mma.sync tensor cores, specialised by a generated Variant (flashgen/variant.h).
 //
-//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim>
+//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim,
+//             bool kPacked = false>
 //   int flashgen::cuda::launch_fwd(const FgFwdArgs& args);   // FgStatus; no host sync
+//
+// kPacked instantiations take packed (varlen) batches (args.h): work items are (sequence, query
+// head, query tile) with tiles counted up to max_seqlen_q, and an item past its sequence's end
+// returns at once (an idle CTA costs a few loads of cu_seqlens); every hook sees the sequence's
+// own lengths and positions. Padded instantiations compile exactly the code they had before.
 //
 // Supported head dims: every multiple of 8 from 8 to 256 (a static_assert rejects the rest).
 // Internally the head dim is padded to kD = round_up(d, 16); the padded columns are zero-filled
@@ -188,7 +194,20 @@ struct DefaultFwdTile {
 // for the high half; every index passed here is >= 0).
 __device__ __forceinline__ int64_t wide(int x) { return int64_t(uint32_t(x)); }
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+// One sequence's rows (args.h, "Packed (varlen) batches"): its first query and key row (q0, k0)
+// and its lengths. Padded layout (cu_q null): 0, 0 and the batch's seqlen_q, seqlen_k. Packed:
+// from cu_seqlens_q / cu_seqlens_k, whose values the host checked before the launch.
+struct SeqSpan {
+  int q0, k0, len_q, len_k;
+};
+__device__ __forceinline__ SeqSpan seq_span(const int* cu_q, const int* cu_k, int b, int seqlen_q,
+                                            int seqlen_k) {
+  if (cu_q == nullptr) return SeqSpan{0, 0, seqlen_q, seqlen_k};
+  const int q0 = __ldg(cu_q + b), k0 = __ldg(cu_k + b);
+  return SeqSpan{q0, k0, __ldg(cu_q + b + 1) - q0, __ldg(cu_k + b + 1) - k0};
+}
+
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
 struct FwdKernel {
   static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
                 "flashgen CUDA forward supports head_dim in {8, 16, 24, ..., 256} (multiples of 8 "
@@ -236,7 +255,10 @@ struct FwdKernel {
     const Element* v;
     Element* o;
     float* lse;  // may be null: LSE not written
+    const int* cu_q;  // kPacked: cu_seqlens_q / cu_seqlens_k (args.h, packed batches)
+    const int* cu_k;
     int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn;
+    int64_t total_q;  // kPacked: LSE is [heads_q, total_q]
     int64_t total_work;  // num_m_tiles * heads_q * batch
     int heads_q, group, seqlen_q, seqlen_k, num_m_tiles;
     float scale;       // natural units (score mods see scale * q.k)
@@ -307,10 +329,10 @@ struct FwdKernel {
   // Per-element visibility on a partial tile. Bounds first, so the variant's hooks are only
   // ever called with in-range (q, kv).
   static __device__ __forceinline__ bool visible(const Params& p, int b, int h, int q, int kv,
-                                                 int kv_begin, int kv_end) {
-    if (kv < kv_begin || kv >= kv_end || q >= p.seqlen_q) return false;
+                                                 int kv_begin, int kv_end, int Nq, int Nk) {
+    if (kv < kv_begin || kv >= kv_end || q >= Nq) return false;
     if constexpr (Variant::kHasMask) {
-      return Variant::keep(p.vp, b, h, q, kv, p.seqlen_q, p.seqlen_k);
+      return Variant::keep(p.vp, b, h, q, kv, Nq, Nk);
     } else {
       return true;
     }
@@ -321,8 +343,8 @@ struct FwdKernel {
   // interval of keys per row: causal, windows, prefix-LM, key padding; proven by the generator),
   // visible(q, kv) <=> lo <= kv < hi.
   static __device__ __forceinline__ void row_bounds(const Params& p, int b, int h, int q,
-                                                    int kv_begin, int kv_end, int& lo, int& hi) {
-    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+                                                    int kv_begin, int kv_end, int Nq, int Nk,
+                                                    int& lo, int& hi) {
     lo = hi = 0;
     if (q >= Nq) return;
     lo = imax(imin(imax(Variant::kv_lo(p.vp, b, h, q, q + 1, Nq, Nk), 0), Nk), kv_begin);
@@ -373,7 +395,7 @@ struct FwdKernel {
   static __device__ __forceinline__ void softmax_tile(
       const Params& p, float (&s)[kMAtoms][kNBlocks][4], float (&row_max)[kMAtoms][2],
       float (&row_sum)[kMAtoms][2], float (&o)[kMAtoms][kDBlocks][4], int b, int h, int q_row0,
-      int kv0, int kv_begin, int kv_end, int lane) {
+      int kv0, int kv_begin, int kv_end, int Nq, int Nk, int lane) {
     constexpr bool kMasked = kMask != kNoMask;
     constexpr bool kRaw = !kMasked && !Variant::kHasScoreMod;
     const int g = lane >> 2, t = lane & 3;
@@ -399,7 +421,7 @@ struct FwdKernel {
         for (int half = 0; half < 2; ++half) {
           const int q = q_row0 + ma * 16 + g + half * 8;
           int lo = 0, hi = 0;
-          if constexpr (kMask == kRowMask) row_bounds(p, b, h, q, kv_begin, kv_end, lo, hi);
+          if constexpr (kMask == kRowMask) row_bounds(p, b, h, q, kv_begin, kv_end, Nq, Nk, lo, hi);
 #pragma unroll
           for (int j = 0; j < kNBlocks; ++j) {
 #pragma unroll
@@ -409,10 +431,10 @@ struct FwdKernel {
               const int kv = kv0 + j * 8 + 2 * t + e1;
               const bool vis = kMask == kNoMask ||
                                (kMask == kRowMask ? (kv >= lo && kv < hi)
-                                                  : visible(p, b, h, q, kv, kv_begin, kv_end));
+                                                  : visible(p, b, h, q, kv, kv_begin, kv_end, Nq, Nk));
               if constexpr (Variant::kHasScoreMod) {
                 if (vis) {
-                  x = Variant::score(p.vp, x * p.scale, b, h, q, kv, p.seqlen_q, p.seqlen_k) *
+                  x = Variant::score(p.vp, x * p.scale, b, h, q, kv, Nq, Nk) *
                       kLog2e;
                 } else {
                   x = -INFINITY;
@@ -560,13 +582,18 @@ struct FwdKernel {
     const uint32_t a_off = (((lane & 7) + ((lane >> 3) & 1) * 8) * kPitch + (lane >> 4) * 8) * kE;
     const uint32_t k_off = (((lane & 7) + (lane >> 4) * 8) * kPitch + ((lane >> 3) & 1) * 8) * kE;
 
-    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const SeqSpan sp = kPacked ? seq_span(p.cu_q, p.cu_k, b, p.seqlen_q, p.seqlen_k)
+                               : SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int Nq = sp.len_q, Nk = sp.len_k;
     const int q_lo = m_tile * kBlockM;
+    if constexpr (kPacked) {
+      if (q_lo >= Nq) return;  // a query tile past this sequence's end: no rows to write
+    }
     const int q_hi = imin(q_lo + kBlockM, Nq);
     const int h_kv = h / p.group;
-    const Element* q_g = p.q + wide(b) * p.q_sb + wide(h) * p.q_sh;
-    const Element* k_g = p.k + wide(b) * p.k_sb + wide(h_kv) * p.k_sh;
-    const Element* v_g = p.v + wide(b) * p.v_sb + wide(h_kv) * p.v_sh;
+    const Element* q_g = p.q + wide(b) * p.q_sb + wide(h) * p.q_sh + wide(sp.q0) * p.q_sn;
+    const Element* k_g = p.k + wide(b) * p.k_sb + wide(h_kv) * p.k_sh + wide(sp.k0) * p.k_sn;
+    const Element* v_g = p.v + wide(b) * p.v_sb + wide(h_kv) * p.v_sh + wide(sp.k0) * p.v_sn;
 
     const int kv_begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     const int kv_end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
@@ -672,13 +699,13 @@ struct FwdKernel {
              !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
         if (!need_mask) {
           softmax_tile<kNoMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
-                                kv_end, lane);
+                                kv_end, Nq, Nk, lane);
         } else if constexpr (!Variant::kHasMask || Variant::kRowExact) {
           softmax_tile<kRowMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0,
-                                 kv_begin, kv_end, lane);
+                                 kv_begin, kv_end, Nq, Nk, lane);
         } else {
           softmax_tile<kElemMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0,
-                                  kv_begin, kv_end, lane);
+                                  kv_begin, kv_end, Nq, Nk, lane);
         }
 
         if constexpr (Variant::kHasDropout) {
@@ -717,7 +744,11 @@ struct FwdKernel {
     // reads those rows), then write 16-byte chunks. Rows that saw no key (l == 0) get exactly 0
     // by selection, whatever O holds, and LSE = -inf.
     const Item item_e = decode_item(p, iter);
-    float* lse_g = p.lse ? p.lse + (wide(item_e.b) * p.heads_q + item_e.h) * Nq : nullptr;
+    const SeqSpan sp_e = kPacked ? seq_span(p.cu_q, p.cu_k, item_e.b, p.seqlen_q, p.seqlen_k)
+                                 : SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    float* lse_g = !p.lse ? nullptr
+                   : kPacked ? p.lse + wide(item_e.h) * p.total_q + sp_e.q0
+                             : p.lse + (wide(item_e.b) * p.heads_q + item_e.h) * Nq;
 #pragma unroll
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -745,7 +776,8 @@ struct FwdKernel {
       }
     }
     __syncwarp();
-    Element* o_g = p.o + wide(item_e.b) * p.o_sb + wide(item_e.h) * p.o_sh;
+    Element* o_g =
+        p.o + wide(item_e.b) * p.o_sb + wide(item_e.h) * p.o_sh + wide(sp_e.q0) * p.o_sn;
     constexpr int kOutChunks = kWarpRows * kChunksPerRow;
 #pragma unroll
     for (int i = 0; i < (kOutChunks + 31) / 32; ++i) {
@@ -811,9 +843,9 @@ inline bool bad_stride(int64_t stride, int64_t extent, int64_t elems16) {
 }  // namespace detail
 
 // launch_fwd with an explicit tile (the autotuner and tests use it); launch_fwd picks the default.
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
 int launch_fwd_tiled(const FgFwdArgs& a) {
-  using K = FwdKernel<Variant, Element, kHeadDim, Tile>;
+  using K = FwdKernel<Variant, Element, kHeadDim, Tile, kPacked>;
   using P = typename K::Params;
   // Reference every hook: the kernel skips keep() without a mask and score() without a score
   // mod, never calls the backward's dscore()/param_grad(), and a generated variant in an
@@ -844,27 +876,45 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
     return detail::fail(FG_ERR_BAD_SHAPE, "heads_q %lld is not a multiple of heads_kv %lld",
                         (long long)a.heads_q, (long long)a.heads_kv);
   }
-  if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0) return FG_OK;  // nothing to compute
+  // Packed (varlen) batches (args.h): per-sequence rows from cu_seqlens, batch strides unused.
+  const bool packed = a.cu_seqlens_q != nullptr;
+  if (packed != kPacked) {
+    return detail::fail(FG_ERR_BAD_SHAPE, kPacked ? "this instantiation takes packed batches: "
+                                                    "cu_seqlens_q must be set"
+                                                  : "this instantiation takes padded batches: "
+                                                    "cu_seqlens_q must be null");
+  }
+  if (packed && (!a.cu_seqlens_k || a.total_q < 0 || a.total_k < 0 || a.total_q > kIntMax ||
+                 a.total_k > kIntMax)) {
+    return detail::fail(FG_ERR_BAD_SHAPE,
+                        "packed batch: cu_seqlens_k must be set with cu_seqlens_q, totals "
+                        "(%lld, %lld) in [0, 2^31)", (long long)a.total_q, (long long)a.total_k);
+  }
+  if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0 || (packed && a.total_q == 0)) {
+    return FG_OK;  // nothing to compute
+  }
 
-  const bool reads_kv = a.seqlen_k > 0;
+  const bool reads_kv = a.seqlen_k > 0 && (!packed || a.total_k > 0);
   if (!a.q || !a.out || (reads_kv && (!a.k || !a.v))) {
     return detail::fail(FG_ERR_BAD_SHAPE, "null q/k/v/out pointer");
   }
   constexpr int64_t kE16 = 16 / int64_t(sizeof(Element));  // elements per 16 bytes
   using detail::bad_stride;
   using detail::misaligned;
-  const bool q_bad = misaligned(a.q) || bad_stride(a.q_stride_b, a.batch, kE16) ||
+  const int64_t nb = packed ? 1 : a.batch;  // extents of the batch and row dims
+  const int64_t rows_q = packed ? a.total_q : a.seqlen_q, rows_k = packed ? a.total_k : a.seqlen_k;
+  const bool q_bad = misaligned(a.q) || bad_stride(a.q_stride_b, nb, kE16) ||
                      bad_stride(a.q_stride_h, a.heads_q, kE16) ||
-                     bad_stride(a.q_stride_n, a.seqlen_q, kE16);
-  const bool o_bad = misaligned(a.out) || bad_stride(a.o_stride_b, a.batch, kE16) ||
+                     bad_stride(a.q_stride_n, rows_q, kE16);
+  const bool o_bad = misaligned(a.out) || bad_stride(a.o_stride_b, nb, kE16) ||
                      bad_stride(a.o_stride_h, a.heads_q, kE16) ||
-                     bad_stride(a.o_stride_n, a.seqlen_q, kE16);
-  const bool k_bad = reads_kv && (misaligned(a.k) || bad_stride(a.k_stride_b, a.batch, kE16) ||
+                     bad_stride(a.o_stride_n, rows_q, kE16);
+  const bool k_bad = reads_kv && (misaligned(a.k) || bad_stride(a.k_stride_b, nb, kE16) ||
                                   bad_stride(a.k_stride_h, a.heads_kv, kE16) ||
-                                  bad_stride(a.k_stride_n, a.seqlen_k, kE16));
-  const bool v_bad = reads_kv && (misaligned(a.v) || bad_stride(a.v_stride_b, a.batch, kE16) ||
+                                  bad_stride(a.k_stride_n, rows_k, kE16));
+  const bool v_bad = reads_kv && (misaligned(a.v) || bad_stride(a.v_stride_b, nb, kE16) ||
                                   bad_stride(a.v_stride_h, a.heads_kv, kE16) ||
-                                  bad_stride(a.v_stride_n, a.seqlen_k, kE16));
+                                  bad_stride(a.v_stride_n, rows_k, kE16));
   const bool lse_bad = a.lse && (reinterpret_cast<uintptr_t>(a.lse) & 3u) != 0;
   if (q_bad || k_bad || v_bad || o_bad || lse_bad) {
     return detail::fail(FG_ERR_ALIGNMENT,
@@ -881,10 +931,13 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   p.v = static_cast<const Element*>(reads_kv ? a.v : a.q);
   p.o = static_cast<Element*>(a.out);
   p.lse = a.lse;
-  p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
-  p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
-  p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
-  p.o_sb = a.o_stride_b, p.o_sh = a.o_stride_h, p.o_sn = a.o_stride_n;
+  p.cu_q = packed ? a.cu_seqlens_q : nullptr;
+  p.cu_k = packed ? a.cu_seqlens_k : nullptr;
+  p.q_sb = packed ? 0 : a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+  p.k_sb = packed ? 0 : a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+  p.v_sb = packed ? 0 : a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+  p.o_sb = packed ? 0 : a.o_stride_b, p.o_sh = a.o_stride_h, p.o_sn = a.o_stride_n;
+  p.total_q = a.total_q;
   p.heads_q = int(a.heads_q);
   p.group = int(a.heads_q / a.heads_kv);
   p.seqlen_q = int(a.seqlen_q);
@@ -936,10 +989,11 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
 }
 
 // Entry point used by generated translation units.
-template <class Variant, class Element, int kHeadDim>
+// kPacked: packed (varlen) batches only (args.h); false: padded batches only.
+template <class Variant, class Element, int kHeadDim, bool kPacked = false>
 int launch_fwd(const FgFwdArgs& args) {
   return launch_fwd_tiled<Variant, Element, kHeadDim,
-                          typename DefaultFwdTile<Variant, kHeadDim>::type>(args);
+                          typename DefaultFwdTile<Variant, kHeadDim>::type, kPacked>(args);
 }
 
 }  // namespace cuda
