@@ -447,3 +447,25 @@ def test_cuda_deterministic_and_metadata_errors(_cuda_built):
         c(q, k, v, cu_seqlens_q=torch.tensor([0, 1, 0, 1000, 1037, 1550], dtype=torch.int32, device="cuda"),
           cu_seqlens_k=kw["cu_seqlens_k"])
 
+
+
+CUDA_HEAD_DIMS = (32, 72, 160, 256)  # with 64 and 128 above: both kernel tile classes, odd multiples of 8
+
+
+@pytest.fixture(scope="module")
+def _cuda_head_dims_built():
+    if not _cuda_varlen():
+        pytest.skip("the CUDA family does not take packed batches in this version (ops.VARLEN_BACKENDS)")
+    jobs = [(d, "packed") for d in CUDA_HEAD_DIMS] + [(d, "padded") for d in (72, 160)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        list(pool.map(lambda j: op("causal").build("cuda", ["bf16"], [j[0]], layouts=(j[1],)), jobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", CUDA_HEAD_DIMS)
+def test_cuda_head_dims(d, _cuda_head_dims_built):
+    """Head dims across the supported range, packed (and padded where no other GPU test has them)."""
+    run_case("causal", [1, 0, 300, 37], [5, 3, 300, 64], 4, 2, d, torch.bfloat16, device="cuda", seed=d)
+    if d in (72, 160):
+        from variant_cases import run_case as run_padded
+        run_padded("causal", 2, 4, 2, 131, 300, d, torch.bfloat16, device="cuda", seed=d)
