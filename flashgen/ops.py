@@ -453,7 +453,7 @@ class AttentionOp:
             hds: list[int] = [8]
         else:
             hds = list(head_dims) if head_dims is not None else [d for d in (64, 128) if d in self.head_dims("cuda")]
-        layouts = tuple(layouts)
+        layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
         for lay in layouts:
             if lay not in ("padded", "packed"):
                 raise ValueError(f"layouts: unknown layout {lay!r} (expected 'padded' and/or 'packed')")
@@ -919,6 +919,9 @@ def _register(op: AttentionOp, qualname: str):
         ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
     def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: the backward kernels are not differentiable
+            raise NotImplementedError(f"{op.name}: double backward (create_graph=True) is not supported: the "
+                                      "backward kernels have no derivative of their own")
         q, k, v, out, lse, dropout_state, cu_q, cu_k, *tensors = ctx.saved_tensors
         dropout = (ctx.dropout_p, dropout_state) if ndrop else ()
         varlen = {} if cu_q is None and cu_k is None else {
@@ -961,13 +964,18 @@ def _register(op: AttentionOp, qualname: str):
         packed = None
         if any(x is not None for x in varlen):
             packed = packed_of(q, k, v, tuple(varlen) + (None,) * (4 - len(varlen)))
-            for name, t in (("out", out), ("dout", dout)):
-                if t.shape != q.shape:
-                    raise ValueError(f"{name}: shape {tuple(t.shape)} differs from q's {tuple(q.shape)}")
-            want = (q.shape[1], q.shape[0])
-            for name, t in (("lse", lse), ("dlse", dlse)):
-                if t is not None and tuple(t.shape) != want:
-                    raise ValueError(f"{name}: expected shape [heads, total_q] = {want}, got {tuple(t.shape)}")
+        # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
+        for name, t in (("out", out), ("dout", dout)):
+            if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (like q), "
+                                 f"got {_describe_tensor(t)}")
+        want, what = ((q.shape[1], q.shape[0]), "[heads, total_q]") if packed is not None else \
+            (tuple(q.shape[:3]), "[batch, heads, seqlen_q]")
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is not None and (tuple(t.shape) != want or t.dtype != torch.float32 or t.device != q.device):
+                raise ValueError(f"{name}: expected a float32 tensor of shape {what} = {want} on {q.device}, "
+                                 f"got {_describe_tensor(t)}")
+        lse = lse.contiguous()
         if dropout:
             op.check_dropout(q, *dropout)
         return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,

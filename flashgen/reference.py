@@ -230,8 +230,12 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
-    lse = torch.cat(lses, 1) if lses else torch.zeros((Hq, 0), dtype=acc, device=q.device)
+    if outs:
+        out, lse = torch.cat(outs, 0), torch.cat(lses, 1)
+    else:  # no sequence has a query: empty results, still attached to the inputs (zero gradients)
+        tie = sum((t.sum() * 0 for t in (q, k, v) if t.is_floating_point()), q.new_zeros(()))
+        out = q.new_zeros(q.shape) + tie
+        lse = torch.zeros((Hq, 0), dtype=acc, device=q.device) + tie.to(acc)
     return (out, lse) if return_lse else out
 
 

@@ -469,3 +469,33 @@ def test_cuda_head_dims(d, _cuda_head_dims_built):
     if d in (72, 160):
         from variant_cases import run_case as run_padded
         run_padded("causal", 2, 4, 2, 131, 300, d, torch.bfloat16, device="cuda", seed=d)
+
+
+def test_reference_without_queries_keeps_autograd():
+    """The float64 reference of a batch whose sequences have no query is still differentiable."""
+    q = torch.randn(0, 4, 32, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(7, 2, 32, dtype=torch.float64, requires_grad=True)
+    out = reference.attention(op("causal"), q, k, k, cu_seqlens_q=cu_seqlens([0]),
+                              cu_seqlens_k=cu_seqlens([7]))
+    out.sum().backward()
+    assert out.shape == (0, 4, 32) and k.grad is not None and (k.grad == 0).all()
+
+
+def test_double_backward_and_raw_backward_inputs_are_refused():
+    c = op("causal")
+    lens = [5, 0, 12]
+    q, k, v, dout = inputs(lens, lens, 4, 2, 32, torch.float32, seed=21)
+    kw = {"cu_seqlens_q": cu_seqlens(lens), "cu_seqlens_k": cu_seqlens(lens)}
+    qq = q.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="double backward"):  # not silent zeros
+        torch.autograd.grad((c(qq, k, v, **kw) ** 2).sum(), qq, create_graph=True)
+    for padded in (False, True):
+        qs, ks, vs, ds = (t.transpose(0, 1)[None][:, :, :5] if padded else t for t in (q, k, v, dout))
+        args = {} if padded else kw
+        out, lse = c.torch_op(qs, ks, vs, 0.125, False, **args)
+        bwd = getattr(torch.ops.flashgen, c.torch_op._schema.name.split("::")[1] + "_bwd")
+        for bad, what in ((lse.double(), "lse"), (lse[..., :1], "lse"), (out.double(), "out"), (ds.double(), "dout")):
+            a = [qs, ks, vs, out, lse, ds]
+            a[{"out": 3, "lse": 4, "dout": 5}[what]] = bad
+            with pytest.raises(ValueError, match=f"^{what}: expected"):
+                bwd(*a, None, 0.125, False, [], **args)
