@@ -309,8 +309,10 @@ class AttentionOp:
                     if size is None:  # a max_seqlen still to be derived from cu_seqlens
                         continue
                     if size < 1:
+                        hint = ("; in a packed batch whose sequences are all empty, pass max_seqlen_q / "
+                                "max_seqlen_k >= 1" if sizes is not None else "")
                         raise ValueError(f"{p.name}: dim {d} = {_dim_text(dim.size)} is {size} for these inputs "
-                                         "and parameters (must be at least 1)")
+                                         f"and parameters (must be at least 1{hint})")
                     got = value.shape[d]
                     if got != size and not (dim.broadcast and got == 1):
                         alt = " or 1" if dim.broadcast else ""
@@ -1020,7 +1022,9 @@ def _shape_text(p: ir.Param) -> str:
 
 def _shape_values(p: ir.Param, ints: dict) -> str:
     sizes = (_eval_dim(d.size, ints) for d in p.shape)
-    return "[" + ", ".join("?" if x is None else str(x) for x in sizes) + "]"
+    # None: a packed batch's max_seqlen, derived from cu_seqlens later (named, not a number)
+    return "[" + ", ".join(f"max_{_dim_text(d.size)}" if x is None else str(x)
+                           for d, x in zip(p.shape, sizes, strict=True)) + "]"
 
 
 def _eval_dim(e: ir.Expr, ints: dict) -> int | None:
