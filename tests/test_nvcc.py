@@ -34,3 +34,29 @@ def test_generated_cuda_compiles(spec, source, arch, tmp_path):
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
     assert "warning" not in res.stderr.lower(), res.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+# Packed (varlen) instantiations are rendered at build time only (generated/ holds the padded
+# ones): compile one forward and one backward the way ops.instantiation asks for them.
+PACKED = [("causal", "fwd", 72), ("alibi", "bwd", 128)]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@pytest.mark.parametrize("spec, kind, head_dim", PACKED, ids=[f"{s}-{k}-hd{d}" for s, k, d in PACKED])
+def test_packed_cuda_compiles(spec, kind, head_dim, tmp_path):
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
+
+    from flashgen import codegen, frontend, ir
+
+    text = codegen.render_instantiation(frontend.parse(ROOT / "specs" / f"{spec}.attn"), "cuda", kind,
+                                        ir.DType("bf16"), head_dim, f"fg_{spec}_{kind}_packed", {"varlen": 1})
+    assert "true>(*args)" in text  # the kPacked entry point
+    src = tmp_path / "k.cu"
+    src.write_text(text)
+    cmd = [NVCC, "-c", "-std=c++17", "-O3", "--use_fast_math", *COMMON_NVCC_FLAGS,
+           "-gencode=arch=compute_90a,code=sm_90a", "-I", str(ROOT / "templates" / "include"),
+           "-o", str(tmp_path / "k.o"), str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    assert "warning" not in res.stderr.lower(), res.stderr
+    assert (tmp_path / "k.o").stat().st_size > 0
