@@ -48,17 +48,18 @@ def threshold(dropout_p: float) -> int:
 
 
 def keep_mask(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-              dropout_p: float, device=None) -> torch.Tensor:
+              dropout_p: float, device=None, batch_offset: int = 0) -> torch.Tensor:
     """Bool [batch, heads, seqlen_q, seqlen_k]: True where dropout keeps the probability
     (b, h: batch index and query head; absolute positions q, kv). One Philox call serves the
     group (q, kv), (q + 8, kv), (q, kv + 8), (q + 8, kv + 8) with bit 3 of q and kv clear; the
-    element takes word (q bit 3) | (kv bit 3) << 1 (philox.h)."""
+    element takes word (q bit 3) | (kv bit 3) << 1 (philox.h). ``batch_offset``: the index of
+    the first batch element (one sequence of a packed batch is batch element b)."""
     if not 0 <= seed < 2**64 or not 0 <= offset < 2**64:
         raise ValueError("seed and offset must lie in [0, 2^64)")
     ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
     kv = ar(seqlen_k).view(1, 1, 1, -1) & MASK32
     q = ar(seqlen_q).view(1, 1, -1, 1) & MASK32
-    bh = (ar(batch).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & MASK32
+    bh = ((ar(batch) + batch_offset).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & MASK32
     out = philox4x32_10(kv & ~8, q & ~8, bh, offset & MASK32, seed & MASK32,
                         ((seed >> 32) ^ (offset >> 32)) & MASK32)
     word = ((q >> 3) & 1) | (((kv >> 3) & 1) << 1)

@@ -315,20 +315,7 @@ def _dropout_keep(seed: int, offset: int, batch: int, heads: int, seqlen_q: int,
     """flashgen.philox.keep_mask for batch elements batch_offset .. batch_offset + batch - 1."""
     from . import philox
 
-    if not batch_offset:
-        return philox.keep_mask(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p, device)
-    if not 0 <= seed < 2**64 or not 0 <= offset < 2**64:
-        raise ValueError("seed and offset must lie in [0, 2^64)")
-    ar = lambda n: torch.arange(n, dtype=torch.int64, device=device)  # noqa: E731
-    kv = ar(seqlen_k).view(1, 1, 1, -1) & philox.MASK32
-    q = ar(seqlen_q).view(1, 1, -1, 1) & philox.MASK32
-    bh = ((ar(batch) + batch_offset).view(-1, 1, 1, 1) * heads + ar(heads).view(1, -1, 1, 1)) & philox.MASK32
-    words = philox.philox4x32_10(kv & ~8, q & ~8, bh, offset & philox.MASK32, seed & philox.MASK32,
-                                 ((seed >> 32) ^ (offset >> 32)) & philox.MASK32)
-    word = ((q >> 3) & 1) | (((kv >> 3) & 1) << 1)
-    picked = torch.where(word == 0, words[0], torch.where(word == 1, words[1], torch.where(word == 2, words[2],
-                                                                                          words[3])))
-    return (picked >> 8) >= philox.threshold(dropout_p)
+    return philox.keep_mask(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p, device, batch_offset)
 
 
 class _RoundGrad(torch.autograd.Function):

@@ -30,12 +30,12 @@ import flashgen  # noqa: E402
 from flashgen.bench import time_fn  # noqa: E402
 
 
-def pairs(spec_name: str, n: int) -> int:
-    if spec_name == "causal":
-        return n * (n + 1) // 2
-    if spec_name == "dense":
-        return n * n
-    raise SystemExit(f"{spec_name}: FLOP count known for causal and dense only")
+def pairs(spec, n: int) -> int:
+    """Visible (query, key) pairs of one sequence of n tokens (the reference's keep mask)."""
+    if spec.params:
+        raise SystemExit(f"{spec.name}: a spec without parameters, please (FLOPs from its mask alone)")
+    keep = flashgen.reference.keep_mask(spec, n, n, "cpu", batch=1, heads=1)
+    return n * n if keep is None else int(keep.sum())
 
 
 def main() -> int:
@@ -57,7 +57,7 @@ def main() -> int:
     lens = [int(x) for x in a.lengths.split(",")]
     H, d, B, mx, total = a.heads, a.head_dim, len(lens), max(lens), sum(lens)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
-    fl = 4 * H * d * sum(pairs(name, n) for n in lens)
+    fl = 4 * H * d * sum(pairs(op.spec, n) for n in lens)
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape):
@@ -68,7 +68,7 @@ def main() -> int:
     Nu = a.uniform_seqlen
     Bu = max(1, 16384 // Nu)
     qu, ku, vu = rnd(Bu, H, Nu, d), rnd(Bu, H, Nu, d), rnd(Bu, H, Nu, d)
-    fl_u = 4 * H * d * Bu * pairs(name, Nu)
+    fl_u = 4 * H * d * Bu * pairs(op.spec, Nu)
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
 
     impls = {
