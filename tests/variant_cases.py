@@ -36,6 +36,8 @@ def alibi_slopes(heads: int, device) -> torch.Tensor:
 def make_params(name: str, B: int, Hq: int, Nq: int, Nk: int, device, g: torch.Generator, variant: int = 0):
     """Parameters for spec ``name``; ``variant`` picks among a few settings (windows, shapes)."""
     cpu = {"device": "cpu", "generator": g}
+    if name in ("causal", "dense"):
+        return {}
     if name == "sliding_window":
         return {"window": (1, 16, 1000)[variant % 3]}
     if name == "alibi":
