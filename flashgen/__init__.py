@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 from . import reference
 from .errors import BuildError, FlashgenError, KernelError, SpecError
 from .ops import AttentionOp, compile, dropout_state
+from .sparsity import BlockMask, block_mask
 
-__all__ = ["AttentionOp", "BuildError", "FlashgenError", "KernelError", "SpecError", "compile", "dropout_state",
+__all__ = ["AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "SpecError", "block_mask", "compile",
+           "dropout_state",
            "reference"]

@@ -16,6 +16,24 @@ _DROPOUT = [("dropout_state", ctypes.c_void_p), ("dropout_threshold", ctypes.c_u
 _VARLEN = [("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("total_q", _i64), ("total_k", _i64)]
 
 
+
+class FgBlockLists(ctypes.Structure):
+    """Block sparsity's per-tile-row lists (args.h, "Block sparsity"); data null: none."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("stride_b", _i64), ("stride_h", _i64),
+                ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
+                ("block_r", ctypes.c_int32), ("block_c", ctypes.c_int32), ("full_kept", ctypes.c_int32)]
+
+
+class FgClassifyArgs(ctypes.Structure):
+    """The block classifier's arguments (args.h, FgClassifyArgs)."""
+
+    _fields_ = [("out", ctypes.c_void_p), ("batch", _i64), ("heads", _i64), ("seqlen_q", _i64), ("seqlen_k", _i64),
+                ("block_r", ctypes.c_int32), ("block_c", ctypes.c_int32), ("rows", ctypes.c_int32),
+                ("cols", ctypes.c_int32), ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p),
+                ("params", ctypes.c_void_p), ("stream", ctypes.c_void_p)]
+
+
 class FgFwdArgs(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
@@ -30,6 +48,7 @@ class FgFwdArgs(ctypes.Structure):
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p),
         *_DROPOUT,
         *_VARLEN,
+        ("kv_blocks", FgBlockLists),
     ]  # fmt: skip
 
 
@@ -47,6 +66,7 @@ class FgBwdArgs(ctypes.Structure):
         ("stream", ctypes.c_void_p), ("params", ctypes.c_void_p), ("dlse", ctypes.c_void_p),
         *_DROPOUT,
         *_VARLEN,
+        ("q_blocks", FgBlockLists), ("kv_blocks", FgBlockLists),
     ]
 
 
@@ -58,7 +78,7 @@ def _header_constants() -> dict[str, int]:
     return consts
 
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 
 def status_name(code: int) -> str:

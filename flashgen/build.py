@@ -73,7 +73,8 @@ def cuda_target(device_index: int) -> Target:
     return Target("cuda", cuda_arch(torch.cuda.get_device_capability(device_index)))
 
 
-# Translation units per instantiation. The backward joins once both kernel families have one.
+# Translation units per instantiation. A CUDA "mask" instantiation (config ("mask", 1)) has only
+# the block classifier (cuda_mask.cu.jinja, flashgen.block_mask).
 KINDS = ("fwd", "bwd")
 
 
@@ -86,6 +87,10 @@ class Instantiation:
     dtype: ir.DType
     head_dim: int | None
     config: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("mask",) if dict(self.config).get("mask") else KINDS
 
     def symbol(self, kind: str = "fwd") -> str:
         """The C entry point of ``kind`` ('fwd' or 'bwd'), stable across machines (it appears in
@@ -115,7 +120,7 @@ class Instantiation:
         return {
             self.source_name(kind): codegen.render_instantiation(
                 self.spec, self.target.backend, kind, self.dtype, self.head_dim, self.symbol(kind), dict(self.config))
-            for kind in KINDS
+            for kind in self.kinds
         }
 
     def _key_fields(self) -> dict:
@@ -214,14 +219,16 @@ class LoadedLibrary:
     def __init__(self, inst: Instantiation, path: Path):
         self.instantiation, self.path = inst, path
         self.lib = ctypes.CDLL(str(path))
-        abi = getattr(self.lib, inst.symbol("fwd") + "_abi")
+        abi = getattr(self.lib, inst.symbol(inst.kinds[0]) + "_abi")
         abi.restype = ctypes.c_int
         if abi() != ABI_VERSION:
             raise OSError(f"{path}: ABI version {abi()} != {ABI_VERSION}")
-        self.fwd = getattr(self.lib, inst.symbol("fwd"))
-        self.bwd = getattr(self.lib, inst.symbol("bwd"), None) if "bwd" in KINDS else None
+        has = lambda k: getattr(self.lib, inst.symbol(k)) if k in inst.kinds else None  # noqa: E731
+        self.fwd, self.bwd, self.classify = has("fwd"), has("bwd"), has("mask")
+        # Block-sparse CUDA instantiations export the tiles their block lists must be made for.
+        self._tiles = {k: getattr(self.lib, inst.symbol(k) + "_tiles", None) for k in ("fwd", "bwd")}
         self.errors = {}
-        for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd)):
+        for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd), ("mask", self.classify)):
             if fn is None:
                 continue
             fn.restype = ctypes.c_int
@@ -229,6 +236,17 @@ class LoadedLibrary:
             if err is not None:
                 err.restype = ctypes.c_char_p
             self.errors[kind] = err
+
+    def tiles(self, major: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
+        """(forward queries x keys, backward main kernel keys x queries, backward dq kernel
+        queries x keys) of a block-sparse CUDA instantiation on a device of compute capability
+        ``major``; None for an instantiation without them."""
+        if self._tiles["fwd"] is None or self._tiles["bwd"] is None:
+            return None
+        f, b = (ctypes.c_int32 * 2)(), (ctypes.c_int32 * 4)()
+        self._tiles["fwd"](ctypes.c_int(major), f)
+        self._tiles["bwd"](b)
+        return (f[0], f[1]), (b[0], b[1]), (b[2], b[3])
 
     def error(self, kind: str) -> str:
         err = self.errors.get(kind)

@@ -62,14 +62,15 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
 
 def compare(spec, q, k, v, out, lse, *, scale=None, atol: float | None = None, dropout_p: float = 0.0,
             dropout_seed: int | None = None, dropout_offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, **params) -> Comparison:
+            max_seqlen_q=None, max_seqlen_k=None, block_mask=None, **params) -> Comparison:
     """Compare a kernel's (out, lse) for inputs q, k, v (and the spec's ``params``) with the
     reference of ``spec``: float64, and in the kernel's precision for the tolerance. With
     ``dropout_p``, the references apply the keep mask regenerated from the kernel's
     ``dropout_seed`` and ``dropout_offset`` (flashgen.dropout_state). With ``cu_seqlens_q`` and
     ``cu_seqlens_k``: the packed layout (q [total_q, Hq, d], out like q, lse [Hq, total_q])."""
     p64, plo = _params_as(params, torch.float64, q.device), _params_as(params, None, q.device)
-    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
+    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset,
+            "block_mask": block_mask}
     drop |= _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     ref64, lse64 = reference.attention(spec, q.double(), k.double(), v.double(), scale=scale, return_lse=True,
                                        **drop, **p64)
@@ -153,7 +154,7 @@ def _longest_q(q: torch.Tensor, cu_seqlens_q) -> int:
 def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: float = 1e-5, params=None,
                   param_grads=None, dropout_p: float = 0.0, dropout_seed: int | None = None,
                   dropout_offset: int = 0, out: torch.Tensor | None = None, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None) -> GradComparison:
+                  cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, block_mask=None) -> GradComparison:
     """Compare a kernel's (dq, dk, dv) — and ``param_grads`` {name: gradient} — for
     loss = Σ out·dout (+ Σ lse·dlse) with the reference's (with the kernel's dropout mask, as
     ``compare``). ``out``: the kernel's own forward output, when available; its rounding then
@@ -163,7 +164,8 @@ def compare_grads(spec, q, k, v, dout, grads, *, scale=None, dlse=None, atol: fl
     params = params or {}
     param_grads = param_grads or {}
     wrt = tuple(param_grads)
-    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset}
+    drop = {"dropout_p": dropout_p, "dropout_seed": dropout_seed, "dropout_offset": dropout_offset,
+            "block_mask": block_mask}
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     g64 = reference_grads(spec, q.double(), k.double(), v.double(), dout.double(), scale=scale,
                           dlse=None if dlse is None else dlse.double(),

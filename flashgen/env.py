@@ -32,6 +32,12 @@ def quiet() -> bool:
     return os.environ.get("FLASHGEN_QUIET", "") not in ("", "0")
 
 
+def auto_block_mask() -> bool:
+    """FLASHGEN_AUTO_BLOCK_MASK=0: on CUDA, do not build block lists per call for masks without a
+    closed-form key range (then every tile in range is visited, with the element mask)."""
+    return os.environ.get("FLASHGEN_AUTO_BLOCK_MASK", "1") not in ("", "0")
+
+
 def cuda_home() -> str | None:
     """CUDA_HOME / CUDA_PATH as torch.utils.cpp_extension sees them (for the nvcc version)."""
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")

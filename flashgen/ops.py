@@ -11,6 +11,7 @@ device with no host synchronisation.
 from __future__ import annotations
 
 import ctypes
+import functools
 import numbers
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 
 from . import build, env, ir, philox
 from . import expr as X
-from .abi import FgBwdArgs, FgFwdArgs, status_name
+from .abi import FgBlockLists, FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError
 from .frontend import HEAD_DIM_MAX, parse
 from .reference import default_scale
@@ -156,8 +157,16 @@ class AttentionOp:
                (b, h, q, kv) depends only on the seed, the offset and those absolute indices
                (Philox4x32-10, flashgen/philox.py): ``flashgen.reference.attention(..,
                dropout_p=, dropout_seed=, dropout_offset=)`` regenerates it exactly.
-            block_mask: reserved for block sparsity; this version raises NotImplementedError
-               when it is set.
+            block_mask: a ``flashgen.BlockMask`` (``flashgen.block_mask(op, ...)`` from this
+               spec's mask, or ``BlockMask.from_pattern``): the kernels visit only its non-empty
+               blocks (the paper's block-sparse FlashAttention); its lists are the authority on
+               which blocks are visited, and a pattern combines with the spec's mask (kept iff
+               both keep). Shape [batch|1, heads|1, ⌈seqlen_q/block⌉, ⌈seqlen_k/block⌉] on q's
+               device (packed layout: batch = number of sequences, max_seqlen_q/k). Built once,
+               reused: the kernels' own tile lists are derived on the device at the first call
+               per tile size and cached on the mask, so later calls add no work and no host
+               synchronisation. A mask from ``flashgen.block_mask`` must be built with the
+               parameter values the call passes.
             cu_seqlens_q, cu_seqlens_k: packed (varlen) batches, as flash_attn's varlen
                interface: int32 [batch + 1] tensors on q's device, starting at 0,
                non-decreasing, ending at total_q and total_k; sequence b owns the query rows
@@ -203,7 +212,11 @@ class AttentionOp:
         if dropout_seed is not None:
             dropout_seed = _check_dropout_seed(dropout_seed)
         if block_mask is not None:
-            raise NotImplementedError("block_mask: block-sparse attention is not supported in this version")
+            from .sparsity import BlockMask
+
+            if not isinstance(block_mask, BlockMask):
+                raise TypeError(f"block_mask: expected a flashgen.BlockMask (flashgen.block_mask or "
+                                f"BlockMask.from_pattern), got {type(block_mask).__name__}")
         packed = _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
         if not isinstance(deterministic, bool):
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
@@ -240,8 +253,48 @@ class AttentionOp:
                 check_dropout_backend(q.device)
                 state = dropout_state(dropout_seed, q.device)
             dropout = (dropout_p, state)
-        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout, **varlen)
+        blocks = {}
+        if block_mask is not None:
+            blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                     grad=torch.is_grad_enabled() and any(
+                                         t.requires_grad for t in (q, k, v, *params.values())
+                                         if isinstance(t, torch.Tensor)))
+            if not varlen:  # the schema's packed-layout arguments come first
+                varlen = {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": None, "max_seqlen_k": None}
+        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
+
+    def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                   grad: bool) -> dict:
+        """The op's block-sparsity arguments for ``block_mask``: its lists for the forward's
+        tiles (and, with ``grad``, the backward's), plus their tile sizes. Checks the mask's
+        shape and device against the call first (ValueError naming block_mask)."""
+        if packed:
+            B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
+            Nq = max_seqlen_q if max_seqlen_q is not None else block_mask.seqlen_q
+            Nk = max_seqlen_k if max_seqlen_k is not None else block_mask.seqlen_k
+            if Nq is None or Nk is None:
+                raise ValueError("block_mask: with cu_seqlens_q, pass max_seqlen_q and max_seqlen_k (the block "
+                                 "grid counts tiles up to them)")
+        else:
+            B, Hq, Nq, d = q.shape
+            Nk = k.shape[2]
+        block_mask.check(B, Hq, Nq, Nk, q.device)
+        if q.device.type == "cuda":
+            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed, sparse=True)
+            (fr, fc), (br, bc), (dr, dc) = _lib_tiles(lib, q.device)
+        else:  # the CPU family takes the lists' tiles as its own
+            bq, bk = block_mask.block_size
+            fr, fc = min(bq, 256), min(bk, 512)
+            br, bc = min(bk, 512), min(bq, 256)
+            dr, dc = fr, fc
+        out = {"block_kv": block_mask.tile_lists(fr, fc, Nq, Nk),
+               "block_meta": [fr, fc, br, bc, dr, dc, int(block_mask.full_kept)]}
+        if grad:
+            out["block_q"] = block_mask.tile_lists(br, bc, Nq, Nk, transpose=True)
+            if q.device.type == "cuda":
+                out["block_dq"] = block_mask.tile_lists(dr, dc, Nq, Nk)
+        return out
 
     def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
         """Validate the op's dropout arguments as the raw op receives them (``__call__`` forms
@@ -409,7 +462,7 @@ class AttentionOp:
     # ------------------------------------------------------------ build
 
     def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int,
-                      packed: bool = False) -> build.Instantiation:
+                      packed: bool = False, sparse: bool = False) -> build.Instantiation:
         """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
         the packed (varlen) layout with ``packed`` (CUDA builds the two apart, so padded calls
         never pay for varlen code; the CPU family takes both at run time)."""
@@ -418,11 +471,12 @@ class AttentionOp:
             return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
         index = device.index if device.index is not None else torch.cuda.current_device()
         return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim,
-                                   env.cuda_fwd_tile() + env.cuda_bwd_tile() + ((("varlen", 1),) if packed else ()))
+                                   env.cuda_fwd_tile() + env.cuda_bwd_tile() + ((("varlen", 1),) if packed else ())
+                                   + ((("sparse", 1),) if sparse else ()))
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
-              layouts: Iterable[str] = ("padded",)) -> list[build.Instantiation]:
+              layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,)) -> list[build.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
@@ -434,6 +488,8 @@ class AttentionOp:
             layouts: "padded" and/or "packed" (varlen batches: cu_seqlens_q, ...); on CUDA each
                 is its own instantiation, built at its first use unless built here. Ignored on
                 CPU, whose kernels take both.
+            sparse: False and/or True: the dense kernels and/or the block-sparse ones (calls with
+                block_mask=), each its own instantiation on CUDA. Ignored on CPU.
 
         Returns the instantiations, now loaded in this process.
         """
@@ -460,35 +516,95 @@ class AttentionOp:
             if lay not in ("padded", "packed"):
                 raise ValueError(f"layouts: unknown layout {lay!r} (expected 'padded' and/or 'packed')")
         packs = sorted({lay == "packed" for lay in layouts}) if device.type == "cuda" else [False]
-        insts = list(dict.fromkeys(self.instantiation(device, dt, hd, pk) for dt in dts for hd in hds
-                                   for pk in packs))
+        sparse = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
+        if not all(isinstance(x, bool) for x in sparse):
+            raise TypeError(f"sparse: expected bools, got {sparse!r}")
+        sps = sorted(set(sparse)) if device.type == "cuda" else [False]
+        insts = list(dict.fromkeys(self.instantiation(device, dt, hd, pk, sp) for dt in dts for hd in hds
+                                   for pk in packs for sp in sps))
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            self._remember(device, inst.dtype, inst.head_dim, lib, ("varlen", 1) in inst.config)
+            self._remember(device, inst.dtype, inst.head_dim, lib, ("varlen", 1) in inst.config,
+                           ("sparse", 1) in inst.config)
         return insts
 
-    def _remember(self, device, dtype, head_dim, lib, packed: bool = False) -> None:
+    def _mask_library(self, device: torch.device) -> build.LoadedLibrary:
+        """The CUDA block classifier of this spec (a small library of its own, built at first use)."""
+        key = (device.type, device.index, "mask")
+        lib = self._libs.get(key)
+        if lib is None:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            inst = build.Instantiation(self.spec, build.cuda_target(index), self.dtypes("cuda")[0], None,
+                                       (("mask", 1),))
+            lib = build.load(inst, announce=_announce)
+            with self._libs_lock:
+                self._libs[key] = lib
+        return lib
+
+    @functools.cached_property
+    def auto_sparse(self) -> bool:
+        """Whether CUDA calls without a block_mask build block lists per call: the spec's mask
+        has no closed-form key range per row (e.g. document ids), so the tiles it rules out are
+        found by the classifier instead of being visited."""
+        from . import codegen
+
+        return self.spec.mask is not None and not codegen.hook_bodies(self.spec)["row_exact"]
+
+    def auto_blocks(self, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
+        """Block lists for a CUDA call without a block_mask, from the classifier at the kernels'
+        own tiles (``kind`` 'fwd' or 'bwd'), or None when not used (see ``auto_sparse``)."""
+        if q.device.type != "cuda" or not self.auto_sparse or not env.auto_block_mask():
+            return None
+        from .sparsity import _lists, classify_cuda
+
+        B, Hq, _, Nq, Nk, d = _dims(q, k, packed)
+        if Nq == 0 or Nk == 0:
+            return None
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, sparse=True)
+        (fr, fc), (br, bc), (dr, dc) = _lib_tiles(lib, q.device)
+        per_b, per_h = self._mask_extents
+        block = self.params_block(values)
+        cu = {}
+        if packed is not None:
+            per_b = True
+            cu = {"cu_seqlens_q": packed.cu_seqlens_q, "cu_seqlens_k": packed.cu_seqlens_k}
+        ext = (B if per_b else 1, Hq if per_h else 1)
+        meta = (fr, fc, br, bc, dr, dc, 1)
+        if kind == "fwd":
+            return Blocks(_lists(classify_cuda(self, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None, None, meta)
+        qst = classify_cuda(self, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
+        dq = classify_cuda(self, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
+        return Blocks(None, _lists(qst), _lists(dq), meta)
+
+    @functools.cached_property
+    def _mask_extents(self) -> tuple[bool, bool]:
+        from .sparsity import mask_extents
+
+        return mask_extents(self.spec)
+
+    def _remember(self, device, dtype, head_dim, lib, packed: bool = False, sparse: bool = False) -> None:
         with self._libs_lock:
-            self._libs[(device.type, device.index, dtype, head_dim, packed)] = lib
+            self._libs[(device.type, device.index, dtype, head_dim, packed, sparse)] = lib
 
     def _library(self, device: torch.device, dtype: ir.DType, head_dim: int,
-                 packed: bool = False) -> build.LoadedLibrary:
+                 packed: bool = False, sparse: bool = False) -> build.LoadedLibrary:
         hd = None if device.type == "cpu" else head_dim
         packed = packed and device.type == "cuda"
-        lib = self._libs.get((device.type, device.index, dtype, hd, packed))
+        sparse = sparse and device.type == "cuda"
+        lib = self._libs.get((device.type, device.index, dtype, hd, packed, sparse))
         if lib is None:
-            lib = build.load(self.instantiation(device, dtype, head_dim, packed), announce=_announce)
-            self._remember(device, dtype, hd, lib, packed)
+            lib = build.load(self.instantiation(device, dtype, head_dim, packed, sparse), announce=_announce)
+            self._remember(device, dtype, hd, lib, packed, sparse)
         return lib
 
     # ------------------------------------------------------------ kernel call
 
     def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
                  dropout_state: torch.Tensor | None = None, *,
-                 packed: Packed | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 packed: Packed | None = None, blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
@@ -500,7 +616,7 @@ class AttentionOp:
             return out, lse
         if q.device.type == "cuda":
             q, k, v = (_aligned(t) for t in (q, k, v))
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None)
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None)
         block = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
@@ -510,6 +626,8 @@ class AttentionOp:
         )  # fmt: skip
         _set_dropout(args, dropout_p, dropout_state)
         _set_varlen(args, packed)
+        if blocks is not None:
+            args.kv_blocks = blocks.fwd()
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -522,7 +640,7 @@ class AttentionOp:
 
     def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
                   need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
-                  packed: Packed | None = None):
+                  packed: Packed | None = None, blocks: Blocks | None = None):
         """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
         the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
         for those not in ``need_param_grads``). With dropout, the forward's ``dropout_p`` and
@@ -556,7 +674,7 @@ class AttentionOp:
         dk_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dv_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dlse = dlse.float().contiguous() if dlse is not None else None
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None)
+        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None)
         if lib.bwd is None:
             raise NotImplementedError(f"{self.name}: the backward pass is not implemented in this version "
                                       "(forward only); call the op under torch.no_grad() or on inputs "
@@ -573,6 +691,8 @@ class AttentionOp:
         )  # fmt: skip
         _set_dropout(args, dropout_p, dropout_state)
         _set_varlen(args, packed)
+        if blocks is not None:
+            args.q_blocks, args.kv_blocks = blocks.bwd()
         if q.device.type == "cuda":
             with torch.cuda.device(q.device):
                 args.num_sms = _num_sms(q.device.index)
@@ -582,6 +702,18 @@ class AttentionOp:
             status = lib.bwd(ctypes.byref(args))
         _check(lib, "bwd", status)
         return dq, dk, dv, pgrads
+
+
+_TILES: dict = {}
+
+
+def _lib_tiles(lib: build.LoadedLibrary, device: torch.device):
+    """A block-sparse CUDA library's tiles on ``device`` (LoadedLibrary.tiles), cached."""
+    key = (id(lib), device.index)
+    hit = _TILES.get(key)
+    if hit is None:
+        hit = _TILES[key] = lib.tiles(torch.cuda.get_device_capability(device)[0])
+    return hit
 
 
 def check_dropout_backend(device: torch.device) -> None:
@@ -616,6 +748,58 @@ class Packed:
     def sizes(self, heads: int) -> dict:
         """The parameter dims (batch, heads, seqlen_q, seqlen_k) of this layout."""
         return {"batch": self.batch, "heads": heads, "seqlen_q": self.max_seqlen_q, "seqlen_k": self.max_seqlen_k}
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A call's validated block lists (flashgen/sparsity.py, args.h's FgBlockLists): ``kv`` for
+    the forward's tiles, ``q`` (transposed) for the backward's key-major pass, ``dq`` for CUDA's
+    deterministic dq kernel; ``meta`` = [fwd rows, fwd cols, bwd rows, bwd cols, dq rows, dq
+    cols (tile sizes in elements), full_kept]."""
+
+    kv: torch.Tensor | None
+    q: torch.Tensor | None
+    dq: torch.Tensor | None
+    meta: tuple[int, ...]
+
+    @staticmethod
+    def lists(t: torch.Tensor | None, block_r: int, block_c: int, full_kept: int) -> FgBlockLists:
+        if t is None:
+            return FgBlockLists()
+        return FgBlockLists(t.data_ptr(), t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0,
+                            t.shape[2], t.shape[3] - 2, block_r, block_c, full_kept)
+
+    def fwd(self) -> FgBlockLists:
+        return self.lists(self.kv, self.meta[0], self.meta[1], self.meta[6])
+
+    def bwd(self) -> tuple[FgBlockLists, FgBlockLists]:
+        return (self.lists(self.q, self.meta[2], self.meta[3], self.meta[6]),
+                self.lists(self.dq, self.meta[4], self.meta[5], self.meta[6]))
+
+
+def check_blocks(kind: str, block_kv, block_q, block_dq, block_meta, B: int, H: int, Nq: int, Nk: int,
+                 device: torch.device, sparse_cuda: bool) -> Blocks | None:
+    """Validate the raw op's block-sparsity arguments (None when block_meta is empty); raises
+    ValueError naming the argument. ``kind``: 'fwd' or 'bwd' (which lists the pass reads)."""
+    if not block_meta:
+        for name, t in (("block_kv", block_kv), ("block_q", block_q), ("block_dq", block_dq)):
+            if t is not None:
+                raise ValueError(f"{name}: given without block_meta")
+        return None
+    meta = tuple(int(x) for x in block_meta)
+    if len(meta) != 7 or min(meta[:6]) < 8 or meta[6] not in (0, 1):
+        raise ValueError(f"block_meta: expected 6 tile sizes >= 8 and full_kept in {{0, 1}}, got {list(block_meta)}")
+    need = [("block_kv", block_kv, meta[0], meta[1], Nq, Nk)] if kind == "fwd" else \
+        [("block_q", block_q, meta[2], meta[3], Nk, Nq)] + \
+        ([("block_dq", block_dq, meta[4], meta[5], Nq, Nk)] if sparse_cuda else [])
+    for name, t, br, bc, nr, nc in need:
+        want = (-(-nr // br), -(-nc // bc) + 2)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 4 or t.device != device \
+                or tuple(t.shape[2:]) != want or t.shape[0] not in (1, B) or t.shape[1] not in (1, H) \
+                or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous int32 tensor [{B}|1, {H}|1, {want[0]}, {want[1]}] on "
+                             f"{device} (the block lists for {br} x {bc} tiles), got {_describe_tensor(t)}")
+    return Blocks(block_kv, block_q, block_dq, meta)
 
 
 def _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
@@ -864,14 +1048,24 @@ def _register(op: AttentionOp, qualname: str):
     ddecl = ", float dropout_p, Tensor? dropout_state" if spec.dropout else ""
     ndrop = 2 if spec.dropout else 0
     vdecl = (", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
-             "SymInt? max_seqlen_k=None")
+             "SymInt? max_seqlen_k=None, Tensor? block_kv=None, Tensor? block_q=None, Tensor? block_dq=None, "
+             "int[] block_meta=[]")
     _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}{ddecl}"
                     f"{vdecl}) -> (Tensor, Tensor)")
 
-    def varlen_of(rest) -> tuple:
-        """The four packed-layout arguments at the end of ``rest`` (None when left out)."""
-        tail = tuple(rest[npar + ndrop:]) if len(rest) > npar + ndrop else ()
+    def varlen_of(rest, start=None) -> tuple:
+        """The four packed-layout arguments after the spec's (None when left out)."""
+        start = npar + ndrop if start is None else start
+        tail = tuple(rest[start:start + 4])
         return tail + (None,) * (4 - len(tail))
+
+    def blocks_of(rest, start=None) -> tuple:
+        """The block-sparsity arguments after the packed layout's: block_kv, block_q, block_dq,
+        block_meta (None / [] when left out)."""
+        start = (npar + ndrop if start is None else start) + 4
+        tail = tuple(rest[start:start + 4])
+        tail = tail + (None,) * (3 - len(tail[:3]))
+        return tail[:3] + (tail[3] if len(tail) > 3 and tail[3] is not None else [],)
 
     def packed_of(q, k, v, varlen) -> Packed | None:
         """The validated packed layout of a raw call (None: padded); checks q, k, v too."""
@@ -885,13 +1079,17 @@ def _register(op: AttentionOp, qualname: str):
     def forward(q, k, v, scale, deterministic, *rest):
         values, dropout = rest[:npar], rest[npar:npar + ndrop]
         packed = packed_of(q, k, v, varlen_of(rest))
+        B, Hq, _, Nq, Nk, _ = _dims(q, k, packed)
+        blocks = check_blocks("fwd", *blocks_of(rest), B, Hq, Nq, Nk, q.device, q.device.type == "cuda")
         if not abs(scale) < FLOAT32_MAX:
             raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
         values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},
                                  packed.sizes(q.shape[1]) if packed is not None else None)
         if dropout:
             op.check_dropout(q, *dropout)
-        return op._forward(q, k, v, scale, values, *dropout, packed=packed)
+        if blocks is None:
+            blocks = op.auto_blocks("fwd", q, k, values, packed)
+        return op._forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
@@ -909,13 +1107,19 @@ def _register(op: AttentionOp, qualname: str):
         q, k, v, scale, deterministic, *rest = inputs
         values, dropout = rest[:npar], rest[npar:npar + ndrop]
         cu_q, cu_k, max_q, max_k = varlen_of(rest)
+        _, block_q, block_dq, block_meta = blocks_of(rest)
+        ctx.block_meta = list(block_meta)
+        if block_meta and block_q is None:
+            raise ValueError("block_q: the backward of a block-sparse call needs its lists (pass block_q, and "
+                             "block_dq on CUDA, or call through the op with block_mask=)")
         out, lse = output
         tensors = [x for x in values if isinstance(x, torch.Tensor)]
         # The dropout state (not its mask) is all the backward needs to regenerate the mask.
         ctx.dropout_p = dropout[0] if dropout else 0.0
         ctx.max_seqlens = (max_q, max_k)
         ctx.ninputs = len(inputs)
-        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, cu_q, cu_k, *tensors)
+        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, cu_q, cu_k, block_q, block_dq,
+                              *tensors)
         ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in values]
         ctx.scale = scale
         ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -924,11 +1128,15 @@ def _register(op: AttentionOp, qualname: str):
         if torch.is_grad_enabled():  # create_graph=True: the backward kernels are not differentiable
             raise NotImplementedError(f"{op.name}: double backward (create_graph=True) is not supported: the "
                                       "backward kernels have no derivative of their own")
-        q, k, v, out, lse, dropout_state, cu_q, cu_k, *tensors = ctx.saved_tensors
+        q, k, v, out, lse, dropout_state, cu_q, cu_k, block_q, block_dq, *tensors = ctx.saved_tensors
         dropout = (ctx.dropout_p, dropout_state) if ndrop else ()
         varlen = {} if cu_q is None and cu_k is None else {
             "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": ctx.max_seqlens[0],
             "max_seqlen_k": ctx.max_seqlens[1]}
+        if ctx.block_meta:
+            varlen.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=ctx.max_seqlens[0],
+                          max_seqlen_k=ctx.max_seqlens[1], block_kv=None, block_q=block_q, block_dq=block_dq,
+                          block_meta=ctx.block_meta)
         it = iter(tensors)
         values = [next(it) if x is None else x for x in ctx.scalars]
         need = ctx.needs_input_grad
@@ -962,10 +1170,13 @@ def _register(op: AttentionOp, qualname: str):
 
     def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
         values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
-        varlen = rest[npar + 1 + ndrop:]
+        varlen = varlen_of(rest, npar + 1 + ndrop)
         packed = None
         if any(x is not None for x in varlen):
-            packed = packed_of(q, k, v, tuple(varlen) + (None,) * (4 - len(varlen)))
+            packed = packed_of(q, k, v, varlen)
+        B, Hq, _, Nq, Nk, _ = _dims(q, k, packed)
+        blocks = check_blocks("bwd", *blocks_of(rest, npar + 1 + ndrop), B, Hq, Nq, Nk, q.device,
+                              q.device.type == "cuda")
         # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
         for name, t in (("out", out), ("dout", dout)):
             if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
@@ -980,8 +1191,10 @@ def _register(op: AttentionOp, qualname: str):
         lse = lse.contiguous()
         if dropout:
             op.check_dropout(q, *dropout)
+        if blocks is None:
+            blocks = op.auto_blocks("bwd", q, k, values, packed)
         return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
-                            packed=packed)
+                            packed=packed, blocks=blocks)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)

@@ -178,7 +178,7 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
               return_lse: bool = False, lowp_matmuls: bool = False, dropout_p: float = 0.0,
               dropout_seed: int | None = None, dropout_offset: int = 0, cu_seqlens_q: torch.Tensor | None = None,
               cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-              max_seqlen_k: int | None = None, **params):
+              max_seqlen_k: int | None = None, block_mask=None, **params):
     """Exact attention of ``spec`` (an ``ir.Spec``, spec text, a path or a compiled op).
 
     Args:
@@ -199,6 +199,9 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
            (positions from its start, its own seqlen_q / seqlen_k, the dropout mask keyed by b);
            max_seqlen_q / max_seqlen_k are accepted for symmetry with the op and only checked
            against the lengths.
+        block_mask: a ``flashgen.BlockMask``: an element is kept only if its block is non-empty
+           (and the spec keeps it), as the kernels' block lists decide (packed layout: sequence
+           b's blocks count from its start).
         **params: the spec's parameters (tensors on q's device, any float dtype for float
            tensors: pass float64 ones with requires_grad for gradients to them).
 
@@ -216,7 +219,9 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:
                 raise ValueError(f"{name}: given without cu_seqlens_q and cu_seqlens_k")
-        out, lse = _attention(spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params)
+        blk = _block_keep(block_mask, None, q.shape[2], k.shape[2], q.device)
+        out, lse = _attention(spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params,
+                              block_keep=blk)
         return (out, lse) if return_lse else out
     cq, ck = _cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     Hq = q.shape[1]
@@ -225,8 +230,9 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         if cq[b + 1] == cq[b]:
             continue
         qs, ks, vs = (t[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0) for t, cu in ((q, cq), (k, ck), (v, ck)))
+        blk = _block_keep(block_mask, b, qs.shape[2], ks.shape[2], q.device)
         o, lse = _attention(spec, qs, ks, vs, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params,
-                            batch_offset=b)
+                            batch_offset=b, block_keep=blk)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -263,8 +269,20 @@ def _cu_seqlens(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) ->
     return out[0], out[1]
 
 
+def _block_keep(block_mask, b: int | None, nq: int, nk: int, device) -> torch.Tensor | None:
+    """Bool [B|1, H|1, nq, nk]: the elements of non-empty blocks (None without a block mask);
+    ``b``: in the packed layout, the sequence (its row of the mask); None: the padded batch."""
+    if block_mask is None:
+        return None
+    st = block_mask.to_dense().to(device) != 0
+    if b is not None and st.shape[0] > 1:
+        st = st[b:b + 1]
+    bq, bk = block_mask.block_size
+    return st.repeat_interleave(bq, dim=2)[:, :, :nq].repeat_interleave(bk, dim=3)[..., :nk]
+
+
 def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_seed, dropout_offset, params,
-               batch_offset: int = 0):
+               batch_offset: int = 0, block_keep: torch.Tensor | None = None):
     """(out, lse) of the padded layout; ``batch_offset``: the index of q's first batch element
     (positions, parameters and the dropout mask see b + batch_offset)."""
     B, Hq, Nq, d = q.shape
@@ -287,6 +305,8 @@ def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_s
     keep = _keep_mask(spec, Nq, Nk, q.device, B, Hq, params, batch_offset)
     if keep is None:
         keep = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device)
+    if block_keep is not None:
+        keep = keep & block_keep
     # A score of −inf (a score expression can make one) counts as masked, as in the kernels.
     keep = keep.expand(s.shape) & ~torch.isneginf(s).detach()
     # Masking by selection ("double where") and a max-subtracted softmax: rows with no visible key

@@ -156,7 +156,7 @@ def test_input_errors_name_the_argument(dense_op):
     error(dense_op, ValueError, "^scale: expected a finite float", q, k, v, scale=float("nan"))
     error(dense_op, ValueError, "^dropout_p=0.1: spec 'dense' declares no dropout; add a line `dropout`", q, k, v,
           dropout_p=0.1)
-    error(dense_op, NotImplementedError, "^block_mask", q, k, v, block_mask=object())
+    error(dense_op, TypeError, "^block_mask: expected a flashgen.BlockMask", q, k, v, block_mask=object())
     error(dense_op, ValueError, "^cu_seqlens_k: required with cu_seqlens_q", q, k, v,
           cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     error(dense_op, TypeError, "^unknown parameter 'window'", q, k, v, window=3)

@@ -38,19 +38,27 @@ def test_generated_cuda_compiles(spec, source, arch, tmp_path):
 
 # Packed (varlen) instantiations are rendered at build time only (generated/ holds the padded
 # ones): compile one forward and one backward the way ops.instantiation asks for them.
-PACKED = [("causal", "fwd", 72), ("alibi", "bwd", 128)]
+# Block-sparse (block_mask=) instantiations likewise, alone and with the packed layout, and the
+# block classifier (flashgen.block_mask on CUDA).
+PACKED = [("causal", "fwd", 72, {"varlen": 1}), ("alibi", "bwd", 128, {"varlen": 1}),
+          ("document", "fwd", 128, {"sparse": 1}), ("causal", "bwd", 64, {"sparse": 1}),
+          ("alibi", "bwd", 128, {"sparse": 1, "varlen": 1}),
+          ("document", "mask", None, {"mask": 1}), ("alibi", "mask", None, {"mask": 1})]  # block classifiers
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-@pytest.mark.parametrize("spec, kind, head_dim", PACKED, ids=[f"{s}-{k}-hd{d}" for s, k, d in PACKED])
-def test_packed_cuda_compiles(spec, kind, head_dim, tmp_path):
+@pytest.mark.parametrize("spec, kind, head_dim, config", PACKED,
+                         ids=[f"{s}-{k}-hd{d}-{'-'.join(c)}" for s, k, d, c in PACKED])
+def test_packed_cuda_compiles(spec, kind, head_dim, config, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     from flashgen import codegen, frontend, ir
 
     text = codegen.render_instantiation(frontend.parse(ROOT / "specs" / f"{spec}.attn"), "cuda", kind,
-                                        ir.DType("bf16"), head_dim, f"fg_{spec}_{kind}_packed", {"varlen": 1})
-    assert "true>(*args)" in text  # the kPacked entry point
+                                        ir.DType("bf16"), head_dim, f"fg_{spec}_{kind}_x", config)
+    want = ", true, true>(*args)" if len(config) == 2 else ", false, true>(*args)" if "sparse" in config \
+        else "launch_classify<" if "mask" in config else ", true>(*args)"
+    assert want in text  # the kPacked / kSparse entry point
     src = tmp_path / "k.cu"
     src.write_text(text)
     cmd = [NVCC, "-c", "-std=c++17", "-O3", "--use_fast_math", *COMMON_NVCC_FLAGS,

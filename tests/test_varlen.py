@@ -269,7 +269,7 @@ def test_metadata_errors_name_the_argument():
         c(q, k, v)
     with pytest.raises(ValueError, match="^k: head_dim 40 differs from q's 32"):
         c(q, torch.randn(10, 1, 40), torch.randn(10, 1, 40), cu_seqlens_q=cq, cu_seqlens_k=ck)
-    with pytest.raises(NotImplementedError, match="^block_mask"):
+    with pytest.raises(TypeError, match="^block_mask: expected a flashgen.BlockMask"):
         c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, block_mask=object())
     # numpy-style integral max_seqlen values are ints
     import numpy as np

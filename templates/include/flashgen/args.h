@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 4
+#define FG_ABI_VERSION 5
 
 #ifdef __cplusplus
 extern "C" {
@@ -55,6 +55,55 @@ extern "C" {
 // Layout (PyTorch SDPA's): q [B, Hq, Nq, d], k/v [B, Hkv, Nk, d], out like q; strides are in
 // elements, the last dim is contiguous (stride 1). lse is fp32, natural log, contiguous
 // [B, Hq, Nq]; -inf for a row that sees no key (whose out row is 0).
+// Block sparsity (block_mask=; the paper's block-sparse FlashAttention, Dao et al. 2022, Sec. 3.3),
+// the last fields of both blocks. An FgBlockLists with data == null: no block lists (the kernels
+// visit every tile of the variant's closed-form [kv_lo, kv_hi) range, as before). Otherwise it
+// lists, for each tile row of each (batch b, query head h), the tiles of that row to visit:
+//   row r of (b, h) starts at data + b * stride_b + h * stride_h + r * (2 + cols) and holds
+//   [n_partial, n_full, idx_0, ..., idx_{cols-1}]: idx_0 .. idx_{n_partial-1} are the partial
+//   tiles (apply the element mask), idx_{n_partial} .. idx_{n_partial+n_full-1} the full tiles
+//   (the block lists say every element is kept; the variant's own mask, bounds and tile_full
+//   still apply, as on any tile); the rest is unused. Indices are distinct, in [0, cols).
+//   stride_b / stride_h are 0 when the lists are shared by all batch entries / heads.
+//   rows x cols tiles of block_r x block_c elements: kv lists (FgFwdArgs::kv_blocks,
+//   FgBwdArgs::kv_blocks) have a row per query tile (block_r queries) listing key tiles
+//   (block_c keys); q lists (FgBwdArgs::q_blocks, the transpose) a row per key tile (block_r
+//   keys) listing query tiles (block_c queries).
+// The block lists are the authority on which tiles are visited: a tile they leave out is never
+// loaded, even when the variant's mask would keep some of its elements; a row with no tile writes
+// out 0 and lse -inf. CUDA kernels take lists whose tile size equals their own (else
+// FG_ERR_BAD_SHAPE); CPU kernels use block_r x block_c as their tiles. Packed layout: b is the
+// sequence and tiles count from the sequence's start. The host builds the lists on the inputs'
+// device (flashgen.BlockMask), so a call reads no value of them on the host.
+typedef struct FgBlockLists {
+  const int32_t* data;
+  int64_t stride_b, stride_h;  // in int32 elements
+  int32_t rows, cols;
+  int32_t block_r, block_c;
+  int32_t full_kept;  // 1: the lists come from the variant's own mask (flashgen.block_mask), so
+                      // a full tile keeps every element under it and kernels may skip keep()
+                      // there; 0: full only means the block pattern keeps the whole tile
+} FgBlockLists;
+
+// Block classification of a variant's mask (flashgen.block_mask and the kernels' own block lists;
+// exported by CUDA "mask" instantiations as fg_<spec>_mask_<dtype>(const FgClassifyArgs*)):
+// out[((b * heads + h) * rows + r) * cols + c] = 0 when no element of block (r, c) of (batch b,
+// query head h) is kept, 2 when every in-bounds element is, 1 otherwise; blocks are block_r
+// queries x block_c keys, rows = ceil(seqlen_q / block_r), cols = ceil(seqlen_k / block_c).
+// batch / heads are the extents evaluated (pass 1 for a dim the mask does not depend on: b or h
+// is then 0). Packed layout (cu_seqlens_q set): b is the sequence, blocks count from its start,
+// and the hooks see its own lengths (blocks past its end are 0). Out-of-bounds elements count
+// neither way. Launched on `stream`, no host synchronisation.
+typedef struct FgClassifyArgs {
+  int8_t* out;
+  int64_t batch, heads, seqlen_q, seqlen_k;
+  int32_t block_r, block_c, rows, cols;
+  const int32_t* cu_seqlens_q;  // null: padded layout
+  const int32_t* cu_seqlens_k;
+  const void* params;           // the variant's Params (may be null when it is empty)
+  void* stream;
+} FgClassifyArgs;
+
 typedef struct FgFwdArgs {
   const void* q;
   const void* k;
@@ -76,6 +125,7 @@ typedef struct FgFwdArgs {
   const int32_t* cu_seqlens_q;    // null: padded layout; packed: int32 [batch + 1], inputs' device
   const int32_t* cu_seqlens_k;    // set iff cu_seqlens_q is set
   int64_t total_q, total_k;       // packed: the token counts (cu_seqlens_*[batch]); padded: 0
+  FgBlockLists kv_blocks;         // block sparsity (see above); data null: none
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved
@@ -129,6 +179,10 @@ typedef struct FgBwdArgs {
   const int32_t* cu_seqlens_q;
   const int32_t* cu_seqlens_k;
   int64_t total_q, total_k;
+  // Block sparsity, as in FgFwdArgs: q lists for the key-tile-major pass, kv lists for a
+  // query-tile-major pass (CUDA's deterministic dQ kernel); data null: none.
+  FgBlockLists q_blocks;
+  FgBlockLists kv_blocks;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

@@ -26,7 +26,10 @@
 //     // skeleton then skips the per-element mask (bounds are still its own concern).
 //     static bool tile_full(const Params&, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi,
 //                           int seqlen_q, int seqlen_k);
-//     // Element mask: true keeps score (q, kv).
+//     // Element mask: true keeps score (q, kv). The CUDA kernels may also call it for (q, kv)
+//     // past seqlen_q / seqlen_k or outside [kv_lo, kv_hi) inside a visited tile (and discard the
+//     // result), so that a tile's reads of one row or column are shared: it must be free of side
+//     // effects and memory-safe there (generated code clamps every parameter index into range).
 //     static bool keep(const Params&, int b, int h, int q, int kv, int seqlen_q, int seqlen_k);
 //     // Score modification; s is the scaled score in natural units (scale * q.k).
 //     static float score(const Params&, float s, int b, int h, int q, int kv, int seqlen_q,

@@ -37,6 +37,19 @@
 // tasks, which write dk = dv = 0). The D and dQ passes run over the Hq x total_q rows of the
 // per-row buffers. The metadata is re-checked here (FG_ERR_BAD_SHAPE when inconsistent).
 //
+// Block sparsity (args.q_blocks.data set; layout in args.h; args.kv_blocks is not read here):
+// kv tiles of block_r keys, q tiles of block_c queries (bwd_choose_tiles and
+// FLASHGEN_CPU_BWD_TILES are skipped). For kv tile kt and each query head h of its group, a task
+// visits only the q tiles listed in row kt of (b, h), in increasing order; the [kv_lo, kv_hi)
+// test, the lse == -inf trimming and tile_full apply to them as to any tile, except that a
+// listed-partial tile always runs the element mask (the spec's mask applies on top of the lists)
+// and a listed-full one skips it when full_kept is set (as in fwd.h). A kv tile that no q tile
+// lists writes dk = dv = 0; a query row no tile reaches keeps dq = 0 (its forward lse is -inf).
+// The segment models (bwd_plan, bwd_plan_packed) count listed tiles: a kv tile's work is
+// qb x (its width + 16) x its mean listed count over batch and query heads (each capped at the
+// sequence's q tiles). Validation (FG_ERR_BAD_SHAPE before any work; rows x cols must be
+// ceil(seqlen_k / block_r) x ceil(seqlen_q / block_c)) and malformed lists: as fwd.h.
+//
 // Score mods (Variant::kHasScoreMod; the "mod path", also taken for kHasParamGrad alone, where
 // score() is the identity): the chain rule through s' = score(s), as the contract's "Backward
 // with a score mod" says. Per (q tile, kv tile):
@@ -83,10 +96,11 @@
 // are NOT used (may be null).
 //
 // Which (q tile, kv tile) pairs run: query tile [q_lo, q_hi) of head h meets kv tile [k0, k1) iff
-// [Variant::kv_lo, Variant::kv_hi) for (b, h) (clamped to [0, seqlen_k]) intersects it; keys
-// outside that range count as masked, as in the forward. The per-element mask runs only where
-// tile_full is false; then rows and columns that keep nothing are trimmed from both ends of the
-// tile. Rows with lse == -inf are trimmed/zeroed too: they contribute nothing.
+// [Variant::kv_lo, Variant::kv_hi) for (b, h) (clamped to [0, seqlen_k]) intersects it (and, with
+// block lists, row kt of (b, h) lists the q tile); keys outside that range count as masked, as in
+// the forward. The per-element mask runs only where tile_full is false; then rows and columns
+// that keep nothing are trimmed from both ends of the tile. Rows with lse == -inf are
+// trimmed/zeroed too: they contribute nothing.
 //
 // Gemms: fp32 in, fp32 out, the same two backends as the forward (see fwd.h, "gemm
 // backends"): register-blocked 6x16 AVX2/FMA micro-kernels by default (K^T and V^T are packed
@@ -111,8 +125,8 @@
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
 //
-// Tiles: see bwd_choose_tiles(); per-thread scratch O((qb + kvb) * d + qb * kvb) floats (one
-// more qb x kvb tile on the mod path).
+// Tiles: see bwd_choose_tiles() (block lists: theirs); per-thread scratch
+// O((qb + kvb) * d + qb * kvb) floats (one more qb x kvb tile on the mod path).
 // Build requirements: as fwd.h (-fopenmp at compile and link, -O3 -march=native).
 //
 // This header includes fwd.h and reuses its detail:: helpers (f8 vectors, exp2v, Conv<E>
@@ -388,6 +402,7 @@ struct BwdPlan {
   bool blas, mod;                       // mod: the score-mod path (bwd_mod_path)
   Dropout dr;                           // the forward's dropout (dr.on: regenerate its mask)
   Seqs sq;                              // the layout (padded, or packed with cu_seqlens)
+  const FgBlockLists* qbl = nullptr;    // block lists (args.q_blocks), or null: none
   int64_t nrows = 0;                    // rows of a dQ buffer: B * Hq * Nq, packed Hq * total_q
   std::vector<int64_t> seg_begin;       // nseg + 1 kv-tile boundaries (packed: per sequence)
   std::vector<int64_t> tasks;           // task ids (bkv * nseg + seg), heaviest first
@@ -398,10 +413,23 @@ struct BwdPlan {
   }
 };
 
+// Work model of the block lists: the mean over query heads (just head 0 when the lists are
+// shared by all heads) of the listed tile count of row r of batch element / sequence b, each
+// count capped at lim (the tiles that exist).
+static inline double block_mean(const FgBlockLists& l, int64_t b, int64_t heads, int64_t r,
+                                int64_t lim) {
+  const int64_t nh = l.stride_h ? heads : 1;
+  double sum = 0.0;
+  for (int64_t h = 0; h < nh; ++h)
+    sum += double(std::min(block_count(block_row(l, b, h, r), l.cols), lim));
+  return nh > 0 ? sum / double(nh) : 0.0;
+}
+
 template <class Variant>
 static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const int64_t B = a.batch, Hkv = a.heads_kv, Nq = a.seqlen_q, Nk = a.seqlen_k;
-  const BwdTiles t = bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim, pl.dr.on);
+  const BwdTiles t = pl.qbl ? BwdTiles{pl.qbl->block_c, pl.qbl->block_r}
+                            : bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim, pl.dr.on);
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
@@ -423,9 +451,16 @@ static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, Bw
   for (int64_t kt = 0; kt < pl.nkvt; ++kt) {
     const int64_t k0 = kt * t.kvb, k1 = std::min(k0 + t.kvb, Nk);
     double w = double(k1 - k0) * 8.0;  // write-back
-    for (int64_t qt = 0; qt < pl.nqt; ++qt) {
-      const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
-      if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+    if (pl.qbl) {  // block lists: the mean listed q tile count of the kv tile's rows
+      double listed = 0.0;
+      const int64_t nb = pl.qbl->stride_b ? B : 1;
+      for (int64_t b = 0; b < nb; ++b) listed += block_mean(*pl.qbl, b, a.heads_q, kt, pl.nqt);
+      w += double(t.qb) * double(k1 - k0 + 16) * listed / double(nb);
+    } else {
+      for (int64_t qt = 0; qt < pl.nqt; ++qt) {
+        const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
+        if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+      }
     }
     prefix[kt + 1] = prefix[kt] + w;
   }
@@ -555,7 +590,8 @@ template <class Variant>
 static void bwd_plan_packed(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const Seqs& sq = pl.sq;
   const int64_t B = a.batch, Hkv = a.heads_kv;
-  const BwdTiles t = bwd_choose_tiles<Variant>(prm, sq.nq, sq.nk, a.head_dim, pl.dr.on);
+  const BwdTiles t = pl.qbl ? BwdTiles{pl.qbl->block_c, pl.qbl->block_r}
+                            : bwd_choose_tiles<Variant>(prm, sq.nq, sq.nk, a.head_dim, pl.dr.on);
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = sq.nq > 0 ? (sq.nq + t.qb - 1) / t.qb : 0;
@@ -584,9 +620,14 @@ static void bwd_plan_packed(const FgBwdArgs& a, const typename Variant::Params& 
     for (int64_t kt = 0; kt < nkvt; ++kt) {
       const int64_t k0 = kt * t.kvb, k1 = std::min(k0 + t.kvb, Nk);
       double w = double(k1 - k0) * 8.0;  // write-back
-      for (int64_t qt = 0; qt < nqt; ++qt) {
-        const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
-        if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+      if (pl.qbl) {  // block lists: the mean listed q tile count (within the sequence's tiles)
+        const int64_t bb = pl.qbl->stride_b ? b : 0;
+        w += double(t.qb) * double(k1 - k0 + 16) * block_mean(*pl.qbl, bb, a.heads_q, kt, nqt);
+      } else {
+        for (int64_t qt = 0; qt < nqt; ++qt) {
+          const int64_t ov = std::min(k1, q_kvhi[qt]) - std::max(k0, q_kvlo[qt]);
+          if (ov > 0) w += double(std::min(t.qb, Nq - qt * t.qb)) * double(ov + 16);
+        }
       }
       pre[kt + 1] = pre[kt] + w;
     }
@@ -601,6 +642,7 @@ struct BwdWork {
   float* Pd;               // dropout: P ∘ keep / (1 − p), laid out like S (else null)
   int64_t *rlo, *rhi;      // the task's kv range per (query head of the group, q tile)
   uint8_t *mask, *colkeep;
+  uint8_t* tflag;          // block lists: the listed q tiles of the current (kv tile, head)
   int64_t ldS;
 };
 
@@ -617,6 +659,7 @@ static inline size_t bwd_work_bytes(const BwdPlan& pl, int64_t d) {
   off += 2 * al64(sizeof(int64_t) * pl.group * pl.nqt);  // rlo, rhi
   off += 2 * al64(sizeof(float) * qb);         // L, D
   off += al64(qb * kvb) + al64(kvb);           // mask, colkeep
+  off += pl.qbl ? al64(std::max<int64_t>(pl.nqt, pl.qbl->cols) + 1) : 0;  // tflag
   return off;
 }
 
@@ -653,6 +696,12 @@ static inline BwdWork bwd_work_carve(const BwdPlan& pl, int64_t d, char* base) {
   w.D = reinterpret_cast<float*>(take(sizeof(float) * qb));
   w.mask = reinterpret_cast<uint8_t*>(take(qb * kvb));
   w.colkeep = reinterpret_cast<uint8_t*>(take(kvb));
+  w.tflag = nullptr;
+  if (pl.qbl) {  // zeroed once: every flag that is set is cleared as its tile is visited
+    const int64_t nf = std::max<int64_t>(pl.nqt, pl.qbl->cols) + 1;
+    w.tflag = reinterpret_cast<uint8_t*>(take(nf));
+    memset(w.tflag, 0, nf);
+  }
   return w;
 }
 
@@ -672,6 +721,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
   const int nq_i = (int)Nq, nk_i = (int)Nk;
   const bool blas = pl.blas;
   const float alpha = a.scale * kLog2e;
+  const bool sparse = pl.qbl != nullptr;
   // Score-mod path: G holds dscore(s) (no parameter gradient: the DS epilogue multiplies it in)
   // or s itself (parameter gradient: dscore and param_grad run together after the DS epilogue).
   constexpr bool kMod = bwd_mod_path<Variant>();
@@ -720,8 +770,22 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
           static_cast<const T*>(a.q) + b * a.q_stride_b + h * a.q_stride_h + q_row0 * a.q_stride_n;
       const T* dOh = static_cast<const T*>(a.dout) + b * a.do_stride_b + h * a.do_stride_h +
                      q_row0 * a.do_stride_n;
+      // Block lists: only the q tiles listed in row kt of (b, h), flagged in w.tflag (each flag
+      // cleared as the loop below passes it).
+      if (sparse &&
+          block_mark(block_row(*pl.qbl, b, h, kt), pl.qbl->cols, 0,
+                     std::min<int64_t>(nqt, pl.qbl->cols), w.tflag) == 0)
+        continue;
 
       for (int64_t qt = 0; qt < nqt; ++qt) {
+        int listed = 0;  // as in fwd.h: 1 partial (mask), 2 full (no keep() with full_kept)
+        if (sparse) {
+          const uint8_t f = w.tflag[qt];
+          if (!f) continue;
+          w.tflag[qt] = 0;
+          listed = (f & 1) ? 1 : 2;
+        }
+        (void)listed;
         const int64_t cs = std::max(k0, rlo[qt]), ce = std::min(k1, rhi[qt]);
         if (cs >= ce) continue;
         const int64_t q_lo = qt * qb, mq = std::min(qb, Nq - q_lo);
@@ -734,8 +798,11 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         int64_t c0 = cs - k0, c1 = ce - k0;  // tile columns
         bool full = true, holes = false;
         if constexpr (Variant::kHasMask) {
-          full = Variant::tile_full(prm, bi, hi_, (int)(q_lo + r0), (int)(q_lo + r1), (int)cs,
-                                    (int)ce, nq_i, nk_i);
+          full = listed == 1   ? false
+                 : listed == 2 && pl.qbl->full_kept
+                     ? true
+                     : Variant::tile_full(prm, bi, hi_, (int)(q_lo + r0), (int)(q_lo + r1),
+                                          (int)cs, (int)ce, nq_i, nk_i);
           if (!full) {
             memset(w.colkeep + c0, 0, c1 - c0);
             int64_t nr0 = r1, nr1 = r0;
@@ -1018,6 +1085,7 @@ int run_bwd(const FgBwdArgs& args) {
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
   if (B < 0 || Hq < 0 || Hkv < 0 || Nq < 0 || Nk < 0 || Nq > FG_MAX_SEQLEN || Nk > FG_MAX_SEQLEN)
     return FG_ERR_BAD_SHAPE;
+  if (!blocks_ok(a.q_blocks, Nk, Nq)) return FG_ERR_BAD_SHAPE;  // a.kv_blocks: unused here
   if (B == 0 || (Hq == 0 && Hkv == 0)) return FG_OK;
   if (Hkv == 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
   Seqs sq;
@@ -1042,6 +1110,7 @@ int run_bwd(const FgBwdArgs& args) {
     BwdPlan pl;
     pl.dr = dropout_of<Variant>(a);
     pl.sq = sq;
+    pl.qbl = a.q_blocks.data ? &a.q_blocks : nullptr;
     pl.nrows = sq.rows_q(Hq);
     if (sq.packed())
       bwd_plan_packed<Variant>(a, prm, pl);

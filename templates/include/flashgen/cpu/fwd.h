@@ -29,6 +29,24 @@
 // contiguous chunks. The padded layout's split and code path are unchanged. The metadata is
 // re-checked here (O(batch) reads; FG_ERR_BAD_SHAPE when inconsistent).
 //
+// Block sparsity (args.kv_blocks.data set; layout in args.h): the lists' tiles are the kernel's
+// (choose_tiles and FLASHGEN_CPU_TILES are skipped): qb = block_r, and kv tiles of block_c keys,
+// any multiple of 8 up to 512 (K^T panels are zero-padded to 16 columns; the kernels take row
+// tails). A task is still (b, h, query tile r) (packed: the sequence's own tiles), but it visits
+// only the kv tiles listed in row r of (b, h), in increasing order, each clipped to
+// [kv_lo, kv_hi) and seqlen_k like any tile (one entirely outside is skipped); adjacent listed
+// tiles of one kind in one aligned chunk of kvb keys are taken as one step (see sparse_tiles). A
+// listed-partial tile always takes the element-mask path (Variant::keep, when kHasMask); a
+// listed-full one is an ordinary tile (tile_full decides: the spec's mask applies on top of the
+// lists) or, with full_kept set (lists made from the variant's own mask), one known to be kept
+// throughout: keep() is skipped. A row whose listed tiles keep nothing gets out 0 and lse -inf.
+// Tasks are handed out dynamically (an atomic counter), those with the most listed tiles first,
+// in both layouts. FG_ERR_BAD_SHAPE before any work for tile sizes other than multiples of 8 in
+// [8, 512], negative strides, or rows x cols other than ceil(seqlen_q / block_r) x
+// ceil(seqlen_k / block_c). The list values are the host's to check; here counts are clipped to
+// cols and indices out of range ignored, so malformed lists cannot make the kernel touch memory
+// out of range.
+//
 // Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
 // value-initialised Params when args.params is null (allowed when Params is empty); it is shared
 // read-only by all threads. kv_lo / kv_hi / tile_full are evaluated per work item with its own
@@ -71,8 +89,8 @@
 //     seqlen_k == 0 (packed: a sequence without keys), or a row that sees no key: out row
 //     exactly 0 and lse exactly -inf (never NaN).
 //   * Masked / out-of-range keys never leak, even when K/V hold NaN or inf there:
-//       - only kv rows in [kv_lo, kv_hi) ∩ [0, seqlen_k) are ever read; nothing past seqlen_k
-//         (or before 0) is touched;
+//       - only kv rows in [kv_lo, kv_hi) ∩ [0, seqlen_k) (and, with block lists, in listed tiles)
+//         are ever read; nothing past seqlen_k (or before 0) is touched;
 //       - masking is by selection (S = keep ? S : -inf), so NaN/inf scores at masked entries
 //         are discarded and P is exactly 0 there (exp2 returns exactly 0 for -inf);
 //       - on a partially masked tile, columns that no row of the tile keeps are trimmed from
@@ -92,9 +110,9 @@
 //     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
 //     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
-// Tiles: see choose_tiles() (packed: sized for max_seqlen_q / max_seqlen_k). Per-thread scratch
-// is allocated once per parallel_for chunk (O(qb * kvb + (qb + kvb) * d) floats; no N x N
-// buffer).
+// Tiles: see choose_tiles() (packed: sized for max_seqlen_q / max_seqlen_k; block lists:
+// sparse_tiles()). Per-thread scratch is allocated once per parallel_for chunk
+// (O(qb * kvb + (qb + kvb) * d) floats; no N x N buffer).
 //
 // Build requirements: -fopenmp at compile AND link (at::parallel_for is header-inline; without
 // _OPENMP it silently runs on ONE thread, hence the #warning below; the .so then binds to the
@@ -463,6 +481,18 @@ static Tiles choose_tiles(const typename Variant::Params& prm, int64_t bh, int64
   return {qb, kvb};
 }
 
+// Block lists (fwd_sparse): qb = block_r; kvb, the widest step (adjacent listed tiles of one kind
+// in one aligned kvb-key chunk are visited together), is choose_tiles' kvb made a multiple of
+// block_c: rounded up when it covers all of seqlen_k, else down. So a list of every tile (as
+// full) of a mask-free variant steps through the keys exactly as the dense path does.
+static inline Tiles sparse_tiles(const FgBlockLists& l, int64_t nk, int64_t d) {
+  const int64_t bc = l.block_c, nk8 = round_up(nk > 0 ? nk : 1, 8);
+  int64_t kvb = 512;
+  while (kvb > 128 && 2 * kvb * d * 4 > l2_bytes()) kvb /= 2;
+  kvb = kvb >= nk8 ? round_up(nk8, bc) : std::max(bc, kvb / bc * bc);
+  return {l.block_r, kvb};
+}
+
 // ------------------------------------------------------------------------------------------
 // Register-blocked fp32 micro-kernels (the default gemm backend). Row blocks of up to 6 query
 // rows against 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast = 15 of 16 ymm.
@@ -705,6 +735,46 @@ static inline void order_by_work(const double* w, int64_t n, std::vector<int64_t
     if (w[i] >= 0.0) out[start[129 - bucket(w[i])]++] = i;
 }
 
+// Block lists (args.h, "Block sparsity"), shared with bwd.h. blocks_ok: data null, or tile sizes
+// that are multiples of 8 in [8, 512], non-negative strides and rows x cols =
+// ceil(n_r / block_r) x ceil(n_c / block_c). The values in the lists are the host's to check;
+// here they are only kept from reaching memory out of range (block_count clips the counts to
+// cols, block_mark ignores an index outside [lo, hi), hi <= cols).
+static inline bool blocks_ok(const FgBlockLists& l, int64_t n_r, int64_t n_c) {
+  if (!l.data) return true;
+  auto ok = [](int32_t x) { return x >= 8 && x <= 512 && x % 8 == 0; };
+  if (!ok(l.block_r) || !ok(l.block_c) || l.stride_b < 0 || l.stride_h < 0) return false;
+  return l.rows == (n_r + l.block_r - 1) / l.block_r && l.cols == (n_c + l.block_c - 1) / l.block_c;
+}
+
+// Row r of (batch / sequence b, query head h).
+static inline const int32_t* block_row(const FgBlockLists& l, int64_t b, int64_t h, int64_t r) {
+  return l.data + b * l.stride_b + h * l.stride_h + r * (2 + (int64_t)l.cols);
+}
+
+// The row's listed tile count (partial + full), clipped to [0, cols].
+static inline int64_t block_count(const int32_t* row, int64_t cols) {
+  const int64_t np = std::min<int64_t>(std::max<int32_t>(row[0], 0), cols);
+  return np + std::min<int64_t>(std::max<int32_t>(row[1], 0), cols - np);
+}
+
+// Marks the row's listed tiles j in [lo, hi) in flag (hi <= cols; flag all zero on entry):
+// flag[j] |= 1 for a partial tile, 2 for a full one. Returns how many were marked. The caller
+// visits them in increasing j and zeroes each flag as it does.
+static inline int64_t block_mark(const int32_t* row, int64_t cols, int64_t lo, int64_t hi,
+                                 uint8_t* flag) {
+  const int64_t np = std::min<int64_t>(std::max<int32_t>(row[0], 0), cols);
+  const int64_t n = block_count(row, cols);
+  int64_t marked = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = row[2 + i];
+    if (j < lo || j >= hi) continue;
+    marked += flag[j] == 0;
+    flag[j] |= i < np ? 1 : 2;
+  }
+  return marked;
+}
+
 // Per-thread scratch of the forward (once per parallel_for chunk / worker).
 struct FwdWork {
   float *qbuf, *kbuf, *vbuf, *S, *O, *M, *L, *A;
@@ -763,7 +833,8 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
                             const bool blas, const Dropout& dr, const FwdWork& w, const int64_t b,
                             const int64_t h, const int64_t q_lo, const int64_t q_hi,
                             const int64_t Nq, const int64_t Nk, const int64_t q_row0,
-                            const int64_t k_row0, const int64_t lse_row) {
+                            const int64_t k_row0, const int64_t lse_row,
+                            const int32_t* brow = nullptr, uint8_t* tflag = nullptr) {
   using C = Conv<Element>;
   using T = typename C::T;  // storage: float or uint16_t bits
   constexpr bool kLowp = C::kLowp;
@@ -802,6 +873,18 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
     int64_t kv_end = Variant::kv_hi(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     kv_begin = kv_begin < 0 ? 0 : kv_begin;
     kv_end = kv_end > Nk ? Nk : kv_end;
+    // Block lists: the listed kv tiles j (keys [j * bc, (j + 1) * bc)) that meet
+    // [kv_begin, kv_end), flagged in tflag and visited in increasing j (clipped to the range);
+    // runs of adjacent listed tiles of one kind within one aligned kvb-key chunk are visited as
+    // one step (kvb: a multiple of bc, see fwd_sparse).
+    const bool sparse = brow != nullptr;
+    const int64_t bc = sparse ? a.kv_blocks.block_c : kvb;
+    int64_t jt = 0, jt_end = 0;
+    if (sparse && kv_begin < kv_end) {
+      jt = kv_begin / bc;
+      jt_end = std::min<int64_t>((kv_end + bc - 1) / bc, a.kv_blocks.cols);
+      if (block_mark(brow, a.kv_blocks.cols, jt, jt_end, tflag) == 0) kv_end = kv_begin;
+    }
 
     for (int64_t i = 0; i < mq; ++i) {
       M[i] = kNegInf;
@@ -822,15 +905,40 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
       ldq = a.q_stride_n;
     }
 
-    for (int64_t kv0 = kv_begin; kv0 < kv_end; kv0 += kvb) {
-      const int64_t kv1 = kv0 + kvb < kv_end ? kv0 + kvb : kv_end;
+    for (int64_t kv_next = kv_begin;;) {
+      int64_t kv0, kv1;
+      // Listed tiles: 1 partial (the element mask runs, whatever tile_full says), 2 full (an
+      // ordinary tile; with full_kept, known to be kept throughout: keep() is skipped); 0: none.
+      int listed = 0;
+      if (!sparse) {
+        if (kv_next >= kv_end) break;
+        kv0 = kv_next;
+        kv1 = kv0 + kvb < kv_end ? kv0 + kvb : kv_end;
+        kv_next = kv1;
+      } else {
+        while (jt < jt_end && !tflag[jt]) ++jt;
+        if (jt >= jt_end) break;
+        const uint8_t kind = tflag[jt] & 1;
+        listed = kind ? 1 : 2;
+        kv0 = std::max(jt * bc, kv_begin);
+        const int64_t chunk_end = (jt * bc / kvb + 1) * kvb;
+        do {
+          tflag[jt] = 0;
+          ++jt;
+        } while (jt < jt_end && tflag[jt] && (tflag[jt] & 1) == kind && jt * bc < chunk_end);
+        kv1 = std::min(jt * bc, kv_end);
+      }
+      (void)listed;
       const int64_t n = kv1 - kv0;
       bool full = true;
       int64_t c0 = 0, c1 = n;
       bool holes = false;
       if constexpr (Variant::kHasMask) {
-        full = Variant::tile_full(prm, bi, hi_, (int)q_lo, (int)q_hi, (int)kv0, (int)kv1, nq_i,
-                                  nk_i);
+        full = listed == 1   ? false
+               : listed == 2 && a.kv_blocks.full_kept
+                   ? true
+                   : Variant::tile_full(prm, bi, hi_, (int)q_lo, (int)q_hi, (int)kv0, (int)kv1,
+                                        nq_i, nk_i);
         if (!full) {
           memset(colkeep, 0, n);
           for (int64_t i = 0; i < mq; ++i) {
@@ -1043,6 +1151,53 @@ void fwd_packed(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Para
   });
 }
 
+// Block lists (a.kv_blocks.data set), padded or packed layout: one task per (batch element /
+// sequence, query head, query tile of block_r rows of its true length), handed out dynamically,
+// the tasks with the most listed key entries first (the cost of a task is its listed tiles, which
+// vary from row to row, so equal contiguous chunks would not be equal work).
+template <class Variant, class Element>
+void fwd_sparse(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Params& prm,
+                const Tiles t, const bool blas, const Dropout& dr) {
+  const FgBlockLists& bl = a.kv_blocks;
+  const int64_t B = a.batch, Hq = a.heads_q, d = a.head_dim, qb = t.qb, bc = bl.block_c;
+  const int64_t cols = bl.cols;
+  std::vector<int64_t> start(B + 1, 0);  // first task of each batch element / sequence
+  for (int64_t b = 0; b < B; ++b) start[b + 1] = start[b] + Hq * ((sq.len_q(b) + qb - 1) / qb);
+  const int64_t ntasks = start[B];
+  if (ntasks == 0) return;
+  std::vector<double> work(ntasks);  // score entries of the listed tiles (+ the epilogue)
+  for (int64_t b = 0, task = 0; b < B; ++b) {
+    const int64_t Nq = sq.len_q(b), nqt = (Nq + qb - 1) / qb;
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t qt = 0; qt < nqt; ++qt, ++task)
+        work[task] = double(std::min(qb, Nq - qt * qb)) *
+                     (double(block_count(block_row(bl, b, h, qt), cols)) * double(bc) + 8.0);
+  }
+  std::vector<int64_t> order;
+  order_by_work(work.data(), ntasks, order);
+  const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
+    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
+    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
+    std::vector<uint8_t> tflag(cols + 1, 0);
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= ntasks) break;
+      const int64_t task = order[i];
+      const int64_t b = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+      const int64_t Nq = sq.len_q(b), Nk = sq.len_k(b);
+      const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[b];
+      const int64_t h = r / nqt, qt = r % nqt, q_lo = qt * qb;
+      const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
+      fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b),
+                                 sq.k0(b), sq.row_q(b, h, Hq, q_lo), block_row(bl, b, h, qt),
+                                 tflag.data());
+    }
+  });
+}
+
 }  // namespace detail
 
 template <class Variant, class Element>
@@ -1056,6 +1211,7 @@ int run_fwd(const FgFwdArgs& args) {
   if (d <= 0 || d > 256 || d % 8 != 0) return FG_ERR_BAD_HEAD_DIM;
   if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > FG_MAX_SEQLEN || Nk > FG_MAX_SEQLEN)
     return FG_ERR_BAD_SHAPE;
+  if (!detail::blocks_ok(args.kv_blocks, Nq, Nk)) return FG_ERR_BAD_SHAPE;
   if (B == 0 || Hq == 0 || Nq == 0) return FG_OK;
   if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
   detail::Seqs sq;
@@ -1068,14 +1224,24 @@ int run_fwd(const FgFwdArgs& args) {
   const typename Variant::Params& prm =
       args.params ? *static_cast<const typename Variant::Params*>(args.params) : empty_params;
 
-  const detail::Tiles t = detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
+  const bool sparse = args.kv_blocks.data != nullptr;
+  const detail::Tiles t =
+      sparse ? detail::sparse_tiles(args.kv_blocks, Nk, d)
+             : detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
   const bool blas = detail::use_blas(args);
   const Dropout dr = dropout_of<Variant>(args);
   try {
     if (sq.packed()) {
       FgFwdArgs a = args;  // the batch strides are ignored in the packed layout (args.h)
       a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = 0;
-      detail::fwd_packed<Variant, Element>(a, sq, prm, t, blas, dr);
+      if (sparse)
+        detail::fwd_sparse<Variant, Element>(a, sq, prm, t, blas, dr);
+      else
+        detail::fwd_packed<Variant, Element>(a, sq, prm, t, blas, dr);
+      return FG_OK;
+    }
+    if (sparse) {
+      detail::fwd_sparse<Variant, Element>(args, sq, prm, t, blas, dr);
       return FG_OK;
     }
     const int64_t ntasks = B * Hq * ((Nq + t.qb - 1) / t.qb);

@@ -12,6 +12,12 @@
 // lengths (BwdKernel::localize). The element-wise kernels (preprocess, convert) treat the
 // packed rows as one batch of total rows. Padded instantiations compile the code they had before.
 //
+// kSparse instantiations take block lists (args.h, "Block sparsity"; tiles: bwd_tiles): the main
+// kernel's CTA walks, for each query head of its share, only the query tiles that the q list of its
+// key tile names (FgBwdArgs::q_blocks) and that its closed-form range lets see the tile; DqKernel
+// walks its query tile's kv list (FgBwdArgs::kv_blocks) as the forward does. Listed-partial tiles
+// take the per-element mask; full ones the usual tile test (minus tile_full with full_kept).
+//
 // Supported head dims: every multiple of 8 from 8 to 256 (padded internally to kD = round_up(d,
 // 16) like the forward). Every Variant the forward takes is supported: masks (kv_lo / kv_hi /
 // tile_full / keep, evaluated per batch and query head), score mods (kHasScoreMod, through
@@ -191,16 +197,18 @@ __device__ __forceinline__ int tid_x() {
   return int(r);
 }
 
-// Per-element visibility on a partial tile: bounds first, so the variant's hooks only ever see
-// in-range (q, kv).
+// Per-element visibility on a partial tile: in bounds and kept. keep() runs on every element of
+// the tile, out-of-range ones too (its result is then discarded; variant.h allows it), so its
+// reads carry no branch and nvcc shares those of one row or column across the tile's elements
+// (a document-id mask then costs two loads per row and column, not two per element).
 template <class Variant>
 __device__ __forceinline__ bool visible(const typename Variant::Params& vp, int b, int h, int q,
                                         int kv, int kv_begin, int kv_end, int Nq, int Nk) {
-  if (kv < kv_begin || kv >= kv_end || q >= Nq) return false;
+  const bool in = kv >= kv_begin && kv < kv_end && q < Nq;
   if constexpr (Variant::kHasMask) {
-    return Variant::keep(vp, b, h, q, kv, Nq, Nk);
+    return in & Variant::keep(vp, b, h, q, kv, Nq, Nk);
   } else {
-    return true;
+    return in;
   }
 }
 
@@ -447,7 +455,7 @@ __global__ void __launch_bounds__(256) bwd_convert_kernel(const BwdConvertParams
 // Main kernel.
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kComputeDq,
-          bool kPacked = false>
+          bool kPacked = false, bool kSparse = false>
 struct BwdKernel {
   static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
                 "flashgen CUDA backward supports head_dim in {8, 16, 24, ..., 256} (multiples of "
@@ -513,6 +521,7 @@ struct BwdKernel {
     int seqlen_q, seqlen_k, num_m_tiles, num_n_tiles;
     float scale, scale_log2;
     DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
+    BlockLists blk;       // kSparse: q lists, a row per key tile (args.h)
     VParams vp;
   };
 
@@ -582,6 +591,25 @@ struct BwdKernel {
         m = m == m_last ? m_first : m + 1;
       } while (m != m_start && !sees(kv_range(p, b, h0, m), kv0));
       if (m == m_start) ++gi;
+    }
+  }
+
+  // kSparse: advance (gi, idx) to the next listed (head, query tile) pair of key tile n_tile that
+  // can see it: the heads h0 + gi of the share in order, for each its q list (partial tiles
+  // first). Sets m and whether the list calls that tile partial; gi == n_heads: the walk is over.
+  static __device__ __forceinline__ void next_listed(const Params& p, int b, int h0, int n_heads,
+                                                     int n_tile, int kv0, int& gi, int& idx,
+                                                     int& m, bool& partial) {
+    for (;;) {
+      const BlockRow row = block_row(p.blk, b, h0 + gi, n_tile);
+      if (++idx >= row.n_all) {
+        idx = -1;
+        if (++gi >= n_heads) return;
+        continue;
+      }
+      m = __ldg(row.idx + idx);
+      partial = idx < row.n_part;
+      if (m >= 0 && m < p.num_m_tiles && sees(kv_range(p, b, h0 + gi, m), kv0)) return;
     }
   }
 
@@ -792,8 +820,14 @@ struct BwdKernel {
     const int h0 = first_head(p, item);
     const uint32_t sK = smem_base + kOffK;
     const uint32_t sV = smem_base + kOffV;
+    // kSparse: the first listed (head, query tile) pair that sees this key tile, if any.
+    int gi = 0, m = m_first, idx = -1;
+    bool partial = false;
+    if constexpr (kSparse) {
+      if (m_first <= m_last) next_listed(p, b, h0, n_heads, item.n_tile, kv0, gi, idx, m, partial);
+    }
 
-    if (m_first <= m_last) {
+    if (kSparse ? gi < n_heads && m_first <= m_last : m_first <= m_last) {
       const Element* k_g = p.k + wide(b) * p.k_sb + wide(item.hkv) * p.k_sh;
       const Element* v_g = p.v + wide(b) * p.v_sb + wide(item.hkv) * p.v_sh;
       bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockN, true>(sK, k_g, p.k_sn, kv0,
@@ -804,7 +838,7 @@ struct BwdKernel {
       // is the first visible (head, tile) pair from (h0, m_start) on, which exists because some
       // head of the share sees this key tile. (Without a mask m_start itself is made visible.)
       int m_start = m_first;
-      if constexpr (Tile::kRotate) {
+      if constexpr (Tile::kRotate && !kSparse) {
         const int count = m_last - m_first + 1;
         m_start += int(int64_t(item.n_tile) * count / p.num_n_tiles) % count;
         if constexpr (!Variant::kHasMask) {
@@ -813,10 +847,13 @@ struct BwdKernel {
           }
         }
       }
-      int gi = 0, m = m_start, it = 0;
-      if constexpr (Variant::kHasMask) {
-        if (!sees(kv_range(p, b, h0, m), kv0)) {
-          next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi, m);
+      int it = 0;
+      if constexpr (!kSparse) {
+        m = m_start;
+        if constexpr (Variant::kHasMask) {
+          if (!sees(kv_range(p, b, h0, m), kv0)) {
+            next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi, m);
+          }
         }
       }
       load_q_tile(p, smem_base, 0, b, h0 + gi, m, tid);
@@ -828,8 +865,13 @@ struct BwdKernel {
         ptx::cp_async_wait<0>();
         __syncthreads();
         // Next (head, query tile) of this CTA; its copies overlap all GEMMs of this step.
-        int gi_n = gi, m_n = m;
-        next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi_n, m_n);
+        int gi_n = gi, m_n = m, idx_n = idx;
+        bool partial_n = false;
+        if constexpr (kSparse) {
+          next_listed(p, b, h0, n_heads, item.n_tile, kv0, gi_n, idx_n, m_n, partial_n);
+        } else {
+          next_step(p, b, h0, n_heads, m_first, m_last, m_start, kv0, gi_n, m_n);
+        }
         if (gi_n < n_heads) {
           load_q_tile(p, smem_base, stage ^ 1, b, h0 + gi_n, m_n, tid);
           ptx::cp_async_commit();
@@ -838,12 +880,15 @@ struct BwdKernel {
           // dQ of the previous step: its dS^T (buffer stage ^ 1) was published by the barrier.
           if (it > 0) dq_step(p, smem_base, stage ^ 1, b, h_prev, m_prev, warp, lane);
         }
-        step(p, smem_base, smem, stage, b, h0 + gi, m, kv0, warp_kv0, wd, warp, lane, dk, dv);
+        step(p, smem_base, smem, stage, b, h0 + gi, m, kv0, warp_kv0, wd, warp, lane, dk, dv,
+             partial);
         if (gi_n >= n_heads) break;
         h_prev = h0 + gi;
         m_prev = m;
         gi = gi_n;
         m = m_n;
+        idx = idx_n;
+        partial = partial_n;
       }
       if constexpr (kComputeDq && kDeferDq) {
         __syncthreads();
@@ -929,16 +974,19 @@ struct BwdKernel {
                                               unsigned char* smem, int stage, int b, int h, int m,
                                               int kv0, int warp_kv0, int wd, int warp, int lane,
                                               float (&dk)[kPairsKV * 2][4],
-                                              float (&dv)[kPairsKV * 2][4]) {
+                                              float (&dv)[kPairsKV * 2][4],
+                                              bool listed_partial) {
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int q_lo = m * kBlockM;
     bool need_mask;
     {
-      // Tile class first, so that only one predicate stays live across the GEMMs.
+      // Tile class first, so that only one predicate stays live across the GEMMs. kSparse: the
+      // lists' partial tiles take the mask; their full ones skip keep() when full_kept.
       const int q_hi = imin(q_lo + kBlockM, Nq);
       const Range r = kv_range(p, b, h, m);
-      need_mask = kv0 < r.begin || kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
-                  (Variant::kHasMask &&
+      need_mask = (kSparse && listed_partial) || kv0 < r.begin || kv0 + kBlockN > r.end ||
+                  q_hi - q_lo < kBlockM ||
+                  (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
                    !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
     }
     const uint32_t sK = smem_base + kOffK;
@@ -1160,7 +1208,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Deterministic dQ kernel (query-major, recomputes S/P/dP/dS; no atomics).
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
+          bool kSparse = false>
 struct DqKernel {
   using VParams = typename Variant::Params;
   static constexpr int kBlockM = Tile::kBlockM;
@@ -1194,6 +1243,7 @@ struct DqKernel {
     int heads_q, group, seqlen_q, seqlen_k, num_m_tiles;
     float scale, scale_log2;
     DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
+    BlockLists blk;       // kSparse: kv lists, a row per query tile (args.h)
     VParams vp;
   };
 
@@ -1316,7 +1366,11 @@ struct DqKernel {
     const int kv_begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     const int kv_end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     int n_hi = 0, n_tiles = 0;
-    if (kv_end > kv_begin) {
+    BlockRow blk{nullptr, 0, 0};  // kSparse: the listed key tiles of this query tile
+    if constexpr (kSparse) {
+      blk = block_row(p.blk, b, h, m_tile);
+      n_tiles = kv_end > kv_begin ? blk.n_all : 0;
+    } else if (kv_end > kv_begin) {
       n_hi = (kv_end - 1) / kBlockN;
       n_tiles = n_hi - kv_begin / kBlockN + 1;
     }
@@ -1333,7 +1387,8 @@ struct DqKernel {
                                                                          Nq, tid);
       bwd_detail::load_rows<Element, kHeadDim, kThreads, kBlockM, true>(sdO, do_g, p.do_sn, q_lo,
                                                                          0, Nq, tid);
-      load_kv(p, sK0, sV0, k_g, v_g, n_hi * kBlockN, kv_begin, kv_end, tid);
+      load_kv(p, sK0, sV0, k_g, v_g, (kSparse ? __ldg(blk.idx) : n_hi) * kBlockN, kv_begin, kv_end,
+              tid);
       ptx::cp_async_commit();
 
       // Per-row LSE (log2 units, +inf for rows without keys or past seqlen_q) and D.
@@ -1348,14 +1403,16 @@ struct DqKernel {
       }
 
       for (int it = 0; it < n_tiles; ++it) {
-        const int kv0 = (n_hi - it) * kBlockN;
+        const int kv0 = (kSparse ? __ldg(blk.idx + it) : n_hi - it) * kBlockN;
         const uint32_t sK = sK0 + (it & 1) * kKVElems * kE;
         const uint32_t sV = sV0 + (it & 1) * kKVElems * kE;
         ptx::cp_async_wait<0>();
         __syncthreads();
         if (it + 1 < n_tiles) {
           const uint32_t st = ((it + 1) & 1) * kKVElems * kE;
-          load_kv(p, sK0 + st, sV0 + st, k_g, v_g, kv0 - kBlockN, kv_begin, kv_end, tid);
+          load_kv(p, sK0 + st, sV0 + st, k_g, v_g,
+                  kSparse ? __ldg(blk.idx + it + 1) * kBlockN : kv0 - kBlockN, kv_begin, kv_end,
+                  tid);
           ptx::cp_async_commit();
         }
 
@@ -1383,8 +1440,9 @@ struct DqKernel {
           }
         }
         const bool need_mask =
-            kv0 < kv_begin || kv0 + kBlockN > kv_end || q_hi - q_lo < kBlockM ||
-            (Variant::kHasMask &&
+            (kSparse && it < blk.n_part) || kv0 < kv_begin || kv0 + kBlockN > kv_end ||
+            q_hi - q_lo < kBlockM ||
+            (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
              !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
         if (need_mask) {
           probs_grads<true>(p, s, dp, l2, dd, b, h, q_lo + warp_row0, kv0, kv_begin, kv_end, lane);
@@ -1533,11 +1591,11 @@ inline int grid_for(int64_t work, int64_t cap) {
 
 // launch_bwd with explicit tiles (tests / autotuning); launch_bwd picks the defaults.
 template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT,
-          bool kPacked = false>
+          bool kPacked = false, bool kSparse = false>
 int launch_bwd_tiled(const FgBwdArgs& a) {
-  using KA = BwdKernel<Variant, Element, kHeadDim, Tile, true, kPacked>;   // atomics for dQ
-  using KD = BwdKernel<Variant, Element, kHeadDim, Tile, false, kPacked>;  // deterministic
-  using KQ = DqKernel<Variant, Element, kHeadDim, DqTileT, kPacked>;
+  using KA = BwdKernel<Variant, Element, kHeadDim, Tile, true, kPacked, kSparse>;  // dQ atomics
+  using KD = BwdKernel<Variant, Element, kHeadDim, Tile, false, kPacked, kSparse>;  // determ.
+  using KQ = DqKernel<Variant, Element, kHeadDim, DqTileT, kPacked, kSparse>;
   (void)&Variant::keep;
   (void)&Variant::score;
   (void)&Variant::tile_full;
@@ -1580,6 +1638,20 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     return detail::fail(FG_ERR_BAD_SHAPE,
                         "packed batch: cu_seqlens_k must be set with cu_seqlens_q, totals "
                         "(%lld, %lld) in [0, 2^31)", (long long)a.total_q, (long long)a.total_k);
+  }
+  // Block sparsity: q lists for the main kernel's tiles, kv lists for DqKernel's.
+  {
+    int st = detail::check_block_lists(a.q_blocks, kSparse, "q_blocks",
+                                       (a.seqlen_k + KA::kBlockN - 1) / KA::kBlockN,
+                                       (a.seqlen_q + KA::kBlockM - 1) / KA::kBlockM, KA::kBlockN,
+                                       KA::kBlockM);
+    if (st == FG_OK) {
+      st = detail::check_block_lists(a.kv_blocks, kSparse, "kv_blocks",
+                                     (a.seqlen_q + KQ::kBlockM - 1) / KQ::kBlockM,
+                                     (a.seqlen_k + KQ::kBlockN - 1) / KQ::kBlockN, KQ::kBlockM,
+                                     KQ::kBlockN);
+    }
+    if (st != FG_OK) return st;
   }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
 
@@ -1739,6 +1811,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
       p.dropout.threshold = a.dropout_threshold;
       p.dropout.scale = a.dropout_scale;
+      p.blk = detail::block_lists(a.q_blocks);
       if constexpr (!std::is_empty<typename Variant::Params>::value) {
         if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
       }
@@ -1792,6 +1865,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
       p.dropout.threshold = a.dropout_threshold;
       p.dropout.scale = a.dropout_scale;
+      p.blk = detail::block_lists(a.kv_blocks);
       if constexpr (!std::is_empty<typename Variant::Params>::value) {
         if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
       }
@@ -1840,11 +1914,23 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
 
 // Entry point used by generated translation units. kPacked: packed (varlen) batches only
 // (args.h); false: padded batches only.
-template <class Variant, class Element, int kHeadDim, bool kPacked = false>
+// kSparse: block-sparse batches only (args.q_blocks / kv_blocks set, for bwd_tiles' tiles).
+template <class Variant, class Element, int kHeadDim, bool kPacked = false, bool kSparse = false>
 int launch_bwd(const FgBwdArgs& args) {
   using D = DefaultBwdTile<Variant, kHeadDim>;
   return launch_bwd_tiled<Variant, Element, kHeadDim, typename D::type, typename D::dq_type,
-                          kPacked>(args);
+                          kPacked, kSparse>(args);
+}
+
+// The tiles block lists must be made for: out[0..1] the main kernel's (keys x queries: its q
+// lists' block_r, block_c), out[2..3] DqKernel's (queries x keys: its kv lists').
+template <class Variant, int kHeadDim>
+void bwd_tiles(int32_t* out) {
+  using D = DefaultBwdTile<Variant, kHeadDim>;
+  out[0] = D::type::kBlockN;
+  out[1] = D::type::kBlockM;
+  out[2] = D::dq_type::kBlockM;
+  out[3] = D::dq_type::kBlockN;
 }
 
 }  // namespace cuda

@@ -10,6 +10,14 @@
 // returns at once (an idle CTA costs a few loads of cu_seqlens); every hook sees the sequence's
 // own lengths and positions. Padded instantiations compile exactly the code they had before.
 //
+// kSparse instantiations (launch_fwd<..., kPacked, true>) take block lists (args.h, "Block
+// sparsity"; FgFwdArgs::kv_blocks, made for this kernel's tiles: fwd_tiles): a work item walks
+// only the key tiles its query tile's row lists, partial ones first, each in list order, with the
+// same two-stage K/V pipeline (the next listed tile is prefetched). A listed-partial tile always
+// takes the per-element mask; a listed-full tile takes the usual tile test, minus tile_full when
+// the lists come from the variant's own mask (full_kept). Dense instantiations compile the code
+// they had before.
+//
 // Supported head dims: every multiple of 8 from 8 to 256 (a static_assert rejects the rest).
 // Internally the head dim is padded to kD = round_up(d, 16); the padded columns are zero-filled
 // in shared memory and never written back.
@@ -39,7 +47,7 @@
 // that freed stage and overlap both GEMMs of tile j. One __syncthreads per tile.
 //
 // Masking by tile class: tiles outside the variant's [kv_lo, kv_hi) are never visited; a
-// visited tile takes the per-element path (bounds + Variant::keep + score on in-bounds elements
+// visited tile takes the per-element path (bounds & Variant::keep, then score on visible elements
 // only) only if it crosses kv_lo/kv_hi/seqlen_k, or Variant::tile_full says the mask is partial
 // there, or (with a score mod) the query tile runs past seqlen_q. On such a tile, when the mask
 // keeps an interval of keys per row (Variant::kRowExact: causal, windows, prefix-LM, key
@@ -207,7 +215,29 @@ __device__ __forceinline__ SeqSpan seq_span(const int* cu_q, const int* cu_k, in
   return SeqSpan{q0, k0, __ldg(cu_q + b + 1) - q0, __ldg(cu_k + b + 1) - k0};
 }
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
+// Block sparsity (args.h, FgBlockLists) as the kernels read it: kSparse instantiations visit, per
+// tile row, only the listed tiles (partial ones first), in list order.
+struct BlockLists {
+  const int* data;
+  int64_t sb, sh;  // int32 elements between batch entries / query heads (0: shared)
+  int cols;
+  int full_kept;  // 1: a listed-full tile keeps every element under the variant's mask too
+};
+struct BlockRow {
+  const int* idx;  // tile indices: [0, n_part) partial, [n_part, n_all) full
+  int n_part, n_all;
+};
+__device__ __forceinline__ BlockRow block_row(const BlockLists& l, int b, int h, int r) {
+  const int* row = l.data + wide(b) * l.sb + wide(h) * l.sh + wide(r) * (l.cols + 2);
+  BlockRow br;
+  br.n_part = imin(imax(__ldg(row), 0), l.cols);
+  br.n_all = br.n_part + imin(imax(__ldg(row + 1), 0), l.cols - br.n_part);
+  br.idx = row + 2;
+  return br;
+}
+
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
+          bool kSparse = false>
 struct FwdKernel {
   static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
                 "flashgen CUDA forward supports head_dim in {8, 16, 24, ..., 256} (multiples of 8 "
@@ -264,6 +294,7 @@ struct FwdKernel {
     float scale;       // natural units (score mods see scale * q.k)
     float scale_log2;  // scale * log2(e)
     DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
+    BlockLists blk;       // kSparse: kv lists, a row per query tile (args.h)
     VParams vp;
   };
 
@@ -326,15 +357,18 @@ struct FwdKernel {
 
   static constexpr int kNoMask = 0, kRowMask = 1, kElemMask = 2;
 
-  // Per-element visibility on a partial tile. Bounds first, so the variant's hooks are only
-  // ever called with in-range (q, kv).
+  // Per-element visibility on a partial tile: in bounds and kept. keep() runs on every element
+  // of the tile, out-of-range ones too (its result is then discarded; variant.h allows it), so
+  // its reads carry no branch and nvcc shares those of one row or column across the tile's
+  // elements (a document-id mask then costs two loads per row and column, not two per element).
+  // score() still only sees visible elements.
   static __device__ __forceinline__ bool visible(const Params& p, int b, int h, int q, int kv,
                                                  int kv_begin, int kv_end, int Nq, int Nk) {
-    if (kv < kv_begin || kv >= kv_end || q >= Nq) return false;
+    const bool in = kv >= kv_begin && kv < kv_end && q < Nq;
     if constexpr (Variant::kHasMask) {
-      return Variant::keep(p.vp, b, h, q, kv, Nq, Nk);
+      return in & Variant::keep(p.vp, b, h, q, kv, Nq, Nk);
     } else {
-      return true;
+      return in;
     }
   }
 
@@ -598,7 +632,11 @@ struct FwdKernel {
     const int kv_begin = imin(imax(Variant::kv_lo(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     const int kv_end = imin(imax(Variant::kv_hi(p.vp, b, h, q_lo, q_hi, Nq, Nk), 0), Nk);
     int n_hi = 0, n_tiles = 0;
-    if (kv_end > kv_begin) {
+    BlockRow blk{nullptr, 0, 0};  // kSparse: the listed key tiles of this query tile
+    if constexpr (kSparse) {
+      blk = block_row(p.blk, b, h, m_tile);
+      n_tiles = kv_end > kv_begin ? blk.n_all : 0;
+    } else if (kv_end > kv_begin) {
       n_hi = (kv_end - 1) / kBlockN;
       n_tiles = n_hi - kv_begin / kBlockN + 1;
     }
@@ -623,11 +661,12 @@ struct FwdKernel {
     if (n_tiles > 0) {
       // Prologue: Q and the first K/V tile, one commit group.
       load_rows<kBlockM>(sQ_addr, q_g, p.q_sn, q_lo, 0, Nq, tid);
-      load_kv(sK_addr, sV_addr, k_g, v_g, p, n_hi * kBlockN, kv_begin, kv_end, tid);
+      load_kv(sK_addr, sV_addr, k_g, v_g, p, (kSparse ? __ldg(blk.idx) : n_hi) * kBlockN, kv_begin,
+              kv_end, tid);
       ptx::cp_async_commit();
 
       for (int it = 0; it < n_tiles; ++it) {
-        const int n = n_hi - it;
+        const int n = kSparse ? __ldg(blk.idx + it) : n_hi - it;
         const int kv0 = n * kBlockN;
         const uint32_t sK_cur = sK_addr + (it & 1) * kKVElems * kE;
         const uint32_t sV_cur = sV_addr + (it & 1) * kKVElems * kE;
@@ -652,7 +691,8 @@ struct FwdKernel {
         // Prefetch tile it+1 into the other stage; it overlaps both GEMMs of this tile.
         if (it + 1 < n_tiles) {
           const uint32_t stage = ((it + 1) & 1) * kKVElems * kE;
-          load_kv(sK_addr + stage, sV_addr + stage, k_g, v_g, p, kv0 - kBlockN, kv_begin, kv_end,
+          load_kv(sK_addr + stage, sV_addr + stage, k_g, v_g, p,
+                  kSparse ? __ldg(blk.idx + it + 1) * kBlockN : kv0 - kBlockN, kv_begin, kv_end,
                   tid);
           ptx::cp_async_commit();
         }
@@ -693,9 +733,12 @@ struct FwdKernel {
         }
 
         // Softmax, with the per-element mask only where this tile needs it.
+        // kSparse: a listed-partial tile always takes the mask; a listed-full one skips keep()
+        // when the lists came from the variant's own mask (BlockLists::full_kept).
+        const bool listed_partial = kSparse && it < blk.n_part;
         const bool need_mask =
-            kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
-            (Variant::kHasMask &&
+            listed_partial || kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
+            (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
              !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
         if (!need_mask) {
           softmax_tile<kNoMask>(p, s, row_max, row_sum, o, b, h, q_lo + warp_row0, kv0, kv_begin,
@@ -836,16 +879,47 @@ inline int device_major(int dev) {
   if (dev >= 0 && dev < 64) cache[dev].store(major, std::memory_order_relaxed);
   return major;
 }
+// Block lists (args.h, FgBlockLists): present iff the instantiation is kSparse, for rows x cols
+// tiles of block_r x block_c, strides >= 0 (the host checks the rest: flashgen/sparsity.py).
+inline int check_block_lists(const FgBlockLists& l, bool sparse, const char* name, int64_t rows,
+                             int64_t cols, int block_r, int block_c) {
+  if ((l.data != nullptr) != sparse) {
+    return fail(FG_ERR_BAD_SHAPE, sparse ? "this instantiation is block-sparse: %s must be set"
+                                         : "this instantiation is dense: %s must be null", name);
+  }
+  if (!sparse) return FG_OK;
+  if (l.rows != rows || l.cols != cols || l.block_r != block_r || l.block_c != block_c ||
+      l.stride_b < 0 || l.stride_h < 0) {
+    return fail(FG_ERR_BAD_SHAPE,
+                "%s: lists of %d x %d tiles of %d x %d (strides %lld, %lld) do not fit this "
+                "kernel's %lld x %lld tiles of %d x %d",
+                name, l.rows, l.cols, l.block_r, l.block_c, (long long)l.stride_b,
+                (long long)l.stride_h, (long long)rows, (long long)cols, block_r, block_c);
+  }
+  return FG_OK;
+}
+inline BlockLists block_lists(const FgBlockLists& l) {
+  return BlockLists{reinterpret_cast<const int*>(l.data), l.stride_b, l.stride_h, l.cols,
+                    l.full_kept};
+}
 // A stride only matters where its dimension has more than one index.
 inline bool bad_stride(int64_t stride, int64_t extent, int64_t elems16) {
   return extent > 1 && (stride % elems16) != 0;
 }
 }  // namespace detail
 
+// Keys per K/V tile of the device code that runs on a device of compute capability `major`
+// (0: unknown, taken as sm_90).
+template <class Tile>
+constexpr int fwd_block_n(int major) {
+  return (major == 0 || major >= 9) ? Tile::kBlockN : Tile::kBlockNSm8x;
+}
+
 // launch_fwd with an explicit tile (the autotuner and tests use it); launch_fwd picks the default.
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
+          bool kSparse = false>
 int launch_fwd_tiled(const FgFwdArgs& a) {
-  using K = FwdKernel<Variant, Element, kHeadDim, Tile, kPacked>;
+  using K = FwdKernel<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
   using P = typename K::Params;
   // Reference every hook: the kernel skips keep() without a mask and score() without a score
   // mod, never calls the backward's dscore()/param_grad(), and a generated variant in an
@@ -889,6 +963,18 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
     return detail::fail(FG_ERR_BAD_SHAPE,
                         "packed batch: cu_seqlens_k must be set with cu_seqlens_q, totals "
                         "(%lld, %lld) in [0, 2^31)", (long long)a.total_q, (long long)a.total_k);
+  }
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
+  const int major = detail::device_major(dev);  // 0 if unknown
+  // Block sparsity: the lists must be made for this kernel's tiles on this device.
+  {
+    const int st = detail::check_block_lists(
+        a.kv_blocks, kSparse, "kv_blocks", (a.seqlen_q + K::kBlockM - 1) / K::kBlockM,
+        (a.seqlen_k + fwd_block_n<Tile>(major) - 1) / fwd_block_n<Tile>(major), K::kBlockM,
+        fwd_block_n<Tile>(major));
+    if (st != FG_OK) return st;
   }
   if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0 || (packed && a.total_q == 0)) {
     return FG_OK;  // nothing to compute
@@ -949,6 +1035,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
   p.dropout.threshold = a.dropout_threshold;
   p.dropout.scale = a.dropout_scale;
+  p.blk = detail::block_lists(a.kv_blocks);
   if constexpr (!std::is_empty<typename K::VParams>::value) {
     if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
   }
@@ -958,10 +1045,6 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   // capability >= 9 may also run sm_8x code (PTX JIT), so it gets room for both.
   auto kernel = &fwd_kernel<K>;
   static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
-  const int major = detail::device_major(dev);  // 0 if unknown
   const int smem = (major == 0 || major >= 9) ? K::smem_bytes(K::kBlockNMax)
                                               : K::smem_bytes(Tile::kBlockNSm8x);
   const uint64_t bit = dev < 64 ? (uint64_t(1) << dev) : 0;
@@ -990,10 +1073,20 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
 
 // Entry point used by generated translation units.
 // kPacked: packed (varlen) batches only (args.h); false: padded batches only.
-template <class Variant, class Element, int kHeadDim, bool kPacked = false>
+// kSparse: block-sparse batches only (args.kv_blocks set, for this kernel's tiles: fwd_tiles).
+template <class Variant, class Element, int kHeadDim, bool kPacked = false, bool kSparse = false>
 int launch_fwd(const FgFwdArgs& args) {
   return launch_fwd_tiled<Variant, Element, kHeadDim,
-                          typename DefaultFwdTile<Variant, kHeadDim>::type, kPacked>(args);
+                          typename DefaultFwdTile<Variant, kHeadDim>::type, kPacked, kSparse>(args);
+}
+
+// The forward tile (queries x keys) on a device of compute capability `major` (0: unknown, taken
+// as sm_90): what the block lists of a kSparse call must be made for.
+template <class Variant, int kHeadDim>
+void fwd_tiles(int major, int32_t* out) {
+  using Tile = typename DefaultFwdTile<Variant, kHeadDim>::type;
+  out[0] = Tile::kBlockM;
+  out[1] = fwd_block_n<Tile>(major);
 }
 
 }  // namespace cuda

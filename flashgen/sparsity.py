@@ -1,0 +1,402 @@
+"""Block sparsity: ``flashgen.BlockMask`` and ``flashgen.block_mask`` (the ``block_mask=`` argument).
+
+The paper's block-sparse FlashAttention (Dao et al. 2022, Sec. 3.3, Alg. 5) visits only the
+(query block, key block) pairs a block mask keeps, so runtime follows the number of non-empty
+blocks. A ``BlockMask`` classifies every pair of a [batch|1, heads|1, ⌈seqlen_q/block⌉,
+⌈seqlen_k/block⌉] grid as empty (never loaded), partial (the element mask runs) or full (every
+element kept), and holds the compact per-row lists the kernels walk, as FlexAttention's
+``create_block_mask`` does:
+
+- ``flashgen.block_mask(op, seqlen_q, seqlen_k, ...)`` classifies the spec's own mask (evaluated
+  on the device in row chunks, never as an N×N tensor; ``full`` blocks then let the kernels skip
+  the mask arithmetic);
+- ``BlockMask.from_pattern(pattern, block_size=128)`` takes a user's bool block pattern, which is
+  combined with the spec's element mask (an element is kept iff its block is and the spec keeps
+  it).
+
+Kernels use their own tiles (which differ between the forward and the backward and between
+families); ``tile_lists`` maps the block classification onto any tile size on the device (a tile
+is empty iff every block it overlaps is, full iff every one is) and caches the result on the
+mask, so repeated calls with one ``BlockMask`` do no extra work and never synchronise the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import ir
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+MAX_BLOCK = 4096  # block sizes: positive multiples of 8 up to this
+
+
+def _check_block_size(block_size) -> tuple[int, int]:
+    bs = (block_size, block_size) if isinstance(block_size, int) and not isinstance(block_size, bool) \
+        else tuple(block_size) if isinstance(block_size, tuple | list) else None
+    if bs is None or len(bs) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in bs):
+        raise TypeError(f"block_size: expected an int or a pair of ints (query, key), got {block_size!r}")
+    for x in bs:
+        if not (8 <= x <= MAX_BLOCK and x % 8 == 0):
+            raise ValueError(f"block_size: {x} is not a multiple of 8 in [8, {MAX_BLOCK}]")
+    return bs
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockMask:
+    """Which (query block, key block) pairs attention visits: empty, partial or full.
+
+    Build one with ``flashgen.block_mask`` (from a spec's mask) or ``BlockMask.from_pattern``
+    (from a bool pattern) and pass it as ``op(q, k, v, block_mask=...)``; reuse it across calls.
+
+    Attributes:
+        block_size: (query rows, key columns) per block.
+        seqlen_q, seqlen_k: the sequence lengths it was made for (None when made from a pattern:
+            any lengths with ⌈seqlen/block⌉ blocks fit), packed layout: max_seqlen_q/k.
+        shape: (batch|1, heads|1, query blocks, key blocks); a dim of 1 is shared.
+        full_kept: True when made from the spec's own mask (a full block keeps every element
+            of it); False for a pattern (full only means the pattern keeps the block).
+        kv_num_blocks, kv_indices: int32 [B, H, nQB] and [B, H, nQB, nKB]: per query block,
+            the partial key blocks (the first kv_num_blocks entries of kv_indices are valid);
+        full_kv_num_blocks, full_kv_indices: the same for full key blocks;
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices: the transpose (per key
+            block, the query blocks that see it), as the backward's key-major loop walks them.
+    """
+
+    def __init__(self, state: torch.Tensor, block_size, seqlen_q: int | None = None,
+                 seqlen_k: int | None = None, *, full_kept: bool = False):
+        if not isinstance(state, torch.Tensor) or state.dim() != 4:
+            raise ValueError("state: expected an int8 tensor [batch|1, heads|1, query blocks, key blocks]")
+        self.block_size = _check_block_size(block_size)
+        self._state = state.to(torch.int8).contiguous()
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.full_kept = bool(full_kept)
+        self._cache: dict = {}
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_pattern(cls, pattern: torch.Tensor, block_size=128) -> BlockMask:
+        """A block mask from a bool ``pattern`` [batch|1, heads|1, ⌈Nq/block⌉, ⌈Nk/block⌉]
+        (True: the block is visited; dims of size 1 are shared; rank 2 or 3 are taken as
+        [1, 1, ...] and [1, heads, ...]). ``block_size``: an int or (query, key) pair, multiples
+        of 8. With a spec that has a mask, an element is kept iff its block is True and the spec
+        keeps it (the paper's block-sparse FlashAttention is ``dense.attn`` with a pattern).
+
+        Raises TypeError / ValueError naming the argument (bad dtype, rank, block size).
+        """
+        if not isinstance(pattern, torch.Tensor):
+            raise TypeError(f"pattern: expected a bool tensor, got {type(pattern).__name__}")
+        if pattern.dtype != torch.bool:
+            raise ValueError(f"pattern: dtype {pattern.dtype}, expected torch.bool")
+        if not 2 <= pattern.dim() <= 4:
+            raise ValueError(f"pattern: expected [batch|1, heads|1, query blocks, key blocks] (rank 2 to 4), "
+                             f"got shape {tuple(pattern.shape)}")
+        while pattern.dim() < 4:
+            pattern = pattern.unsqueeze(0)
+        return cls(pattern.to(torch.int8) * FULL, block_size, full_kept=False)
+
+    # ------------------------------------------------------------ views
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return tuple(self._state.shape)
+
+    @property
+    def device(self) -> torch.device:
+        return self._state.device
+
+    def to(self, device) -> BlockMask:
+        """This mask on ``device`` (itself when already there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
+                         full_kept=self.full_kept)
+
+    def density(self) -> float:
+        """Fraction of non-empty blocks (reads the device: a host synchronisation)."""
+        return float((self._state != EMPTY).float().mean()) if self._state.numel() else 0.0
+
+    def to_dense(self) -> torch.Tensor:
+        """The classification, int8 [B|1, H|1, nQB, nKB]: 0 empty, 1 partial, 2 full."""
+        return self._state
+
+    def _compact(self, transpose: bool, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        key = ("compact", transpose, full)
+        if key not in self._cache:
+            st = self._state.transpose(-1, -2) if transpose else self._state
+            want = FULL if full else PARTIAL
+            sel = st == want
+            n = st.shape[-1]
+            order = torch.argsort(torch.where(sel, 0, n) + torch.arange(n, device=st.device), dim=-1)
+            self._cache[key] = (sel.sum(-1, dtype=torch.int32), order.to(torch.int32))
+        return self._cache[key]
+
+    kv_num_blocks = property(lambda self: self._compact(False, False)[0])
+    kv_indices = property(lambda self: self._compact(False, False)[1])
+    full_kv_num_blocks = property(lambda self: self._compact(False, True)[0])
+    full_kv_indices = property(lambda self: self._compact(False, True)[1])
+    q_num_blocks = property(lambda self: self._compact(True, False)[0])
+    q_indices = property(lambda self: self._compact(True, False)[1])
+    full_q_num_blocks = property(lambda self: self._compact(True, True)[0])
+    full_q_indices = property(lambda self: self._compact(True, True)[1])
+
+    def __repr__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, block_size={self.block_size}, seqlen_q={self.seqlen_q}, "
+                f"seqlen_k={self.seqlen_k}, full_kept={self.full_kept}, device={self.device})")
+
+    # ------------------------------------------------------------ kernel lists
+
+    def check(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: torch.device) -> None:
+        """Raise ValueError (naming ``block_mask``) unless this mask fits a call of these sizes."""
+        B, H, nq, nk = self.shape
+        bq, bk = self.block_size
+        want = (_cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk))
+        if (nq, nk) != want:
+            raise ValueError(f"block_mask: {nq} x {nk} blocks of {bq} x {bk}, but seqlen_q = {seqlen_q} and "
+                             f"seqlen_k = {seqlen_k} need {want[0]} x {want[1]}")
+        for name, have, n in (("batch", B, batch), ("heads", H, heads)):
+            if have not in (1, n):
+                raise ValueError(f"block_mask: {name} dim is {have}, expected 1 or {n} (the call's {name})")
+        if self.seqlen_q is not None and (self.seqlen_q, self.seqlen_k) != (seqlen_q, seqlen_k):
+            raise ValueError(f"block_mask: made for seqlen_q = {self.seqlen_q}, seqlen_k = {self.seqlen_k}, "
+                             f"called with {seqlen_q}, {seqlen_k}")
+        if self.device != device:
+            raise ValueError(f"block_mask: on {self.device} but q is on {device} (use block_mask.to(device))")
+
+    def tile_lists(self, block_r: int, block_c: int, seqlen_q: int, seqlen_k: int,
+                   transpose: bool = False) -> torch.Tensor:
+        """The kernels' lists (args.h, FgBlockLists) for tiles of block_r queries x block_c keys
+        (``transpose``: block_r keys x block_c queries, a row per key tile): int32 [B|1, H|1,
+        rows, 2 + cols], row = [n_partial, n_full, partial tiles..., full tiles..., unused].
+        Computed on the mask's device once per tile size and cached."""
+        key = ("tiles", block_r, block_c, seqlen_q, seqlen_k, transpose)
+        hit = self._cache.get(key)  # no lock: two threads may both build it, harmlessly
+        if hit is not None:
+            return hit
+        bq, bk = self.block_size
+        st = self._state
+        if transpose:  # keys become rows
+            st, bq, bk, seqlen_q, seqlen_k = st.transpose(-1, -2), bk, bq, seqlen_k, seqlen_q
+        tiles = _retile(st, bq, bk, seqlen_q, seqlen_k, block_r, block_c)
+        lists = _lists(tiles)
+        self._cache[key] = lists
+        return lists
+
+
+def _retile(st: torch.Tensor, bq: int, bk: int, nq: int, nk: int, tr: int, tc: int) -> torch.Tensor:
+    """Block classification [B, H, ⌈nq/bq⌉, ⌈nk/bk⌉] → tile classification [B, H, ⌈nq/tr⌉,
+    ⌈nk/tc⌉]: a tile is empty iff every block it overlaps is, full iff every one is (2-D prefix
+    sums over the blocks, then one rectangle sum per tile)."""
+    if (bq, bk) == (tr, tc):
+        return st
+    dev = st.device
+
+    def ranges(n, b, t):
+        lo = torch.arange(0, _cdiv(n, t), device=dev) * t
+        hi = torch.clamp(lo + t, max=n)
+        return lo // b, (hi + b - 1) // b
+
+    r_lo, r_hi = ranges(nq, bq, tr)
+    c_lo, c_hi = ranges(nk, bk, tc)
+
+    def rect(x):
+        p = torch.nn.functional.pad(x.to(torch.int32).cumsum(-1).cumsum(-2), (1, 0, 1, 0))
+        g = lambda r, c: p[:, :, r][:, :, :, c]  # noqa: E731
+        return g(r_hi, c_hi) - g(r_lo, c_hi) - g(r_hi, c_lo) + g(r_lo, c_lo)
+
+    area = (r_hi - r_lo).view(-1, 1) * (c_hi - c_lo).view(1, -1)
+    nonempty, full = rect(st != EMPTY), rect(st == FULL)
+    return torch.where(nonempty == 0, EMPTY, torch.where(full == area, FULL, PARTIAL)).to(torch.int8)
+
+
+def _lists(tiles: torch.Tensor) -> torch.Tensor:
+    """Per tile row: [n_partial, n_full, partial tile indices (descending), full ones
+    (descending), unused], int32."""
+    n = tiles.shape[-1]
+    desc = torch.arange(n - 1, -1, -1, device=tiles.device)
+    key = torch.where(tiles == PARTIAL, desc, torch.where(tiles == FULL, n + desc, 2 * n))
+    order = torch.argsort(key, dim=-1)
+    out = torch.empty((*tiles.shape[:-1], n + 2), dtype=torch.int32, device=tiles.device)
+    out[..., 0] = (tiles == PARTIAL).sum(-1)
+    out[..., 1] = (tiles == FULL).sum(-1)
+    out[..., 2:] = order
+    return out
+
+
+# ------------------------------------------------------------ the CUDA classifier
+
+
+def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
+    """Whether the spec's mask depends on the batch index (b, or a tensor parameter, which may have
+    a batch dim) and on the query head (h)."""
+    from . import expr as X
+
+    if spec.mask is None:
+        return False, False
+    per_b = X.uses(spec.mask, "b") or any(isinstance(n, ir.Index) for n in X.walk(spec.mask))
+    return per_b, X.uses(spec.mask, "h")
+
+
+def classify_cuda(op, params_block, batch: int, heads: int, nq: int, nk: int, br: int, bc: int,
+                  device: torch.device, cu_seqlens_q: torch.Tensor | None = None,
+                  cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
+    """Block classes int8 [batch, heads, ⌈nq/br⌉, ⌈nk/bc⌉] of ``op``'s mask by the generated
+    classifier kernel (cuda/classify.cuh) on ``device``'s current stream (no host sync).
+    ``params_block``: the op's ctypes Params (``op.params_block``), kept alive by the caller."""
+    import ctypes
+
+    from .abi import FgClassifyArgs
+    from .ops import _check
+
+    lib = op._mask_library(device)
+    rows, cols = _cdiv(nq, br), _cdiv(nk, bc)
+    out = torch.empty((batch, heads, rows, cols), dtype=torch.int8, device=device)
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    args = FgClassifyArgs(out.data_ptr(), batch, heads, nq, nk, br, bc, rows, cols, ptr(cu_seqlens_q),
+                          ptr(cu_seqlens_k), ctypes.addressof(params_block) if params_block is not None else None)
+    with torch.cuda.device(device):
+        args.stream = torch.cuda.current_stream().cuda_stream
+        status = lib.classify(ctypes.byref(args))
+    _check(lib, "mask", status)
+    return out
+
+
+# ------------------------------------------------------------ from a spec's mask
+
+_CHUNK_ELEMS = 1 << 25  # mask elements evaluated at once
+
+
+def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads: int | None = None, *,
+               block_size=128, device=None, cu_seqlens_q: torch.Tensor | None = None,
+               cu_seqlens_k: torch.Tensor | None = None, **params) -> BlockMask:
+    """The block mask of ``op``'s own mask (FlexAttention's ``create_block_mask``).
+
+    Args:
+        op: a ``flashgen.compile``d op (or its spec).
+        seqlen_q, seqlen_k: the call's lengths (packed layout: max_seqlen_q / max_seqlen_k).
+        batch, heads: the call's batch size and query heads; None: 1 unless a tensor parameter
+            has a ``batch`` / ``heads`` dim, whose size is then used. The mask gets a dim of 1
+            where the mask does not depend on b / h.
+        block_size: an int or (query, key) pair, multiples of 8 (default 128).
+        device: where to build it; default the tensor parameters' device, else cpu.
+        cu_seqlens_q, cu_seqlens_k: for the packed (varlen) layout: each sequence's blocks are
+            classified with its own lengths (its cu_seqlens values are read on the host once).
+        **params: the spec's parameters, as the call will pass them (the mask must be built
+            with the same values the call uses: a full block skips the element mask).
+
+    Returns a BlockMask with ``full_kept`` True. On CUDA a generated kernel classifies the blocks
+    (cuda/classify.cuh: closed-form key ranges first, then keep() on the blocks they leave open;
+    built once per spec, a few seconds); on the CPU the mask is evaluated in chunks of query rows
+    (memory O(chunk × seqlen_k), never seqlen_q × seqlen_k at once).
+
+    Raises TypeError / ValueError naming the argument.
+    """
+    from .ops import AttentionOp, _dim_text
+
+    spec = op.spec if isinstance(op, AttentionOp) else op
+    if not isinstance(spec, ir.Spec):
+        raise TypeError(f"op: expected a flashgen op (flashgen.compile), got {type(op).__name__}")
+    bq, bk = _check_block_size(block_size)
+    for name, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+    tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
+    if device is None:
+        device = next((t.device for t in tensors.values()), torch.device("cpu"))
+    device = torch.device(device)
+    inferred = {}
+    for p in spec.params:
+        if p.is_tensor and p.name in tensors:
+            for i, d in enumerate(p.shape):
+                name = _dim_text(d.size)
+                if name in ("batch", "heads") and i < tensors[p.name].dim():
+                    inferred[name] = max(inferred.get(name, 1), tensors[p.name].shape[i])
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: give both for the packed layout")
+        cq, ck = (t.to("cpu", torch.int64) for t in (cu_seqlens_q, cu_seqlens_k))
+        if cq.dim() != 1 or cq.shape != ck.shape or cq.shape[0] < 2:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected two int32 tensors [batch + 1] of one shape")
+        lens_q, lens_k = (cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()
+        if max(lens_q) > seqlen_q or max(lens_k) > seqlen_k or min(lens_q + lens_k) < 0:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: sequence lengths must lie in [0, seqlen_q] / [0, seqlen_k]")
+        batch = len(lens_q)
+    batch = batch if batch is not None else inferred.get("batch", 1)
+    heads = heads if heads is not None else inferred.get("heads", 1)
+    for name, v in (("batch", batch), ("heads", heads)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if not isinstance(op, AttentionOp):
+        from .ops import compile as _compile
+
+        op = _compile(spec)
+    dummy_q = torch.empty((batch, heads, 0, 8), device=device)
+    sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
+    values = op.check_params(dummy_q, dummy_q, params, sizes)
+    pvals = {p.name: v for p, v in zip(spec.params, values, strict=True)}
+    nqb, nkb = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
+    if spec.mask is None:
+        return BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
+                         seqlen_q, seqlen_k, full_kept=True)
+    if device.type == "cuda":  # the generated classifier kernel
+        per_b, per_h = mask_extents(spec)
+        block = op.params_block(values)
+        cu = {}
+        if packed:
+            per_b = True
+            cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
+                  "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
+        st = classify_cuda(op, block, batch if per_b else 1, heads if per_h else 1, seqlen_q, seqlen_k, bq, bk,
+                           device, **cu)
+        return BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True)
+    if not packed:
+        st = _classify(spec, pvals, batch, heads, seqlen_q, seqlen_k, bq, bk, device, 0)
+        return BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True)
+    parts = []
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        st = _classify(spec, pvals, 1, heads, lq, lk, bq, bk, device, b)
+        parts.append(torch.nn.functional.pad(st, (0, nkb - st.shape[-1], 0, nqb - st.shape[-2])))
+    hmax = max(p.shape[1] for p in parts)
+    return BlockMask(torch.cat([p.expand(1, hmax, nqb, nkb) for p in parts]), (bq, bk), seqlen_q, seqlen_k,
+                     full_kept=True)
+
+
+def _classify(spec: ir.Spec, params: dict, batch: int, heads: int, nq: int, nk: int, bq: int, bk: int,
+              device: torch.device, batch_offset: int) -> torch.Tensor:
+    """int8 [B|1, H|1, ⌈nq/bq⌉, ⌈nk/bk⌉] classification of the spec's mask (in-bounds elements
+    only: the kernels bound-check the edges themselves), evaluated in chunks of query blocks."""
+    from .reference import evaluate
+
+    nqb, nkb = _cdiv(nq, bq), _cdiv(nk, bk)
+    if nqb == 0 or nkb == 0:
+        return torch.zeros((1, 1, nqb, nkb), dtype=torch.int8, device=device)
+    ar = lambda *a: torch.arange(*a, dtype=torch.int64, device=device)  # noqa: E731
+    rows = bq * max(1, _CHUNK_ELEMS // (batch * heads * nkb * bk * bq))
+    out = []
+    kv = ar(nk).view(1, 1, 1, -1)
+    for r0 in range(0, nq, rows):
+        r1 = min(r0 + rows, nq)
+        env = {"b": (ar(batch) + batch_offset).view(-1, 1, 1, 1), "h": ar(heads).view(1, -1, 1, 1),
+               "q": ar(r0, r1).view(1, 1, -1, 1), "kv": kv, "seqlen_q": nq, "seqlen_k": nk}
+        m = evaluate(spec.mask, spec, env, params, torch.float32)
+        m = torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, r1 - r0, nk)))
+        B, H = m.shape[:2]
+        n_rows = _cdiv(r1 - r0, bq)
+        pad = (0, nkb * bk - nk, 0, n_rows * bq - (r1 - r0))
+        # out-of-bounds elements count neither for "any kept" nor against "all kept"
+        anyk = torch.nn.functional.pad(m.to(torch.uint8), pad, value=0).view(B, H, n_rows, bq, nkb, bk)
+        allk = torch.nn.functional.pad(m.to(torch.uint8), pad, value=1).view(B, H, n_rows, bq, nkb, bk)
+        a = anyk.amax(dim=(3, 5)) > 0
+        f = allk.amin(dim=(3, 5)) > 0
+        out.append(torch.where(f, FULL, torch.where(a, PARTIAL, EMPTY)).to(torch.int8))
+    shapes = {o.shape[:2] for o in out}
+    if len(shapes) > 1:
+        B, H = max(s[0] for s in shapes), max(s[1] for s in shapes)
+        out = [o.expand(B, H, *o.shape[2:]) for o in out]
+    return torch.cat(out, dim=2).contiguous()
+

@@ -1,0 +1,280 @@
+"""Block sparsity (block_mask=): BlockMask construction, its mapping onto kernel tiles, and the
+kernels' forward and backward against the float64 reference on the CPU (CUDA cases are marked gpu)."""
+
+import pytest
+import torch
+from sparsity_cases import random_pattern, run_case
+from variant_cases import alibi_slopes, op
+
+import flashgen
+from flashgen import reference, sparsity
+
+# ------------------------------------------------------------------ BlockMask itself
+
+
+def brute_classes(keep: torch.Tensor, bq: int, bk: int) -> torch.Tensor:
+    """Block classes of an element mask [B, H, Nq, Nk] by direct reduction (the test's oracle)."""
+    B, H, Nq, Nk = keep.shape
+    out = torch.zeros(B, H, -(-Nq // bq), -(-Nk // bk), dtype=torch.int8)
+    for i in range(out.shape[2]):
+        for j in range(out.shape[3]):
+            blk = keep[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            out[:, :, i, j] = torch.where(blk.all(-1).all(-1), 2, torch.where(blk.any(-1).any(-1), 1, 0))
+    return out
+
+
+@pytest.mark.parametrize("name, Nq, Nk, bs, params", [
+    ("causal", 300, 200, 64, {}), ("causal", 130, 500, (32, 64), {}),
+    ("sliding_window", 333, 333, 32, {"window": 40}),
+    ("prefix_lm", 260, 260, 64, {"prefix_len": torch.tensor([0, 100, 259], dtype=torch.int32)}),
+    ("document", 300, 300, 64, {"document_id": torch.tensor([[0] * 100 + [1] * 150 + [2] * 50,
+                                                             [0] * 7 + [3] * 293], dtype=torch.int32)}),
+])
+def test_block_mask_classifies_the_spec_mask(name, Nq, Nk, bs, params):
+    fop = op(name)
+    batch = next((t.shape[0] for t in params.values() if isinstance(t, torch.Tensor)), None)
+    bm = flashgen.block_mask(fop, Nq, Nk, batch=batch, block_size=bs, **params)
+    keep = reference.keep_mask(fop.spec, Nq, Nk, batch=batch or 1, heads=1, **params)
+    bq, bk = (bs, bs) if isinstance(bs, int) else bs
+    want = brute_classes(keep, bq, bk)
+    assert bm.full_kept and bm.block_size == (bq, bk)
+    assert torch.equal(bm.to_dense().expand_as(want), want)
+    # compact lists: the first n entries of each row are exactly that row's blocks of the class
+    for num, idx, cls, tr in ((bm.kv_num_blocks, bm.kv_indices, 1, False), (bm.full_kv_num_blocks,
+                              bm.full_kv_indices, 2, False), (bm.q_num_blocks, bm.q_indices, 1, True),
+                              (bm.full_q_num_blocks, bm.full_q_indices, 2, True)):
+        st = bm.to_dense().transpose(-1, -2) if tr else bm.to_dense()
+        for b in range(st.shape[0]):
+            for r in range(st.shape[2]):
+                got = sorted(idx[b, 0, r, :num[b, 0, r]].tolist())
+                assert got == torch.nonzero(st[b, 0, r] == cls).flatten().tolist()
+
+
+def test_block_mask_chunks_rows_without_an_n_by_n_tensor(monkeypatch):
+    """Evaluated in row chunks: a tiny chunk budget gives the same classes."""
+    fop = op("sliding_window")
+    a = flashgen.block_mask(fop, 500, 500, block_size=32, window=50)
+    monkeypatch.setattr(sparsity, "_CHUNK_ELEMS", 1)
+    b = flashgen.block_mask(fop, 500, 500, block_size=32, window=50)
+    assert torch.equal(a.to_dense(), b.to_dense())
+
+
+@pytest.mark.parametrize("tile", [(32, 32), (64, 128), (128, 64), (24, 40), (256, 256), (96, 48)])
+def test_tile_lists_map_blocks_onto_any_tile(tile):
+    g = torch.Generator().manual_seed(sum(tile))
+    Nq, Nk, bq, bk = 333, 270, 64, 32
+    st = torch.randint(0, 3, (2, 3, -(-Nq // bq), -(-Nk // bk)), generator=g, dtype=torch.int8)
+    bm = flashgen.BlockMask(st, (bq, bk), Nq, Nk)
+    for transpose in (False, True):
+        tr, tc = tile
+        lists = bm.tile_lists(tr, tc, Nq, Nk, transpose=transpose)
+        # oracle: element-level classes, reduced over each tile
+        el = st.repeat_interleave(bq, 2)[:, :, :Nq].repeat_interleave(bk, 3)[..., :Nk]
+        if transpose:
+            el = el.transpose(-1, -2)
+        nonempty = brute_classes(el != 0, tr, tc)
+        full = brute_classes(el == 2, tr, tc)
+        want = torch.where(nonempty == 0, 0, torch.where(full == 2, 2, 1))
+        assert lists.shape == (*want.shape[:3], want.shape[3] + 2) and lists.dtype == torch.int32
+        for b in range(2):
+            for h in range(3):
+                for r in range(want.shape[2]):
+                    row = lists[b, h, r].tolist()
+                    npart, nfull = row[0], row[1]
+                    assert sorted(row[2:2 + npart]) == torch.nonzero(want[b, h, r] == 1).flatten().tolist()
+                    assert sorted(row[2 + npart:2 + npart + nfull]) == \
+                        torch.nonzero(want[b, h, r] == 2).flatten().tolist()
+        assert bm.tile_lists(tr, tc, Nq, Nk, transpose=transpose) is lists  # cached
+
+
+def test_from_pattern_and_call_errors_name_the_argument():
+    c = op("causal")
+    q = torch.randn(1, 2, 100, 32)
+    with pytest.raises(TypeError, match="^pattern"):
+        flashgen.BlockMask.from_pattern([[True]])
+    with pytest.raises(ValueError, match="^pattern: dtype"):
+        flashgen.BlockMask.from_pattern(torch.ones(1, 1, 1, 1))
+    with pytest.raises(ValueError, match="^block_size"):
+        flashgen.BlockMask.from_pattern(torch.ones(1, 1, 1, 1, dtype=torch.bool), block_size=100)
+    with pytest.raises(TypeError, match="^block_mask: expected a flashgen.BlockMask"):
+        c(q, q, q, block_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool))
+    wrong = flashgen.BlockMask.from_pattern(torch.ones(1, 1, 2, 1, dtype=torch.bool), block_size=64)
+    with pytest.raises(ValueError, match="^block_mask: 2 x 1 blocks of 64 x 64"):
+        c(q, torch.randn(1, 2, 200, 32), torch.randn(1, 2, 200, 32), block_mask=wrong)
+    heads = flashgen.BlockMask.from_pattern(torch.ones(1, 3, 2, 2, dtype=torch.bool), block_size=64)
+    with pytest.raises(ValueError, match="^block_mask: heads dim is 3"):
+        c(q, q, q, block_mask=heads)
+    made = flashgen.block_mask(c, 100, 120, block_size=64)
+    with pytest.raises(ValueError, match="^block_mask: made for seqlen_q = 100, seqlen_k = 120"):
+        c(q, torch.randn(1, 2, 100, 32), torch.randn(1, 2, 100, 32), block_mask=made)
+    with pytest.raises(ValueError, match="^seqlen_q"):
+        flashgen.block_mask(c, -1, 10)
+    with pytest.raises(TypeError, match="missing parameter"):
+        flashgen.block_mask(op("sliding_window"), 10, 10)
+
+
+# ------------------------------------------------------------------ kernels (CPU)
+
+CPU_CASES = [
+    # name, B, Hq, Hkv, Nq, Nk, d, params, block size, pattern density (None: from the spec)
+    ("dense", 2, 4, 2, 300, 200, 32, {}, 64, 0.5),           # the paper's block-sparse attention, GQA
+    ("dense", 1, 2, 2, 130, 257, 64, {}, (32, 64), 0.3),
+    ("causal", 1, 4, 1, 250, 250, 32, {}, 64, 0.6),          # pattern AND the spec's mask, MQA
+    ("causal", 2, 2, 2, 200, 330, 32, {}, 64, None),         # the spec's own mask, Nq != Nk
+    ("sliding_window", 1, 2, 1, 400, 400, 32, {"window": 50}, 32, None),
+    ("prefix_lm", 2, 2, 2, 260, 260, 32, {"prefix_len": torch.tensor([10, 200], dtype=torch.int32)}, 64, None),
+    ("alibi", 1, 4, 2, 190, 190, 32, {"slopes": alibi_slopes(4, "cpu")}, 64, 0.5),
+]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}-{c[9]}" for c in CPU_CASES])
+def test_cpu_block_sparse_matches_reference(case):
+    name, B, Hq, Hkv, Nq, Nk, d, params, bs, density = case
+    run_case(name, B, Hq, Hkv, Nq, Nk, d, torch.float32, params=params, block_size=bs,
+             pattern=density, from_spec=density is None, seed=Nq + Nk)
+
+
+def test_cpu_document_mask_from_spec_with_per_batch_blocks():
+    ids = torch.tensor([[0] * 100 + [1] * 150 + [2] * 50, [0] * 7 + [3] * 293], dtype=torch.int32)
+    bm, *_ = run_case("document", 2, 2, 2, 300, 300, 32, torch.float32, params={"document_id": ids},
+                      block_size=64, from_spec=True, seed=3)
+    assert bm.shape[0] == 2 and bm.density() < 1
+
+
+def test_cpu_empty_query_block_writes_zero_and_neg_inf():
+    pat = torch.zeros(1, 1, 3, 3, dtype=torch.bool)
+    pat[0, 0, 0, :2] = True
+    pat[0, 0, 2, 2] = True
+    bm, out, lse, (dq, dk, dv) = run_case("dense", 1, 2, 2, 150, 150, 32, torch.float32, pattern=pat,
+                                          block_size=64, seed=4)
+    assert (out[:, :, 64:128] == 0).all() and torch.isneginf(lse[:, :, 64:128]).all()
+    assert (dq[:, :, 64:128] == 0).all()
+
+
+def test_cpu_block_lists_are_the_authority_with_a_trivial_mask():
+    """Without any element mask, blocks the pattern leaves out are never visited."""
+    pat = torch.eye(4, dtype=torch.bool)[None, None]
+    _, out, _, _ = run_case("dense", 1, 1, 1, 256, 256, 32, torch.float32, pattern=pat, block_size=64, seed=5)
+    q = torch.randn(1, 1, 256, 32)
+    full = flashgen.BlockMask.from_pattern(torch.ones(1, 1, 4, 4, dtype=torch.bool), 64)
+    dense = op("dense")
+    assert torch.equal(dense(q, q, q, block_mask=full), dense(q, q, q))
+
+
+def test_cpu_block_sparse_with_dropout_and_varlen():
+    run_case("dropout", 1, 2, 1, 200, 200, 32, torch.float32, pattern=0.5, block_size=64, dropout_p=0.2, seed=6)
+    run_case("causal", 0, 2, 1, 300, 200, 32, torch.float32, from_spec=True, block_size=64, seed=7,
+             packed=([300, 0, 17, 120], [200, 5, 17, 0]))
+    run_case("dense", 0, 2, 2, 300, 200, 32, torch.float32, pattern=0.5, block_size=64, seed=8,
+             packed=([300, 1, 17], [200, 130, 0]))
+
+
+def test_cpu_block_sparse_bf16():
+    run_case("causal", 1, 2, 2, 256, 256, 64, torch.bfloat16, pattern=0.5, block_size=128, seed=9)
+
+
+def test_cpu_block_mask_under_torch_compile():
+    """A block mask passes through torch.compile(fullgraph=True), forward and backward, with the
+    eager results (also a mask whose tile lists are first built inside the compiled region)."""
+    c = op("causal")
+    g = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 2, 200, 32, generator=g, requires_grad=True)
+    bm = flashgen.BlockMask.from_pattern(torch.rand(1, 1, 4, 4, generator=g) < 0.6, 64)
+    ref = c(q, q, q, block_mask=bm)
+    (gref,) = torch.autograd.grad(ref.sum(), q)
+    f = torch.compile(lambda x, m: c(x, x, x, block_mask=m), fullgraph=True)
+    out = f(q, bm)
+    (gout,) = torch.autograd.grad(out.sum(), q)
+    assert torch.equal(out, ref) and torch.equal(gout, gref)
+    fresh = flashgen.BlockMask.from_pattern(torch.rand(1, 1, 4, 4, generator=g) < 0.6, 64)
+    assert torch.equal(f(q, fresh), c(q, q, q, block_mask=fresh))
+
+
+# ------------------------------------------------------------------ kernels (CUDA)
+
+GPU_CASES = [
+    ("dense", 2, 4, 2, 300, 200, 64, {}, 128, 0.5, False),
+    ("dense", 1, 2, 2, 1000, 777, 128, {}, 128, 0.3, True),      # deterministic dq kernel
+    ("causal", 1, 4, 1, 700, 700, 128, {}, 128, 0.6, False),
+    ("causal", 2, 2, 2, 500, 900, 64, {}, 64, None, False),
+    ("sliding_window", 1, 4, 2, 1500, 1500, 128, {"window": 200}, 128, None, False),
+    ("sliding_window", 1, 2, 2, 600, 600, 64, {"window": 50}, 128, None, True),
+    ("prefix_lm", 2, 2, 2, 520, 520, 64, {"prefix_len": torch.tensor([10, 300], dtype=torch.int32)}, 128, None,
+     False),
+    ("alibi", 1, 4, 2, 400, 400, 128, {"slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}, 128, 0.5, False),
+]
+
+
+@pytest.fixture(scope="module")
+def _cuda_sparse_built():
+    """Build every block-sparse instantiation the CUDA cases use at once (in parallel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {(c[0], c[6], "padded") for c in GPU_CASES} | {("document", 128, "padded"), ("dropout", 64, "padded"),
+                                                            ("causal", 128, "packed"), ("dense", 64, "packed")}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        list(pool.map(lambda j: op(j[0]).build("cuda", ["bf16"], [j[1]], layouts=(j[2],), sparse=(True,)), jobs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-{c[4]}x{c[5]}-d{c[6]}-{c[9]}-{c[10]}" for c in GPU_CASES])
+def test_cuda_block_sparse_matches_reference(case, _cuda_sparse_built):
+    name, B, Hq, Hkv, Nq, Nk, d, params, bs, density, det = case
+    params = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+    run_case(name, B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, device="cuda", params=params, block_size=bs,
+             pattern=density, from_spec=density is None, seed=Nq + Nk, deterministic=det)
+
+
+@pytest.mark.gpu
+def test_cuda_block_sparse_document_dropout_varlen(_cuda_sparse_built):
+    ids = torch.tensor([[0] * 300 + [1] * 450 + [2] * 250, [0] * 7 + [3] * 993], dtype=torch.int32).cuda()
+    run_case("document", 2, 4, 2, 1000, 1000, 128, torch.bfloat16, device="cuda", params={"document_id": ids},
+             from_spec=True, seed=11)
+    run_case("dropout", 1, 2, 1, 600, 600, 64, torch.bfloat16, device="cuda", pattern=0.5, dropout_p=0.2, seed=12)
+    run_case("causal", 0, 4, 2, 700, 500, 128, torch.bfloat16, device="cuda", from_spec=True, seed=13,
+             packed=([700, 0, 17, 300], [500, 5, 17, 0]))
+    run_case("dense", 0, 2, 2, 700, 500, 64, torch.bfloat16, device="cuda", pattern=0.5, seed=14,
+             packed=([700, 1, 130], [500, 300, 0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, Nq, Nk, bs, params", [
+    ("causal", 1000, 700, 128, {}), ("sliding_window", 900, 900, 64, {"window": 100}),
+    ("document", 1000, 1000, (128, 64), {"document_id": torch.tensor([[0] * 300 + [1] * 450 + [2] * 250,
+                                                                     [0] * 7 + [3] * 993], dtype=torch.int32)}),
+    ("key_padding", 500, 800, 128, {"kv_len": torch.tensor([0, 555, 800], dtype=torch.int32)}),
+])
+def test_cuda_classifier_matches_the_cpu_classification(name, Nq, Nk, bs, params):
+    """flashgen.block_mask on CUDA (the generated classifier kernel) equals the CPU's row-chunked
+    evaluation of the same mask, and the brute-force reduction of the element mask."""
+    fop = op(name)
+    batch = next((t.shape[0] for t in params.values() if isinstance(t, torch.Tensor)), None)
+    cpu = flashgen.block_mask(fop, Nq, Nk, batch=batch, block_size=bs, **params)
+    gpu = flashgen.block_mask(fop, Nq, Nk, batch=batch, block_size=bs, device="cuda",
+                              **{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in params.items()})
+    a, b = cpu.to_dense(), gpu.to_dense().cpu()
+    assert torch.equal(a.expand(torch.broadcast_shapes(a.shape, b.shape)), b.expand(torch.broadcast_shapes(a.shape, b.shape)))
+    keep = reference.keep_mask(fop.spec, Nq, Nk, batch=batch or 1, heads=1, **params)
+    bq, bk = (bs, bs) if isinstance(bs, int) else bs
+    want = brute_classes(keep, bq, bk)
+    assert torch.equal(b.expand_as(want), want)
+
+
+@pytest.mark.gpu
+def test_cuda_classifier_packed_and_auto_block_lists(monkeypatch):
+    """The packed classifier classifies each sequence with its own lengths; the document spec
+    without a block_mask (per-call block lists, FLASHGEN_AUTO_BLOCK_MASK) and with it switched
+    off both match the reference."""
+    fop = op("causal")
+    lq, lk = [300, 0, 17, 260], [200, 5, 17, 300]
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    gpu = flashgen.block_mask(fop, 300, 300, block_size=64, device="cuda", cu_seqlens_q=cu(lq).cuda(),
+                              cu_seqlens_k=cu(lk).cuda())
+    cpu = flashgen.block_mask(fop, 300, 300, block_size=64, cu_seqlens_q=cu(lq), cu_seqlens_k=cu(lk))
+    assert torch.equal(gpu.to_dense().cpu(), cpu.to_dense().expand_as(gpu.to_dense().cpu()))
+    from variant_cases import run_case as run_padded
+
+    assert op("document").auto_sparse
+    run_padded("document", 2, 4, 2, 700, 700, 128, torch.bfloat16, device="cuda", seed=21)
+    monkeypatch.setenv("FLASHGEN_AUTO_BLOCK_MASK", "0")
+    run_padded("document", 2, 4, 2, 700, 700, 128, torch.bfloat16, device="cuda", seed=22)
