@@ -173,6 +173,44 @@ def test_cpu_block_sparse_bf16():
     run_case("causal", 1, 2, 2, 256, 256, 64, torch.bfloat16, pattern=0.5, block_size=128, seed=9)
 
 
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_cpu_gqa_with_per_head_block_masks(hkv):
+    """Edge case C33: GQA/MQA with a block mask that differs per query head (heads 0-3 causal
+    blocks, 4-7 a window of blocks) and one shared by all heads; each query head uses its own row."""
+    nb = 8
+    i = torch.arange(nb)
+    causal = i[:, None] >= i[None, :]
+    window = causal & (i[:, None] - i[None, :] <= 2)
+    pat = torch.stack([causal] * 4 + [window] * 4)[None].expand(2, 8, nb, nb)
+    run_case("dense", 2, 8, hkv, 256, 256, 32, torch.float32, pattern=pat.contiguous(), block_size=32, seed=30 + hkv)
+    run_case("causal", 2, 8, hkv, 250, 256, 32, torch.float32, pattern=window[None, None], block_size=32,
+             seed=40 + hkv)
+
+
+def test_cpu_block_mask_survives_copies():
+    """Edge case C35: a block mask means the same after to(), deepcopy and pickling."""
+    import copy
+    import pickle
+
+    ids = torch.tensor([[0] * 100 + [1] * 37 + [2] * 63], dtype=torch.int32)
+    doc = op("document")
+    bm = flashgen.block_mask(doc, 200, 200, block_size=32, document_id=ids)
+    q, k, v = (torch.randn(1, 2, 200, 32, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    ref = doc(q, k, v, block_mask=bm, document_id=ids)
+    for other in (bm.to("cpu"), copy.deepcopy(bm), pickle.loads(pickle.dumps(bm))):
+        assert torch.equal(other.to_dense(), bm.to_dense()) and other.full_kept
+        assert torch.equal(doc(q, k, v, block_mask=other, document_id=ids), ref)
+
+
+@pytest.mark.parametrize("n", [127, 129, 1025])
+def test_cpu_tail_tiles_with_a_position_score_and_block_mask(n):
+    """Edge case C08: seqlen not a multiple of the block size, a causal block mask and a score
+    that grows with the distance (ALiBi slope 1: logits down to -n): finite gradients equal to
+    the reference, the tail block's rows past the end never enter."""
+    run_case("alibi", 1, 1, 1, n, n, 32, torch.float32, params={"slopes": torch.ones(1)}, from_spec=True,
+             block_size=128, seed=n)
+
+
 def test_cpu_block_mask_under_torch_compile():
     """A block mask passes through torch.compile(fullgraph=True), forward and backward, with the
     eager results (also a mask whose tile lists are first built inside the compiled region)."""
@@ -193,6 +231,9 @@ def test_cpu_block_mask_under_torch_compile():
 # ------------------------------------------------------------------ kernels (CUDA)
 
 GPU_CASES = [
+    ("document", 1, 12, 12, 124, 124, 64, {"document_id": torch.tensor([[0] * 64 + [1] * 60], dtype=torch.int32)},
+     64, None, True),  # edge case C29: the deterministic backward with a document mask
+
     ("dense", 2, 4, 2, 300, 200, 64, {}, 128, 0.5, False),
     ("dense", 1, 2, 2, 1000, 777, 128, {}, 128, 0.3, True),      # deterministic dq kernel
     ("causal", 1, 4, 1, 700, 700, 128, {}, 128, 0.6, False),
