@@ -227,6 +227,9 @@ class AttentionOp:
         sizes = None
         if packed:
             check_varlen_backend(q.device)
+            if block_mask is not None:  # the block grid counts tiles up to the mask's lengths
+                max_seqlen_q = block_mask.seqlen_q if max_seqlen_q is None else max_seqlen_q
+                max_seqlen_k = block_mask.seqlen_k if max_seqlen_k is None else max_seqlen_k
             _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
             max_seqlen_q, max_seqlen_k = (int(x) if isinstance(x, numbers.Integral) else x
                                           for x in (max_seqlen_q, max_seqlen_k))
@@ -255,20 +258,25 @@ class AttentionOp:
             dropout = (dropout_p, state)
         blocks = {}
         if block_mask is not None:
-            blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+            blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, varlen.get("max_seqlen_q"),
+                                     varlen.get("max_seqlen_k"),
                                      grad=torch.is_grad_enabled() and any(
                                          t.requires_grad for t in (q, k, v, *params.values())
-                                         if isinstance(t, torch.Tensor)))
+                                         if isinstance(t, torch.Tensor)), values=values, cu_seqlens_k=cu_seqlens_k)
             if not varlen:  # the schema's packed-layout arguments come first
                 varlen = {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": None, "max_seqlen_k": None}
         out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
 
     def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                   grad: bool) -> dict:
+                   grad: bool, values=(), cu_seqlens_k=None) -> dict:
         """The op's block-sparsity arguments for ``block_mask``: its lists for the forward's
         tiles (and, with ``grad``, the backward's), plus their tile sizes. Checks the mask's
-        shape and device against the call first (ValueError naming block_mask)."""
+        shape and device against the call first, and that a mask made from a spec's mask
+        (flashgen.block_mask) was made from this spec with the call's parameters and layout
+        (ValueError naming block_mask)."""
+        block_mask.check_binding(self.spec, values, cu_seqlens_q if packed else None,
+                                 cu_seqlens_k if packed else None)
         if packed:
             B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
             Nq = max_seqlen_q if max_seqlen_q is not None else block_mask.seqlen_q
@@ -280,13 +288,20 @@ class AttentionOp:
             B, Hq, Nq, d = q.shape
             Nk = k.shape[2]
         block_mask.check(B, Hq, Nq, Nk, q.device)
+        bq, bk = block_mask.block_size
         if q.device.type == "cuda":
             lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed, sparse=True)
             (fr, fc), (br, bc), (dr, dc) = _lib_tiles(lib, q.device)
-        else:  # the CPU family takes the lists' tiles as its own
-            bq, bk = block_mask.block_size
-            fr, fc = min(bq, 256), min(bk, 512)
-            br, bc = min(bk, 512), min(bq, 256)
+            if not block_mask.full_kept and any(x % t for x, t in ((bq, fr), (bk, fc), (bk, br), (bq, bc), (bq, dr),
+                                                                   (bk, dc))):
+                # A kernel tile that straddled a kept and an empty block could not honour the
+                # pattern inside it (the element mask is the spec's); tiles must nest in blocks.
+                raise ValueError(f"block_mask: a pattern's block size {bq} x {bk} must be a multiple of the CUDA "
+                                 f"kernels' tiles at head_dim {d} (forward {fr} x {fc}, backward {bc} x {br} "
+                                 f"and {dr} x {dc}, queries x keys); block_size=128 fits every default tile")
+        else:  # the CPU family takes a divisor of the block size as its tiles: they nest in blocks
+            fr, fc = _cpu_tile(bq, 256), _cpu_tile(bk, 512)
+            br, bc = fc, fr
             dr, dc = fr, fc
         out = {"block_kv": block_mask.tile_lists(fr, fc, Nq, Nk),
                "block_meta": [fr, fc, br, bc, dr, dc, int(block_mask.full_kept)]}
@@ -705,6 +720,12 @@ class AttentionOp:
 
 
 _TILES: dict = {}
+
+
+def _cpu_tile(block: int, cap: int) -> int:
+    """The largest multiple of 8 that divides ``block`` and is at most ``cap`` (CPU tile size
+    for a block mask's block: tiles then never straddle two blocks)."""
+    return max(t for t in range(8, min(block, cap) + 1, 8) if block % t == 0)
 
 
 def _lib_tiles(lib: build.LoadedLibrary, device: torch.device):

@@ -274,10 +274,19 @@ def _block_keep(block_mask, b: int | None, nq: int, nk: int, device) -> torch.Te
     ``b``: in the packed layout, the sequence (its row of the mask); None: the padded batch."""
     if block_mask is None:
         return None
+    from .sparsity import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask: expected a flashgen.BlockMask, got {type(block_mask).__name__}")
+    bq, bk = block_mask.block_size
+    need = (-(-nq // bq), -(-nk // bk))
+    have = block_mask.shape[2:]
+    if (have != need) if b is None else (have[0] < need[0] or have[1] < need[1]):
+        raise ValueError(f"block_mask: {have[0]} x {have[1]} blocks of {bq} x {bk} do not cover seqlen_q = {nq}, "
+                         f"seqlen_k = {nk} ({need[0]} x {need[1]})")
     st = block_mask.to_dense().to(device) != 0
     if b is not None and st.shape[0] > 1:
         st = st[b:b + 1]
-    bq, bk = block_mask.block_size
     return st.repeat_interleave(bq, dim=2)[:, :, :nq].repeat_interleave(bk, dim=3)[..., :nk]
 
 

@@ -67,12 +67,19 @@ class BlockMask:
 
     def __init__(self, state: torch.Tensor, block_size, seqlen_q: int | None = None,
                  seqlen_k: int | None = None, *, full_kept: bool = False):
-        if not isinstance(state, torch.Tensor) or state.dim() != 4:
-            raise ValueError("state: expected an int8 tensor [batch|1, heads|1, query blocks, key blocks]")
+        """Made by ``from_pattern`` and ``flashgen.block_mask``; ``state``: the classes, int
+        [batch|1, heads|1, query blocks, key blocks] with values 0 (empty), 1 (partial), 2 (full)
+        (checked here: one read on the host)."""
+        if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.is_floating_point() \
+                or state.is_complex() or state.device.type == "meta":
+            raise ValueError("state: expected an integer tensor [batch|1, heads|1, query blocks, key blocks]")
+        if state.numel() and not bool(((state >= EMPTY) & (state <= FULL)).all()):
+            raise ValueError("state: values must be 0 (empty), 1 (partial) or 2 (full)")
         self.block_size = _check_block_size(block_size)
         self._state = state.to(torch.int8).contiguous()
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.full_kept = bool(full_kept)
+        self._binding = None  # flashgen.block_mask: what the mask was made from (check_binding)
         self._cache: dict = {}
 
     # ------------------------------------------------------------ construction
@@ -91,6 +98,8 @@ class BlockMask:
             raise TypeError(f"pattern: expected a bool tensor, got {type(pattern).__name__}")
         if pattern.dtype != torch.bool:
             raise ValueError(f"pattern: dtype {pattern.dtype}, expected torch.bool")
+        if pattern.device.type == "meta":
+            raise ValueError("pattern: on the meta device (its values decide which blocks are visited)")
         if not 2 <= pattern.dim() <= 4:
             raise ValueError(f"pattern: expected [batch|1, heads|1, query blocks, key blocks] (rank 2 to 4), "
                              f"got shape {tuple(pattern.shape)}")
@@ -113,16 +122,18 @@ class BlockMask:
         device = torch.device(device)
         if device == self.device:
             return self
-        return BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
-                         full_kept=self.full_kept)
+        out = BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
+                        full_kept=self.full_kept)
+        out._binding = self._binding
+        return out
 
     def density(self) -> float:
         """Fraction of non-empty blocks (reads the device: a host synchronisation)."""
         return float((self._state != EMPTY).float().mean()) if self._state.numel() else 0.0
 
     def to_dense(self) -> torch.Tensor:
-        """The classification, int8 [B|1, H|1, nQB, nKB]: 0 empty, 1 partial, 2 full."""
-        return self._state
+        """A copy of the classification, int8 [B|1, H|1, nQB, nKB]: 0 empty, 1 partial, 2 full."""
+        return self._state.clone()
 
     def _compact(self, transpose: bool, full: bool) -> tuple[torch.Tensor, torch.Tensor]:
         key = ("compact", transpose, full)
@@ -167,6 +178,36 @@ class BlockMask:
         if self.device != device:
             raise ValueError(f"block_mask: on {self.device} but q is on {device} (use block_mask.to(device))")
 
+    def check_binding(self, spec: ir.Spec, values, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+        """Raise ValueError (naming ``block_mask``) when this mask was made by
+        ``flashgen.block_mask`` from another spec, other parameter values, another layout or
+        other cu_seqlens tensors than the call's: its full blocks skip the element mask, so a
+        mismatch would be silently wrong. Tensors are compared by identity (storage, shape,
+        strides, in-place version), which needs no host synchronisation; under torch.compile
+        only the spec, the scalar values and the layout are compared. Pattern masks bind to
+        nothing (any spec may use them)."""
+        if self._binding is None:
+            return
+        fp, want, (cq, ck) = self._binding
+        if fp != spec.fingerprint():
+            raise ValueError("block_mask: made by flashgen.block_mask from another spec's mask (pass a mask of this "
+                             "op's spec, or a BlockMask.from_pattern)")
+        if (cq is None) != (cu_seqlens_q is None):
+            raise ValueError("block_mask: made for the " + ("packed" if cq is not None else "padded") +
+                             " layout, called with the " + ("packed" if cu_seqlens_q is not None else "padded") +
+                             " one (build it with the call's cu_seqlens_q / cu_seqlens_k, or without them)")
+        compiling = torch.compiler.is_compiling()
+        names = [p.name for p in spec.params]
+        for name, have, now in zip(names + ["cu_seqlens_q", "cu_seqlens_k"], list(want) + [cq, ck],
+                                   list(values) + [cu_seqlens_q, cu_seqlens_k], strict=True):
+            if isinstance(have, tuple):  # a tensor's identity
+                if not compiling and _identity(now) != have:
+                    raise ValueError(f"block_mask: made with another {name} tensor than the call's (or it changed "
+                                     "in place since): rebuild it with flashgen.block_mask and the call's values")
+            elif have != now:
+                raise ValueError(f"block_mask: made with {name} = {have!r}, called with {now!r}: rebuild it with "
+                                 "flashgen.block_mask and the call's values")
+
     def tile_lists(self, block_r: int, block_c: int, seqlen_q: int, seqlen_k: int,
                    transpose: bool = False) -> torch.Tensor:
         """The kernels' lists (args.h, FgBlockLists) for tiles of block_r queries x block_c keys
@@ -185,6 +226,12 @@ class BlockMask:
         lists = _lists(tiles)
         self._cache[key] = lists
         return lists
+
+
+def _identity(t) -> tuple | None:
+    if not isinstance(t, torch.Tensor):
+        return None
+    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version)
 
 
 def _retile(st: torch.Tensor, bq: int, bk: int, nq: int, nk: int, tr: int, tc: int) -> torch.Tensor:
@@ -231,14 +278,13 @@ def _lists(tiles: torch.Tensor) -> torch.Tensor:
 
 
 def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
-    """Whether the spec's mask depends on the batch index (b, or a tensor parameter, which may have
-    a batch dim) and on the query head (h)."""
+    """Whether the spec's mask depends on the batch index b and on the query head h (a tensor
+    parameter can only vary with them through an index that names them)."""
     from . import expr as X
 
     if spec.mask is None:
         return False, False
-    per_b = X.uses(spec.mask, "b") or any(isinstance(n, ir.Index) for n in X.walk(spec.mask))
-    return per_b, X.uses(spec.mask, "h")
+    return X.uses(spec.mask, "b"), X.uses(spec.mask, "h")
 
 
 def classify_cuda(op, params_block, batch: int, heads: int, nq: int, nk: int, br: int, bc: int,
@@ -297,73 +343,114 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     """
     from .ops import AttentionOp, _dim_text
 
+    import numbers
+
+    from . import expr as X
+
     spec = op.spec if isinstance(op, AttentionOp) else op
     if not isinstance(spec, ir.Spec):
         raise TypeError(f"op: expected a flashgen op (flashgen.compile), got {type(op).__name__}")
+    if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
+        block_size = int(block_size)
+    elif isinstance(block_size, tuple | list):
+        block_size = tuple(int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
+                           for x in block_size)
     bq, bk = _check_block_size(block_size)
-    for name, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name}: expected an int >= 0, got {v!r}")
+
+    def as_int(name, v, lo, hi, optional=False):
+        if v is None and optional:
+            return None
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if not lo <= int(v) <= hi:
+            raise ValueError(f"{name}: {int(v)} is out of range (expected {lo} <= {name} <= {hi})")
+        return int(v)
+
+    seqlen_q = as_int("seqlen_q", seqlen_q, 0, X.MAX_SEQLEN)
+    seqlen_k = as_int("seqlen_k", seqlen_k, 0, X.MAX_SEQLEN)
+    batch = as_int("batch", batch, 1, 2**31 - 1, optional=True)
+    heads = as_int("heads", heads, 1, 2**31 - 1, optional=True)
     tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
     if device is None:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
     device = torch.device(device)
-    inferred = {}
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: CUDA is not available in this torch build or machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
+    inferred = {}  # batch / heads from a tensor parameter's (non-broadcast) dim of that name
     for p in spec.params:
         if p.is_tensor and p.name in tensors:
             for i, d in enumerate(p.shape):
                 name = _dim_text(d.size)
-                if name in ("batch", "heads") and i < tensors[p.name].dim():
-                    inferred[name] = max(inferred.get(name, 1), tensors[p.name].shape[i])
+                if name in ("batch", "heads") and not d.broadcast and i < tensors[p.name].dim():
+                    inferred[name] = tensors[p.name].shape[i]
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
-        if cu_seqlens_q is None or cu_seqlens_k is None:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: give both for the packed layout")
+        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected an int32 tensor [batch + 1], got {type(t).__name__}")
+            if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
+                raise ValueError(f"{name}: expected an int32 tensor [batch + 1] (at least 2 entries), got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError("cu_seqlens_k: expected as many entries as cu_seqlens_q")
         cq, ck = (t.to("cpu", torch.int64) for t in (cu_seqlens_q, cu_seqlens_k))
-        if cq.dim() != 1 or cq.shape != ck.shape or cq.shape[0] < 2:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: expected two int32 tensors [batch + 1] of one shape")
         lens_q, lens_k = (cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()
-        if max(lens_q) > seqlen_q or max(lens_k) > seqlen_k or min(lens_q + lens_k) < 0:
-            raise ValueError("cu_seqlens_q, cu_seqlens_k: sequence lengths must lie in [0, seqlen_q] / [0, seqlen_k]")
+        for name, cu, lens, limit, lname in (("cu_seqlens_q", cq, lens_q, seqlen_q, "seqlen_q"),
+                                             ("cu_seqlens_k", ck, lens_k, seqlen_k, "seqlen_k")):
+            if int(cu[0]) != 0 or min(lens) < 0:
+                raise ValueError(f"{name}: expected non-decreasing boundaries starting at 0")
+            if max(lens) > limit:
+                raise ValueError(f"{lname}: {limit} is less than the longest sequence in {name} ({max(lens)}); pass "
+                                 "the call's max_seqlen")
+        if batch is not None and batch != len(lens_q):
+            raise ValueError(f"batch: {batch}, but cu_seqlens_q holds {len(lens_q)} sequences")
         batch = len(lens_q)
+    per_b, per_h = mask_extents(spec)
+    for name, v, per in (("batch", batch, per_b), ("heads", heads, per_h)):
+        if v is None and per and name not in inferred:
+            raise ValueError(f"{name}: spec '{spec.name}''s mask depends on {'b' if name == 'batch' else 'h'}: pass "
+                             f"{name}= (the call's {'batch size' if name == 'batch' else 'query heads'})")
     batch = batch if batch is not None else inferred.get("batch", 1)
     heads = heads if heads is not None else inferred.get("heads", 1)
-    for name, v in (("batch", batch), ("heads", heads)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
     if not isinstance(op, AttentionOp):
         from .ops import compile as _compile
 
         op = _compile(spec)
+    def bound(bm: BlockMask) -> BlockMask:
+        pv = [_identity(v) if isinstance(v, torch.Tensor) else v for v in values]
+        bm._binding = (spec.fingerprint(), pv, (_identity(cu_seqlens_q), _identity(cu_seqlens_k)) if packed
+                       else (None, None))
+        return bm
+
     dummy_q = torch.empty((batch, heads, 0, 8), device=device)
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
     values = op.check_params(dummy_q, dummy_q, params, sizes)
     pvals = {p.name: v for p, v in zip(spec.params, values, strict=True)}
     nqb, nkb = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
     if spec.mask is None:
-        return BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
-                         seqlen_q, seqlen_k, full_kept=True)
+        return bound(BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
+                               seqlen_q, seqlen_k, full_kept=True))
     if device.type == "cuda":  # the generated classifier kernel
-        per_b, per_h = mask_extents(spec)
         block = op.params_block(values)
         cu = {}
         if packed:
-            per_b = True
             cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
                   "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
-        st = classify_cuda(op, block, batch if per_b else 1, heads if per_h else 1, seqlen_q, seqlen_k, bq, bk,
-                           device, **cu)
-        return BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True)
+        st = classify_cuda(op, block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
+                           bq, bk, device, **cu)
+        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
     if not packed:
         st = _classify(spec, pvals, batch, heads, seqlen_q, seqlen_k, bq, bk, device, 0)
-        return BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True)
+        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
     parts = []
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         st = _classify(spec, pvals, 1, heads, lq, lk, bq, bk, device, b)
         parts.append(torch.nn.functional.pad(st, (0, nkb - st.shape[-1], 0, nqb - st.shape[-2])))
     hmax = max(p.shape[1] for p in parts)
-    return BlockMask(torch.cat([p.expand(1, hmax, nqb, nkb) for p in parts]), (bq, bk), seqlen_q, seqlen_k,
-                     full_kept=True)
+    return bound(BlockMask(torch.cat([p.expand(1, hmax, nqb, nkb) for p in parts]), (bq, bk), seqlen_q, seqlen_k,
+                           full_kept=True))
 
 
 def _classify(spec: ir.Spec, params: dict, batch: int, heads: int, nq: int, nk: int, bq: int, bk: int,

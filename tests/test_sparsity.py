@@ -211,6 +211,98 @@ def test_cpu_tail_tiles_with_a_position_score_and_block_mask(n):
              block_size=128, seed=n)
 
 
+@pytest.mark.parametrize("bs", [(264, 16), (24, 520), (16, 24)])
+def test_cpu_pattern_blocks_of_any_size_stay_exact(bs):
+    """Block sizes that are not multiples of the CPU's preferred tiles: the tiles become a divisor
+    of the block, so a tile never mixes a kept and an empty block (whose inside would otherwise
+    see only the spec's mask)."""
+    from flashgen.ops import _cpu_tile
+
+    assert _cpu_tile(264, 256) == 88 and _cpu_tile(520, 512) == 104 and _cpu_tile(128, 256) == 128
+    nq, nk = 2 * bs[0] + 5, 2 * bs[1] + 7
+    pat = torch.tensor([[True, False, True], [False, True, False], [True, True, False]])
+    run_case("dense", 1, 2, 1, nq, nk, 16, torch.float32, pattern=pat[None, None], block_size=bs, seed=sum(bs))
+
+
+def test_cpu_block_mask_bound_to_its_spec_values_and_layout():
+    """A mask from flashgen.block_mask skips the element mask on its full blocks, so it refuses a
+    call with another spec, other parameter values, a tensor changed in place, or another layout."""
+    sw, c, doc = op("sliding_window"), op("causal"), op("document")
+    q = torch.randn(1, 2, 64, 16)
+    bm = flashgen.block_mask(sw, 64, 64, block_size=16, window=48)
+    sw(q, q, q, block_mask=bm, window=48)
+    with pytest.raises(ValueError, match="^block_mask: made with window = 48, called with 4"):
+        sw(q, q, q, block_mask=bm, window=4)
+    with pytest.raises(ValueError, match="^block_mask: made by flashgen.block_mask from another spec"):
+        c(q, q, q, block_mask=bm)
+    ids = torch.zeros(1, 64, dtype=torch.int32)
+    bmd = flashgen.block_mask(doc, 64, 64, block_size=16, document_id=ids)
+    doc(q, q, q, block_mask=bmd, document_id=ids)
+    with pytest.raises(ValueError, match="^block_mask: made with another document_id tensor"):
+        doc(q, q, q, block_mask=bmd, document_id=ids.clone())
+    ids[0, 40:] = 1  # changed in place
+    with pytest.raises(ValueError, match="^block_mask: made with another document_id tensor"):
+        doc(q, q, q, block_mask=bmd, document_id=ids)
+    cu = torch.tensor([0, 30, 64], dtype=torch.int32)
+    qp = torch.randn(64, 2, 16)
+    with pytest.raises(ValueError, match="^block_mask: made for the padded layout"):
+        c(qp, qp, qp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=64, max_seqlen_k=64,
+          block_mask=flashgen.block_mask(c, 64, 64, block_size=16))
+    packed = flashgen.block_mask(c, 34, 34, block_size=16, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    out = c(qp, qp, qp, cu_seqlens_q=cu, cu_seqlens_k=cu, block_mask=packed)  # max_seqlen from the mask
+    assert torch.equal(out, c(qp, qp, qp, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=34, max_seqlen_k=34,
+                              block_mask=packed))
+    with pytest.raises(ValueError, match="^block_mask: made with another cu_seqlens_q tensor"):
+        c(qp, qp, qp, cu_seqlens_q=cu.clone(), cu_seqlens_k=cu, block_mask=packed)
+    with pytest.raises(ValueError, match="^block_mask: made for the packed layout"):
+        c(q, q, q, block_mask=flashgen.block_mask(c, 64, 64, block_size=16, cu_seqlens_q=torch.tensor(
+            [0, 64], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 64], dtype=torch.int32)))
+
+
+def test_cpu_block_mask_of_a_mask_that_depends_on_the_head():
+    """A mask using h (or b) needs heads= (batch=): refused without it, exact with it."""
+    hm = flashgen.compile("attention head_mask {\n    mask = kv <= q or h % 2 == 1\n}\n")
+    with pytest.raises(ValueError, match="^heads: spec 'head_mask''s mask depends on h"):
+        flashgen.block_mask(hm, 64, 64, block_size=16)
+    bm = flashgen.block_mask(hm, 64, 64, heads=4, block_size=16)
+    assert bm.shape[:2] == (1, 4)
+    g = torch.Generator().manual_seed(50)
+    q, k, v = (torch.randn(1, 4, 64, 16, generator=g) for _ in range(3))
+    ref = reference.attention(hm, q.double(), k.double(), v.double())
+    assert (hm(q, k, v, block_mask=bm).double() - ref).abs().max() < 1e-5
+
+
+def test_cpu_block_mask_argument_errors():
+    import numpy as np
+
+    c = op("causal")
+    assert flashgen.block_mask(c, np.int64(40), 40, block_size=np.int64(16)).shape == (1, 1, 3, 3)
+    with pytest.raises(ValueError, match="^seqlen_q: 2147483648 is out of range"):
+        flashgen.block_mask(c, 2**31, 8)
+    with pytest.raises(TypeError, match="^seqlen_k: expected an int"):
+        flashgen.block_mask(c, 8, 8.0)
+    with pytest.raises(TypeError, match="^cu_seqlens_q: expected an int32 tensor"):
+        flashgen.block_mask(c, 8, 8, cu_seqlens_q=[0, 8], cu_seqlens_k=[0, 8])
+    with pytest.raises(ValueError, match="^cu_seqlens_q: expected non-decreasing boundaries starting at 0"):
+        flashgen.block_mask(c, 8, 8, cu_seqlens_q=torch.tensor([1, 8], dtype=torch.int32),
+                            cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^batch: 3, but cu_seqlens_q holds 1 sequences"):
+        flashgen.block_mask(c, 8, 8, 3, cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32),
+                            cu_seqlens_k=torch.tensor([0, 8], dtype=torch.int32))
+    with pytest.raises(ValueError, match="^state: values must be"):
+        flashgen.BlockMask(torch.full((1, 1, 1, 1), 3, dtype=torch.int8), 16)
+    with pytest.raises(ValueError, match="^pattern: on the meta device"):
+        flashgen.BlockMask.from_pattern(torch.ones(1, 1, 1, 1, dtype=torch.bool, device="meta"))
+    q = torch.randn(1, 1, 40, 16)
+    with pytest.raises(TypeError, match="^block_mask: expected a flashgen.BlockMask"):
+        reference.attention(c, q, q, q, block_mask=torch.ones(1))
+    with pytest.raises(ValueError, match="^block_mask: 1 x 1 blocks of 16 x 16 do not cover"):
+        reference.attention(c, q, q, q, block_mask=flashgen.BlockMask.from_pattern(torch.ones(1, 1, dtype=torch.bool), 16))
+    bm = flashgen.BlockMask.from_pattern(torch.ones(3, 3, dtype=torch.bool), 16)
+    bm.to_dense().zero_()  # a copy: the mask itself is unchanged
+    assert bool((bm.to_dense() == 2).all())
+
+
 def test_cpu_block_mask_under_torch_compile():
     """A block mask passes through torch.compile(fullgraph=True), forward and backward, with the
     eager results (also a mask whose tile lists are first built inside the compiled region)."""
@@ -264,6 +356,19 @@ def test_cuda_block_sparse_matches_reference(case, _cuda_sparse_built):
     params = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in params.items()}
     run_case(name, B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, device="cuda", params=params, block_size=bs,
              pattern=density, from_spec=density is None, seed=Nq + Nk, deterministic=det)
+
+
+@pytest.mark.gpu
+def test_cuda_pattern_block_size_must_nest_the_tiles(_cuda_sparse_built):
+    """A pattern whose blocks are smaller than the CUDA tiles is refused (a straddling tile could not
+    honour it); block 128 fits every default tile, and block masks from the spec fit any size."""
+    c = op("causal")
+    q = torch.randn(1, 2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    small = flashgen.BlockMask.from_pattern(torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda"), 64)
+    with pytest.raises(ValueError, match="^block_mask: a pattern's block size 64 x 64 must be a multiple"):
+        c(q, q, q, block_mask=small)
+    spec64 = flashgen.block_mask(c, 256, 256, block_size=64, device="cuda")
+    assert torch.equal(c(q, q, q, block_mask=spec64), c(q, q, q))
 
 
 @pytest.mark.gpu
