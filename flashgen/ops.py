@@ -93,6 +93,7 @@ class AttentionOp:
 
     def __init__(self, spec: ir.Spec, qualname: str):
         self.spec = spec
+        self.fingerprint = spec.fingerprint()  # (block masks compare it, also under torch.compile)
         self.name = f"flashgen::{qualname}"
         self._libs: dict[tuple, build.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
@@ -275,7 +276,7 @@ class AttentionOp:
         shape and device against the call first, and that a mask made from a spec's mask
         (flashgen.block_mask) was made from this spec with the call's parameters and layout
         (ValueError naming block_mask)."""
-        block_mask.check_binding(self.spec, values, cu_seqlens_q if packed else None,
+        block_mask.check_binding(self.spec, self.fingerprint, values, cu_seqlens_q if packed else None,
                                  cu_seqlens_k if packed else None)
         if packed:
             B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]

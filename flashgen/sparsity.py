@@ -31,10 +31,14 @@ MAX_BLOCK = 4096  # block sizes: positive multiples of 8 up to this
 
 
 def _check_block_size(block_size) -> tuple[int, int]:
-    bs = (block_size, block_size) if isinstance(block_size, int) and not isinstance(block_size, bool) \
+    import numbers
+
+    is_int = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
+    bs = (block_size, block_size) if is_int(block_size) \
         else tuple(block_size) if isinstance(block_size, tuple | list) else None
-    if bs is None or len(bs) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in bs):
+    if bs is None or len(bs) != 2 or not all(is_int(x) for x in bs):
         raise TypeError(f"block_size: expected an int or a pair of ints (query, key), got {block_size!r}")
+    bs = tuple(int(x) for x in bs)
     for x in bs:
         if not (8 <= x <= MAX_BLOCK and x % 8 == 0):
             raise ValueError(f"block_size: {x} is not a multiple of 8 in [8, {MAX_BLOCK}]")
@@ -80,6 +84,7 @@ class BlockMask:
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.full_kept = bool(full_kept)
         self._binding = None  # flashgen.block_mask: what the mask was made from (check_binding)
+        self._depends = (False, False)  # flashgen.block_mask: the mask uses (b, h)
         self._cache: dict = {}
 
     # ------------------------------------------------------------ construction
@@ -107,6 +112,27 @@ class BlockMask:
             pattern = pattern.unsqueeze(0)
         return cls(pattern.to(torch.int8) * FULL, block_size, full_kept=False)
 
+    def __getstate__(self) -> dict:
+        """Copies and pickles keep the binding with each tensor's values instead of its identity
+        (a weak reference cannot be pickled): such a mask compares a call's tensors by value
+        (one host read per call)."""
+        state = dict(self.__dict__)
+        if self._binding is not None:
+            fp, want, cus = self._binding
+
+            def by_value(h):
+                if not (isinstance(h, tuple) and h and callable(h[0])):
+                    return h
+                t = h[0]()
+                return ("value", t.detach().cpu().clone()) if t is not None else ("dead",)
+
+            state["_binding"] = (fp, [by_value(h) for h in want], tuple(by_value(h) for h in cus))
+        state["_cache"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     # ------------------------------------------------------------ views
 
     @property
@@ -124,7 +150,7 @@ class BlockMask:
             return self
         out = BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
                         full_kept=self.full_kept)
-        out._binding = self._binding
+        out._binding, out._depends = self._binding, self._depends
         return out
 
     def density(self) -> float:
@@ -169,27 +195,31 @@ class BlockMask:
         if (nq, nk) != want:
             raise ValueError(f"block_mask: {nq} x {nk} blocks of {bq} x {bk}, but seqlen_q = {seqlen_q} and "
                              f"seqlen_k = {seqlen_k} need {want[0]} x {want[1]}")
-        for name, have, n in (("batch", B, batch), ("heads", H, heads)):
-            if have not in (1, n):
-                raise ValueError(f"block_mask: {name} dim is {have}, expected 1 or {n} (the call's {name})")
+        for name, have, n, per in (("batch", B, batch, self._depends[0]), ("heads", H, heads, self._depends[1])):
+            if have not in (1, n) or (per and have != n):
+                raise ValueError(f"block_mask: {name} dim is {have}, expected " + (f"{n} (the call's {name}: the "
+                                 "mask depends on " + ("b" if name == "batch" else "h") + ")" if per else
+                                 f"1 or {n} (the call's {name})"))
         if self.seqlen_q is not None and (self.seqlen_q, self.seqlen_k) != (seqlen_q, seqlen_k):
             raise ValueError(f"block_mask: made for seqlen_q = {self.seqlen_q}, seqlen_k = {self.seqlen_k}, "
                              f"called with {seqlen_q}, {seqlen_k}")
         if self.device != device:
             raise ValueError(f"block_mask: on {self.device} but q is on {device} (use block_mask.to(device))")
 
-    def check_binding(self, spec: ir.Spec, values, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    def check_binding(self, spec: ir.Spec, fingerprint: str, values, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
         """Raise ValueError (naming ``block_mask``) when this mask was made by
         ``flashgen.block_mask`` from another spec, other parameter values, another layout or
         other cu_seqlens tensors than the call's: its full blocks skip the element mask, so a
-        mismatch would be silently wrong. Tensors are compared by identity (storage, shape,
-        strides, in-place version), which needs no host synchronisation; under torch.compile
-        only the spec, the scalar values and the layout are compared. Pattern masks bind to
-        nothing (any spec may use them)."""
+        mismatch would be silently wrong. Only the parameters the mask reads count. Tensors are
+        compared by identity (the same tensor object, shape, strides and in-place version),
+        which needs no host synchronisation; writes that bypass the version counter (``.data``,
+        numpy views) go unseen, and under torch.compile only the spec, the scalar values and
+        the layout are compared. Pattern masks bind to nothing (any spec may use them).
+        ``fingerprint``: the op's ``spec.fingerprint()``, computed once."""
         if self._binding is None:
             return
         fp, want, (cq, ck) = self._binding
-        if fp != spec.fingerprint():
+        if fp != fingerprint:
             raise ValueError("block_mask: made by flashgen.block_mask from another spec's mask (pass a mask of this "
                              "op's spec, or a BlockMask.from_pattern)")
         if (cq is None) != (cu_seqlens_q is None):
@@ -198,10 +228,13 @@ class BlockMask:
                              " one (build it with the call's cu_seqlens_q / cu_seqlens_k, or without them)")
         compiling = torch.compiler.is_compiling()
         names = [p.name for p in spec.params]
+        read = mask_names(spec)
         for name, have, now in zip(names + ["cu_seqlens_q", "cu_seqlens_k"], list(want) + [cq, ck],
                                    list(values) + [cu_seqlens_q, cu_seqlens_k], strict=True):
-            if isinstance(have, tuple):  # a tensor's identity
-                if not compiling and _identity(now) != have:
+            if name in names and name not in read:
+                continue  # a parameter of the score only: the block classes do not depend on it
+            if isinstance(have, tuple):  # a tensor's identity (or, for a copy, its values)
+                if not compiling and not _same(have, now):
                     raise ValueError(f"block_mask: made with another {name} tensor than the call's (or it changed "
                                      "in place since): rebuild it with flashgen.block_mask and the call's values")
             elif have != now:
@@ -229,9 +262,51 @@ class BlockMask:
 
 
 def _identity(t) -> tuple | None:
+    """What check_binding compares a tensor by: a weak reference to the object itself (so a new
+    tensor at a freed tensor's address is not taken for it), its shape, strides and in-place
+    version (None for inference tensors, which have no version counter)."""
+    import weakref
+
     if not isinstance(t, torch.Tensor):
         return None
-    return (t.device, t.data_ptr(), tuple(t.shape), tuple(t.stride()), t._version)
+    try:
+        version = t._version
+    except RuntimeError:
+        version = None
+    return (weakref.ref(t), tuple(t.shape), tuple(t.stride()), version)
+
+
+def _same(have: tuple | None, now) -> bool:
+    if have is None or not isinstance(now, torch.Tensor):
+        return have is None and now is None
+    if have[0] == "value":  # a copied or unpickled mask (__getstate__)
+        return tuple(now.shape) == tuple(have[1].shape) and torch.equal(now.detach().cpu(), have[1])
+    if have[0] == "dead":
+        return False
+    ref, *rest = have
+    return ref() is now and tuple(rest) == _identity(now)[1:]
+
+
+def mask_names(spec: ir.Spec) -> set[str]:
+    """Names the spec's mask reads (positions and parameters)."""
+    from . import expr as X
+
+    return {n.id for n in X.walk(spec.mask) if isinstance(n, ir.Name)} if spec.mask is not None else set()
+
+
+def mask_has_float(spec: ir.Spec) -> bool:
+    """Whether the mask computes with floats somewhere (its rounding may then differ between the
+    CPU's torch classification and the kernels' own arithmetic at a block's boundary)."""
+    from . import expr as X
+
+    if spec.mask is None:
+        return False
+    scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
+    try:
+        return any(X.type_of(n, scope) == X.FLOAT for n in X.walk(spec.mask) if not isinstance(n, ir.Name)
+                   or n.id not in {p.name for p in spec.params if p.is_tensor})
+    except Exception:  # noqa: BLE001 - a node type_of does not take: assume floats
+        return True
 
 
 def _retile(st: torch.Tensor, bq: int, bk: int, nq: int, nk: int, tr: int, tc: int) -> torch.Tensor:
@@ -383,7 +458,8 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
         if p.is_tensor and p.name in tensors:
             for i, d in enumerate(p.shape):
                 name = _dim_text(d.size)
-                if name in ("batch", "heads") and not d.broadcast and i < tensors[p.name].dim():
+                if name in ("batch", "heads") and i < tensors[p.name].dim() and \
+                        (not d.broadcast or tensors[p.name].shape[i] > 1):
                     inferred[name] = tensors[p.name].shape[i]
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if packed:
@@ -410,8 +486,8 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     per_b, per_h = mask_extents(spec)
     for name, v, per in (("batch", batch, per_b), ("heads", heads, per_h)):
         if v is None and per and name not in inferred:
-            raise ValueError(f"{name}: spec '{spec.name}''s mask depends on {'b' if name == 'batch' else 'h'}: pass "
-                             f"{name}= (the call's {'batch size' if name == 'batch' else 'query heads'})")
+            raise ValueError(f"{name}: the mask of spec '{spec.name}' depends on {'b' if name == 'batch' else 'h'}: "
+                             f"pass {name}= (the call's {'batch size' if name == 'batch' else 'query heads'})")
     batch = batch if batch is not None else inferred.get("batch", 1)
     heads = heads if heads is not None else inferred.get("heads", 1)
     if not isinstance(op, AttentionOp):
@@ -422,6 +498,9 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
         pv = [_identity(v) if isinstance(v, torch.Tensor) else v for v in values]
         bm._binding = (spec.fingerprint(), pv, (_identity(cu_seqlens_q), _identity(cu_seqlens_k)) if packed
                        else (None, None))
+        bm._depends = (per_b or packed, per_h)
+        if mask_has_float(spec):
+            bm.full_kept = False  # the classifier's rounding may differ from the kernels': keep their mask
         return bm
 
     dummy_q = torch.empty((batch, heads, 0, 8), device=device)

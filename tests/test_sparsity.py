@@ -200,6 +200,10 @@ def test_cpu_block_mask_survives_copies():
     for other in (bm.to("cpu"), copy.deepcopy(bm), pickle.loads(pickle.dumps(bm))):
         assert torch.equal(other.to_dense(), bm.to_dense()) and other.full_kept
         assert torch.equal(doc(q, k, v, block_mask=other, document_id=ids), ref)
+        if other is not bm:  # a copy compares the call's document ids by value
+            assert torch.equal(doc(q, k, v, block_mask=other, document_id=ids.clone()), ref)
+        with pytest.raises(ValueError, match="^block_mask: made with another document_id tensor"):
+            doc(q, k, v, block_mask=other, document_id=torch.zeros_like(ids))
 
 
 @pytest.mark.parametrize("n", [127, 129, 1025])
@@ -262,7 +266,7 @@ def test_cpu_block_mask_bound_to_its_spec_values_and_layout():
 def test_cpu_block_mask_of_a_mask_that_depends_on_the_head():
     """A mask using h (or b) needs heads= (batch=): refused without it, exact with it."""
     hm = flashgen.compile("attention head_mask {\n    mask = kv <= q or h % 2 == 1\n}\n")
-    with pytest.raises(ValueError, match="^heads: spec 'head_mask''s mask depends on h"):
+    with pytest.raises(ValueError, match="^heads: the mask of spec 'head_mask' depends on h"):
         flashgen.block_mask(hm, 64, 64, block_size=16)
     bm = flashgen.block_mask(hm, 64, 64, heads=4, block_size=16)
     assert bm.shape[:2] == (1, 4)
@@ -270,6 +274,47 @@ def test_cpu_block_mask_of_a_mask_that_depends_on_the_head():
     q, k, v = (torch.randn(1, 4, 64, 16, generator=g) for _ in range(3))
     ref = reference.attention(hm, q.double(), k.double(), v.double())
     assert (hm(q, k, v, block_mask=bm).double() - ref).abs().max() < 1e-5
+    one = flashgen.block_mask(hm, 64, 64, heads=1, block_size=16)  # e.g. the kv heads of MQA by mistake
+    with pytest.raises(ValueError, match=r"^block_mask: heads dim is 1, expected 4 \(the call's heads: the mask "
+                                         r"depends on h\)"):
+        hm(q, k, v, block_mask=one)
+
+
+def test_cpu_block_mask_binding_is_by_object_and_only_for_what_the_mask_reads():
+    """Score-only parameters do not bind (a learnable ALiBi slope may change); a new tensor object
+    does, even at a freed tensor's address; inference tensors work; a float mask keeps the
+    kernels' own element mask on full blocks."""
+    al = op("alibi")
+    q = torch.randn(1, 4, 64, 16)
+    bm = flashgen.block_mask(al, 64, 64, block_size=16, slopes=alibi_slopes(4, "cpu"))
+    al(q, q, q, block_mask=bm, slopes=alibi_slopes(4, "cpu") * 2)  # slopes only enter the score
+    doc = op("document")
+    bmd = flashgen.block_mask(doc, 64, 64, block_size=16, document_id=torch.zeros(1, 64, dtype=torch.int32))
+    for _ in range(20):  # new tensors, possibly at the freed one's address
+        with pytest.raises(ValueError, match="^block_mask: made with another document_id tensor"):
+            doc(q, q, q, block_mask=bmd, document_id=torch.zeros(1, 64, dtype=torch.int32))
+    with torch.inference_mode():
+        ids = torch.zeros(1, 64, dtype=torch.int32)
+        bmi = flashgen.block_mask(doc, 64, 64, block_size=16, document_id=ids)
+        doc(q, q, q, block_mask=bmi, document_id=ids)
+    fm = flashgen.compile("attention float_mask {\n    param r: float\n    mask = q * r + kv * r <= 37.0\n}\n")
+    assert not flashgen.block_mask(fm, 64, 64, block_size=8, r=1 / 3).full_kept
+    assert flashgen.BlockMask.from_pattern(torch.ones(1, 1, dtype=torch.bool), np_int(64)).block_size == (64, 64)
+
+
+def np_int(x):
+    import numpy as np
+
+    return np.int64(x)
+
+
+def test_cpu_block_mask_from_the_spec_in_a_fullgraph_compile():
+    """A mask made by flashgen.block_mask passes into torch.compile(fullgraph=True) code."""
+    c = op("causal")
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(60))
+    bm = flashgen.block_mask(c, 128, 128, block_size=32)
+    f = torch.compile(lambda x, m: c(x, x, x, block_mask=m), fullgraph=True)
+    assert torch.equal(f(q, bm), c(q, q, q, block_mask=bm))
 
 
 def test_cpu_block_mask_argument_errors():
