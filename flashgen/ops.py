@@ -588,7 +588,9 @@ class AttentionOp:
             per_b = True
             cu = {"cu_seqlens_q": packed.cu_seqlens_q, "cu_seqlens_k": packed.cu_seqlens_k}
         ext = (B if per_b else 1, Hq if per_h else 1)
-        meta = (fr, fc, br, bc, dr, dc, 1)
+        from .sparsity import mask_has_float
+
+        meta = (fr, fc, br, bc, dr, dc, 0 if mask_has_float(self.spec) else 1)  # as flashgen.block_mask
         if kind == "fwd":
             return Blocks(_lists(classify_cuda(self, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None, None, meta)
         qst = classify_cuda(self, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
