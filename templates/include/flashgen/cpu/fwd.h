@@ -1113,6 +1113,26 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
   }
 }
 
+// Runs body(w, flags, i) for i = 0 .. ntasks - 1, handed out one at a time (an atomic counter) to
+// at most at::get_num_threads() threads, each with its own forward scratch w and a zeroed byte
+// buffer `flags` of flag_bytes (fwd_tile's per-tile marks with block lists).
+template <class Variant, class Element, class Body>
+void for_each_task(const Tiles t, int64_t d, int64_t ntasks, int64_t flag_bytes, const Body& body) {
+  const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
+    if (begin >= end) return;
+    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
+    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
+    std::vector<uint8_t> flags(flag_bytes, 0);
+    for (;;) {
+      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= ntasks) break;
+      body(w, flags.data(), i);
+    }
+  });
+}
+
 // Packed layout: one task per (sequence, query head, query tile of the sequence's true length);
 // sequences without queries take none. Tasks are handed out dynamically, the sequences with
 // the most score entries first (a longest-first list schedule: lengths vary, so equal task
@@ -1131,23 +1151,14 @@ void fwd_packed(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Para
     start[j + 1] = start[j] + Hq * ((sq.len_q(order[j]) + qb - 1) / qb);
   const int64_t ntasks = start.back();
   if (ntasks == 0) return;
-  const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
-    if (begin >= end) return;
-    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
-    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
-    for (;;) {
-      const int64_t task = next.fetch_add(1, std::memory_order_relaxed);
-      if (task >= ntasks) break;
-      const size_t j = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
-      const int64_t b = order[j], Nq = sq.len_q(b), Nk = sq.len_k(b);
-      const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[j];
-      const int64_t h = r / nqt, q_lo = (r % nqt) * qb;
-      const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
-      fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b),
-                                 sq.k0(b), sq.row_q(b, h, Hq, q_lo));
-    }
+  for_each_task<Variant, Element>(t, d, ntasks, 0, [&](const FwdWork& w, uint8_t*, int64_t task) {
+    const size_t j = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+    const int64_t b = order[j], Nq = sq.len_q(b), Nk = sq.len_k(b);
+    const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[j];
+    const int64_t h = r / nqt, q_lo = (r % nqt) * qb;
+    const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
+    fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b), sq.k0(b),
+                               sq.row_q(b, h, Hq, q_lo));
   });
 }
 
@@ -1175,27 +1186,17 @@ void fwd_sparse(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Para
   }
   std::vector<int64_t> order;
   order_by_work(work.data(), ntasks, order);
-  const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
-    if (begin >= end) return;
-    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
-    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
-    std::vector<uint8_t> tflag(cols + 1, 0);
-    for (;;) {
-      const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= ntasks) break;
-      const int64_t task = order[i];
-      const int64_t b = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
-      const int64_t Nq = sq.len_q(b), Nk = sq.len_k(b);
-      const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[b];
-      const int64_t h = r / nqt, qt = r % nqt, q_lo = qt * qb;
-      const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
-      fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b),
-                                 sq.k0(b), sq.row_q(b, h, Hq, q_lo), block_row(bl, b, h, qt),
-                                 tflag.data());
-    }
-  });
+  const auto body = [&](const FwdWork& w, uint8_t* tflag, int64_t i) {
+    const int64_t task = order[i];
+    const int64_t b = std::upper_bound(start.begin(), start.end(), task) - start.begin() - 1;
+    const int64_t Nq = sq.len_q(b), Nk = sq.len_k(b);
+    const int64_t nqt = (Nq + qb - 1) / qb, r = task - start[b];
+    const int64_t h = r / nqt, qt = r % nqt, q_lo = qt * qb;
+    const int64_t q_hi = q_lo + qb < Nq ? q_lo + qb : Nq;
+    fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, q_lo, q_hi, Nq, Nk, sq.q0(b), sq.k0(b),
+                               sq.row_q(b, h, Hq, q_lo), block_row(bl, b, h, qt), tflag);
+  };
+  for_each_task<Variant, Element>(t, d, ntasks, cols + 1, body);
 }
 
 }  // namespace detail
