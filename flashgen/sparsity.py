@@ -22,6 +22,7 @@ mask, so repeated calls with one ``BlockMask`` do no extra work and never synchr
 
 from __future__ import annotations
 
+import functools
 import torch
 
 from . import ir
@@ -287,13 +288,16 @@ def _same(have: tuple | None, now) -> bool:
     return ref() is now and tuple(rest) == _identity(now)[1:]
 
 
-def mask_names(spec: ir.Spec) -> set[str]:
-    """Names the spec's mask reads (positions and parameters)."""
+@functools.cache
+def mask_names(spec: ir.Spec) -> frozenset[str]:
+    """Names the spec's mask reads (positions and parameters); cached (every bound call asks)."""
     from . import expr as X
 
-    return {n.id for n in X.walk(spec.mask) if isinstance(n, ir.Name)} if spec.mask is not None else set()
+    return frozenset(n.id for n in X.walk(spec.mask) if isinstance(n, ir.Name)) if spec.mask is not None \
+        else frozenset()
 
 
+@functools.cache
 def mask_has_float(spec: ir.Spec) -> bool:
     """Whether the mask computes with floats somewhere (its rounding may then differ between the
     CPU's torch classification and the kernels' own arithmetic at a block's boundary)."""
@@ -536,19 +540,17 @@ def _classify(spec: ir.Spec, params: dict, batch: int, heads: int, nq: int, nk: 
               device: torch.device, batch_offset: int) -> torch.Tensor:
     """int8 [B|1, H|1, ⌈nq/bq⌉, ⌈nk/bk⌉] classification of the spec's mask (in-bounds elements
     only: the kernels bound-check the edges themselves), evaluated in chunks of query blocks."""
-    from .reference import evaluate
+    from .reference import evaluate, positions
 
     nqb, nkb = _cdiv(nq, bq), _cdiv(nk, bk)
     if nqb == 0 or nkb == 0:
         return torch.zeros((1, 1, nqb, nkb), dtype=torch.int8, device=device)
-    ar = lambda *a: torch.arange(*a, dtype=torch.int64, device=device)  # noqa: E731
     rows = bq * max(1, _CHUNK_ELEMS // (batch * heads * nkb * bk * bq))
     out = []
-    kv = ar(nk).view(1, 1, 1, -1)
+    pos = positions(batch, heads, nq, nk, device, batch_offset)
     for r0 in range(0, nq, rows):
         r1 = min(r0 + rows, nq)
-        env = {"b": (ar(batch) + batch_offset).view(-1, 1, 1, 1), "h": ar(heads).view(1, -1, 1, 1),
-               "q": ar(r0, r1).view(1, 1, -1, 1), "kv": kv, "seqlen_q": nq, "seqlen_k": nk}
+        env = pos | {"q": pos["q"][:, :, r0:r1]}
         m = evaluate(spec.mask, spec, env, params, torch.float32)
         m = torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, r1 - r0, nk)))
         B, H = m.shape[:2]

@@ -80,6 +80,18 @@ def window_pairs(n: int, w: int) -> int:
     return int(torch.clamp(i + 1, max=w).sum())  # keys q - w < kv <= q
 
 
+def flex_row(flex, mask_mod, n, q, k, v, pairs, reps) -> dict:
+    """FlexAttention with ``mask_mod``: its create_block_mask (timed apart) and its forward and
+    forward+backward on q, k, v; {} without FlexAttention."""
+    if flex is None:
+        return {}
+    cbm, fa = flex
+    build, fbm = wall_ms(lambda: cbm(mask_mod, None, None, n, n, device=DEV))
+    ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, reps)
+    return dict(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
+                flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+
+
 def flex_fns():
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -165,14 +177,9 @@ def main() -> None:
         r = dict(table="density", n=n, rho=rho, rho_actual=actual, kind="flashgen pattern", fwd_ms=f, fwdbwd_ms=fb,
                  fwd_ratio=f / (actual * base_f), fwdbwd_ratio=fb / (actual * base_fb),
                  fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, 3.5))
-        if flex is not None and rho in (0.5, 0.1):
-            cbm, fa = flex
+        if rho in (0.5, 0.1):
             pat_l = pat[0, 0]
-            mm = lambda b, h, qi, kv: pat_l[qi // BS, kv // BS]  # noqa: E731
-            build, fbm = wall_ms(lambda: cbm(mm, None, None, n, n, device=DEV))
-            ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, a.reps)
-            r.update(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
-                     flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+            r.update(flex_row(flex, lambda b, h, qi, kv: pat_l[qi // BS, kv // BS], n, q, k, v, pairs, a.reps))
         ours_build, _ = wall_ms(lambda: flashgen.BlockMask.from_pattern(pat, BS).tile_lists(128, 64, n, n))
         r["flashgen_block_mask_ms"] = ours_build
         emit(**r)
@@ -203,14 +210,8 @@ def main() -> None:
     os.environ.pop("FLASHGEN_AUTO_BLOCK_MASK")
     r.update(no_lists_fwd_ms=f, no_lists_fwdbwd_ms=fb, no_lists_fwd_tflops=tflops(pairs, f),
              no_lists_fwdbwd_tflops=tflops(pairs, fb, 3.5))
-    if flex is not None:
-        cbm, fa = flex
-        idl = ids[0]
-        mm = lambda b, h, qi, kv: (idl[qi] == idl[kv]) & (kv <= qi)  # noqa: E731
-        build, fbm = wall_ms(lambda: cbm(mm, None, None, n, n, device=DEV))
-        ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, a.reps)
-        r.update(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
-                 flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+    idl = ids[0]
+    r.update(flex_row(flex, lambda b, h, qi, kv: (idl[qi] == idl[kv]) & (kv <= qi), n, q, k, v, pairs, a.reps))
     emit(**r)
     del q, k, v
 
@@ -230,13 +231,7 @@ def main() -> None:
         if frac == 1:
             f2, fb2 = timed(lambda: sw(q, k, v, window=1024), q, k, v, a.reps)
             r.update(no_block_mask_fwd_ms=f2, no_block_mask_fwdbwd_ms=fb2)
-            if flex is not None:
-                cbm, fa = flex
-                mm = lambda b, h, qi, kv: (kv <= qi) & (qi - kv < 1024)  # noqa: E731
-                build, fbm = wall_ms(lambda: cbm(mm, None, None, n, n, device=DEV))
-                ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, a.reps)
-                r.update(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
-                         flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+            r.update(flex_row(flex, lambda b, h, qi, kv: (kv <= qi) & (qi - kv < 1024), n, q, k, v, pairs, a.reps))
         emit(**r)
         nb = n // BS
         g = torch.Generator().manual_seed(7)
@@ -249,14 +244,9 @@ def main() -> None:
         pairs = actual * n * n
         r = dict(table="long", n=n, kind="random 90%-sparse pattern", rho_actual=actual, fwd_ms=f, fwdbwd_ms=fb,
                  fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, 3.5), peak_gib=mem)
-        if frac == 1 and flex is not None:
-            cbm, fa = flex
+        if frac == 1:
             pat_l = pat[0, 0]
-            mm = lambda b, h, qi, kv: pat_l[qi // BS, kv // BS]  # noqa: E731
-            build, fbm = wall_ms(lambda: cbm(mm, None, None, n, n, device=DEV))
-            ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, a.reps)
-            r.update(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
-                     flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+            r.update(flex_row(flex, lambda b, h, qi, kv: pat_l[qi // BS, kv // BS], n, q, k, v, pairs, a.reps))
         emit(**r)
         del q, k, v
     if a.json:
