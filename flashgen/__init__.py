@@ -3,10 +3,10 @@
 __version__ = "0.1.0"
 
 from . import reference
-from .errors import BuildError, FlashgenError, KernelError, SpecError
+from .errors import BuildError, FlashgenError, KernelError, NotBuiltError, SpecError
 from .ops import AttentionOp, compile, dropout_state
 from .sparsity import BlockMask, block_mask
 
-__all__ = ["AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "SpecError", "block_mask", "compile",
+__all__ = ["AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "NotBuiltError", "SpecError", "block_mask", "compile",
            "dropout_state",
            "reference"]

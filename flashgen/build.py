@@ -88,9 +88,33 @@ class Instantiation:
     head_dim: int | None
     config: tuple[tuple[str, int], ...] = ()
 
+    def __post_init__(self):
+        # One canonical form per artifact: the config sorted, and a CUDA kernel instantiation
+        # always names its tiles (missing ones: the table/derived default for the target's
+        # arch, flashgen/tiles.py; 'any', as in generated/, renders the sm_90a choice).
+        cfg = dict(self.config)
+        if self.target.backend == "cuda" and not cfg.get("mask") and self.head_dim is not None:
+            from . import tiles
+
+            missing = [k for k in tiles.TILE_KEYS if k not in cfg]
+            if missing:
+                arch = "sm_90a" if self.target.arch == "any" else self.target.arch
+                default = tiles.default_choice(self.spec, arch, self.head_dim).config()
+                cfg.update({k: default[k] for k in missing})
+        object.__setattr__(self, "config", tuple(sorted(cfg.items())))
+
     @property
     def kinds(self) -> tuple[str, ...]:
-        return ("mask",) if dict(self.config).get("mask") else KINDS
+        """The translation units: ('mask',) for the classifier, ('fwd',) / ('bwd',) for the
+        autotuner's one-pass candidates (config fwd_only / bwd_only), else both."""
+        cfg = dict(self.config)
+        if cfg.get("mask"):
+            return ("mask",)
+        if cfg.get("fwd_only"):
+            return ("fwd",)
+        if cfg.get("bwd_only"):
+            return ("bwd",)
+        return KINDS
 
     def symbol(self, kind: str = "fwd") -> str:
         """The C entry point of ``kind`` ('fwd' or 'bwd'), stable across machines (it appears in
@@ -101,6 +125,27 @@ class Instantiation:
     @functools.cached_property
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self._key_fields(), sort_keys=True).encode()).hexdigest()
+
+    def variant_id(self) -> str:
+        """The id ahead-of-time directories (flashgen.aot) file this artifact under: sha256 over
+        what the artifact is (spec fingerprint, target, dtype, head dim, config, debug build) and
+        the ABI and flashgen versions. Unlike ``key`` it needs neither the toolkit version nor
+        the generator hash, so a process that must not compile (FLASHGEN_JIT=0) can compute it."""
+        return self._variant_id
+
+    @functools.cached_property
+    def _variant_id(self) -> str:
+        fields = {
+            "fingerprint": self.spec.fingerprint(),
+            "target": [self.target.backend, self.target.arch],
+            "dtype": self.dtype.value,
+            "head_dim": self.head_dim,
+            "config": [list(c) for c in self.config],
+            "debug": env.debug(),
+            "abi": ABI_VERSION,
+            "flashgen": __version__,
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
     @property
     def name(self) -> str:
@@ -253,21 +298,45 @@ class LoadedLibrary:
         return err().decode(errors="replace") if err is not None else ""
 
 
-_loaded: dict[str, LoadedLibrary] = {}
+_loaded: dict[tuple[str, str], LoadedLibrary] = {}
 _loaded_lock = threading.Lock()
 
 
 def load(inst: Instantiation, *, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
-    """The loaded library for ``inst``: from this process, the cache, or a fresh build.
+    """The loaded library for ``inst``: from an ahead-of-time directory (FLASHGEN_AOT_DIR,
+    flashgen.aot), this process, the cache, or a fresh build.
 
-    ``announce`` is called with a message before a compile starts (a cache miss).
-    Raises BuildError when the compiler fails.
+    ``announce`` is called with a message before a compile starts (a cache miss). With JIT
+    disabled (FLASHGEN_JIT=0) only the ahead-of-time directories are searched: nothing is
+    rendered or compiled and the cache is not touched.
+
+    Raises:
+        BuildError: the compiler failed.
+        flashgen.aot.NotBuiltError (a BuildError): JIT is disabled and no ahead-of-time
+            directory holds ``inst``; the message names the variant and the command that
+            builds it.
     """
-    key = inst.key
+    dirs = env.aot_dirs()
+    if dirs or not env.jit():
+        from . import aot
+
+        lib, notes = aot.find(inst, dirs) if dirs else (None, [])
+        if lib is not None:
+            return lib
+        if not env.jit():
+            raise aot.NotBuiltError(aot.not_built_message(inst, dirs, notes))
+    return _load_cached(inst, announce)
+
+
+def _load_cached(inst: Instantiation, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
+    """``load`` without the ahead-of-time directories: this process, the cache, or a build."""
+    root = env.cache_dir()
+    # Per cache root: a library this process loaded from another root (the cache directory
+    # changed) is not in this one, and "built into the cache" must mean this cache.
+    key = (str(root), inst.key)
     with _loaded_lock:
         if key in _loaded:
             return _loaded[key]
-    root = env.cache_dir()
     entry = root / inst.name
     lib = _try_load(inst, entry)
     if lib is None:

@@ -23,11 +23,20 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("specs", nargs="+", type=Path)
     g.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
 
-    b = sub.add_parser("build", help="compile a spec's kernels into the cache (prints paths and build time)")
+    b = sub.add_parser("build", help="compile a spec's kernels into the cache (prints paths and build time), or "
+                       "with --out into an ahead-of-time directory (FLASHGEN_AOT_DIR)")
     b.add_argument("specs", nargs="+", type=Path)
-    b.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    b.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu; with --arch, none)")
     b.add_argument("--dtype", nargs="*", choices=DTYPE_ARG, help="default: every dtype the spec allows")
     b.add_argument("--head-dim", nargs="*", type=int, help="CUDA head dims (default 64 128)")
+    b.add_argument("--out", type=Path, help="write an ahead-of-time directory here (kernels, index.json, tuning/) "
+                   "for processes run with FLASHGEN_AOT_DIR=DIR (and FLASHGEN_JIT=0)")
+    b.add_argument("--arch", nargs="+", help="CUDA architectures to build for (sm_80 sm_90a ...), with or "
+                   "without that GPU here; implies CUDA")
+    b.add_argument("--layouts", nargs="+", choices=("padded", "packed"), default=["padded"],
+                   help="CUDA layouts (default padded; packed: varlen batches)")
+    b.add_argument("--sparse", action="store_true", help="CUDA: also the block-sparse kernels (block_mask=) and "
+                   "the block classifier")
 
     r = sub.add_parser("run", help="run a spec on random inputs, check against the float64 reference, time it")
     r.add_argument("spec", type=Path)
@@ -60,13 +69,52 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--dropout-p", type=float, default=0.0,
                     help="dropout probability for ours and SDPA (specs that declare dropout); adds a "
                          "flashgen-p0 row (p = 0) for the overhead; FlexAttention has no dropout")
+
+    tu = sub.add_parser("tune", help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
+    tu.add_argument("spec", type=Path)
+    tu.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384],
+                    help="sequence lengths to tune at (default 1024 4096 16384)")
+    tu.add_argument("--head-dim", nargs="+", type=int, help="default: 64 128 (those the spec allows)")
+    tu.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="default bf16 (if the spec allows it)")
+    tu.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
+    tu.add_argument("--kinds", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
+                    help="passes to tune, each apart (default fwd bwd)")
+    tu.add_argument("--json", type=Path, help="also write the full results (every candidate's time) as JSON here")
+    tu.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median; default 10)")
+    tu.add_argument("--max-candidates", type=int, default=None,
+                    help="candidates per pass (default 8 forward, 6 backward; the default and derived tiles always)")
+    tu.add_argument("--jobs", type=int, default=None, help="parallel compiles (default: the CPU count)")
+    tu.add_argument("--no-prebuild", action="store_true",
+                    help="do not build the winners' instantiations now (then the first call builds them)")
+
+    ex = sub.add_parser("explain", help="tiles, FLOPs, predicted HBM bytes (ours vs standard attention) and the "
+                        "roofline floor of one call; optionally measured")
+    ex.add_argument("spec", type=Path)
+    ex.add_argument("--seqlen", type=int, required=True)
+    ex.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen")
+    ex.add_argument("--head-dim", type=int, required=True)
+    ex.add_argument("--batch", type=int, default=1)
+    ex.add_argument("--heads", type=int, default=1)
+    ex.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: kv heads (default: --heads)")
+    ex.add_argument("--dtype", choices=DTYPE_ARG, default="bf16")
+    ex.add_argument("--arch", default=None, help="a CUDA architecture (e.g. sm_90a): tiles and peaks from the tables "
+                    "(default: the live GPU, else this CPU)")
+    ex.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
+    ex.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
+    ex.add_argument("--backward", action="store_true", help="forward + backward instead of the forward")
+    ex.add_argument("--measure", action="store_true", help="also time the call on random inputs on the device")
+    ex.add_argument("--reps", type=int, default=10, help="timed calls with --measure (median; default 10)")
+    ex.add_argument("--build", action="store_true",
+                    help="compile the CUDA kernels if not cached, for ptxas' register counts")
+    ex.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench}[args.command](args)
+        return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench,
+                "tune": cmd_tune, "explain": cmd_explain}[args.command](args)
     except FlashgenError as e:
         print(f"flashgen: {e}", file=sys.stderr)
         return 1
@@ -137,18 +185,62 @@ def cmd_build(args) -> int:
     from .ops import compile as fg_compile
 
     console = Console(stderr=True)
-    device = torch.device(args.device)
+    if args.out is not None or args.arch:
+        return _build_aot(args, console)
+    device = torch.device(args.device or "cpu")
     for sp in args.specs:
         op = fg_compile(sp)
         dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
         t0 = time.perf_counter()
         with console.status(f"building {op.spec.name} for {device} …"):
-            insts = op.build(device, dtypes, args.head_dim)
+            insts = op.build(device, dtypes, args.head_dim, layouts=args.layouts,
+                             sparse=(False, True) if args.sparse else (False,))
         dt = time.perf_counter() - t0
         for inst in insts:
             entry = build_mod.env.cache_dir() / inst.name
             print(f"{inst.name}\n    {entry / 'lib.so'}")
         print(f"{op.spec.name}: {len(insts)} instantiation(s) ready in {dt:.1f} s")
+    return 0
+
+
+def _build_aot(args, console) -> int:
+    """``build --out DIR`` (an ahead-of-time directory) or ``build --arch ...`` (into the cache)."""
+    from . import aot, build
+    from .ops import _announce
+
+    dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
+    sparse = (False, True) if args.sparse else (False,)
+    where = args.out if args.out is not None else build.env.cache_dir()
+    t0 = time.perf_counter()
+    with console.status(f"building {len(args.specs)} spec(s) into {where} …"):
+        if args.out is None:  # --arch without --out: into the cache
+            planned = aot.plan(args.specs, device=args.device, arches=args.arch or (), dtypes=dtypes,
+                               head_dims=args.head_dim, layouts=args.layouts, sparse=sparse)
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=len(planned) or 1) as pool:
+                list(pool.map(lambda p: build._load_cached(p.inst, _announce), planned))
+            rows = [(p.inst.spec.name, p.inst.name, aot.describe_instantiation(p.inst)) for p in planned]
+        else:
+            entries = aot.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
+                                    dtypes=dtypes, head_dims=args.head_dim, layouts=args.layouts, sparse=sparse,
+                                    announce=_announce)
+            rows = [(e["spec"], e["artifact"], aot.describe(e["spec"], e["target"], e["dtype"], e["head_dim"],
+                                                            e["config"])) for e in entries]
+    dt = time.perf_counter() - t0
+    counts: dict[str, int] = {}
+    for spec, artifact, text in rows:
+        counts[spec] = counts.get(spec, 0) + 1
+        print(f"{artifact}\n    {where / artifact / 'lib.so'}\n    {text}")
+    for spec, n in counts.items():
+        print(f"{spec}: {n} instantiation(s) ready")
+    if args.out is not None:
+        index = json.loads((args.out / aot.INDEX).read_text())
+        print(f"wrote {args.out / aot.INDEX} ({len(index['entries'])} kernel(s) in all)")
+        for t in sorted((args.out / "tuning").glob("*.json")):
+            print(f"tuning: {t}")
+        print(f"use it with: FLASHGEN_AOT_DIR={args.out} (add FLASHGEN_JIT=0 to forbid compiling)")
+    print(f"done in {dt:.1f} s")
     return 0
 
 
@@ -260,4 +352,110 @@ def cmd_bench(args) -> int:
                      backward=args.backward, params=given, dropout_p=args.dropout_p)
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    return 0
+
+
+# ---------------------------------------------------------------- tune
+
+
+def cmd_tune(args) -> int:
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from . import tune
+    from .ops import compile as fg_compile
+
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        raise ValueError(f"--device {args.device}: tuning times CUDA kernels (expected cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError("--device: CUDA is not available in this torch build or machine (tuning needs a GPU)")
+    for name in ("reps", "max_candidates", "jobs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: {value} is out of range (expected ≥ 1)")
+    if any(n < 1 for n in args.seqlen):
+        raise ValueError(f"--seqlen: expected positive lengths, got {args.seqlen}")
+    op = fg_compile(args.spec)
+    allowed = op.dtypes("cuda")
+    dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if ir.DType.BF16 in allowed else allowed[0])
+    head_dims = args.head_dim or [d for d in (64, 128) if d in op.head_dims("cuda")] or [op.head_dims("cuda")[0]]
+    gpu = torch.cuda.get_device_name(device)
+    print(f"# tuning {op.name} on {gpu}: {dtype.value}, head dims {' '.join(map(str, head_dims))}, seqlens "
+          f"{' '.join(map(str, sorted(set(args.seqlen))))}, {' and '.join(args.kinds)}")
+    console = Console(stderr=True)
+    labels = {"compile": "compiling candidates", "time": "timing", "prebuild": "building winners"}
+    t0 = time.perf_counter()
+    with Progress(TextColumn("{task.description:<22}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[detail]}"), console=console) as bar:
+        tasks: dict = {}
+
+        def progress(stage: str, done: int, total: int, detail: str) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(labels.get(stage, stage), total=total, detail="")
+            bar.update(tasks[stage], completed=done, total=total, detail=detail)
+
+        results = tune.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
+                                 limit=args.max_candidates, reps=args.reps, jobs=args.jobs,
+                                 prebuild=not args.no_prebuild)
+    wall = time.perf_counter() - t0
+    table = Table(title=f"{op.spec.name} on {gpu} ({dtype.value})")
+    for col in ("d", "pass", "seqlen", "default", "ms", "TFLOP/s", "winner", "ms", "TFLOP/s", "speedup"):
+        table.add_column(col, justify="left" if col in ("pass", "default", "winner") else "right")
+    ok = True
+
+    def num(x, fmt):
+        return format(x, fmt) if x is not None else "—"
+
+    for res in results:
+        for kind in args.kinds:
+            for n, e in sorted(res.get(kind, {}).items()):
+                if "winner" not in e:
+                    ok = False
+                    table.add_row(str(res["head_dim"]), kind, str(n), e.get("default", "—"), "", "",
+                                  f"[red]{e.get('error', 'failed')}[/red]", "", "", "")
+                    continue
+                speed = e["default_ms"] / e["ms"] if e.get("default_ms") else None
+                table.add_row(str(res["head_dim"]), kind, str(n), e["default"], num(e["default_ms"], ".3f"),
+                              num(e["default_tflops"], ".1f"), e["winner"], num(e["ms"], ".3f"),
+                              num(e["tflops"], ".1f"), num(speed, ".2f") + ("×" if speed else ""))
+    out = Console()
+    (out if out.is_terminal else Console(width=160)).print(table)  # a pipe: no truncated cells
+    stores = sorted({r["store"] for r in results if r.get("store")})
+    print(f"stored in {', '.join(stores) if stores else '(nothing stored)'}")
+    print(f"tuning took {wall:.1f} s (compiling {results[0]['compile_s']:.1f} s)")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------- explain
+
+# explain()'s argument names → the options that set them (error messages name the option).
+_EXPLAIN_OPTIONS = {"seqlen_q": "--seqlen", "seqlen_k": "--seqlen-k", "head_dim": "--head-dim", "batch": "--batch",
+                    "heads": "--heads", "kv_heads": "--kv-heads", "dtype": "--dtype", "arch": "--arch",
+                    "device": "--device", "params": "--param", "measure": "--measure", "build": "--build"}
+
+
+def cmd_explain(args) -> int:
+    from . import explain as ex
+
+    if args.reps < 1:
+        raise ValueError(f"--reps: {args.reps} is out of range (expected ≥ 1)")
+    try:
+        rep = ex.explain(args.spec, args.seqlen, args.seqlen_k, head_dim=args.head_dim, batch=args.batch,
+                         heads=args.heads, kv_heads=args.kv_heads, dtype=args.dtype, arch=args.arch,
+                         device=args.device, params=args.param, backward=args.backward, measure=args.measure,
+                         build=args.build, reps=args.reps)
+    except (ValueError, TypeError) as e:
+        name, sep, rest = str(e).partition(":")
+        if sep and name in _EXPLAIN_OPTIONS:
+            raise type(e)(f"{_EXPLAIN_OPTIONS[name]}:{rest}") from None
+        raise
+    if args.json:
+        print(ex.to_json(rep))
+    else:
+        ex.render(rep)
     return 0

@@ -81,3 +81,22 @@ def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
                  and w % wd == 0 and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32,
                  "BM a multiple of 16 up to 128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with "
                  "BM/WQ 16 or 32")
+
+
+def aot_dirs() -> list[Path]:
+    """FLASHGEN_AOT_DIR: directories written by `flashgen build --out DIR` (os.pathsep-separated),
+    searched for kernels (and their tuned tiles) before the cache."""
+    raw = os.environ.get("FLASHGEN_AOT_DIR", "")
+    return [Path(p).expanduser() for p in raw.split(os.pathsep) if p.strip()]
+
+
+def jit() -> bool:
+    """FLASHGEN_JIT=0: never render or compile; kernels come only from FLASHGEN_AOT_DIR (a missing
+    one raises an error naming it)."""
+    return os.environ.get("FLASHGEN_JIT", "1") not in ("", "0")
+
+
+def autotune() -> bool:
+    """FLASHGEN_AUTOTUNE=1: on CUDA, tune a spec's tiles at its first call for a (dtype, head dim,
+    sequence-length bucket) that has no stored result (flashgen.tune), then use the winner."""
+    return os.environ.get("FLASHGEN_AUTOTUNE", "") not in ("", "0")

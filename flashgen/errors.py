@@ -54,3 +54,8 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
     """'did you mean 'x'?' for the closest of ``choices`` to ``word``, or None."""
     close = difflib.get_close_matches(word, sorted(set(choices)), n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else None
+
+
+class NotBuiltError(BuildError):
+    """JIT is disabled (FLASHGEN_JIT=0) and no ahead-of-time directory holds the kernel a call
+    needs; the message names the variant, the directories searched and the build command."""

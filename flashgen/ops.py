@@ -478,17 +478,28 @@ class AttentionOp:
     # ------------------------------------------------------------ build
 
     def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int,
-                      packed: bool = False, sparse: bool = False) -> build.Instantiation:
+                      packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> build.Instantiation:
         """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
         the packed (varlen) layout with ``packed`` (CUDA builds the two apart, so padded calls
-        never pay for varlen code; the CPU family takes both at run time)."""
+        never pay for varlen code; the CPU family takes both at run time). On CUDA its tiles are
+        ``flashgen.tiles.choose``'s for max(seqlen_q, seqlen_k) = ``seqlen`` (tuned winners vary
+        with it; None: the longest tuned length)."""
         device = torch.device(device)
         if device.type == "cpu":  # the CPU family takes head_dim and the layout at run time
             return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return build.Instantiation(self.spec, build.cuda_target(index), dtype, head_dim,
-                                   env.cuda_fwd_tile() + env.cuda_bwd_tile() + ((("varlen", 1),) if packed else ())
-                                   + ((("sparse", 1),) if sparse else ()))
+        return build.Instantiation(self.spec, build.cuda_target(_index(device)), dtype, head_dim,
+                                   tuple(self.tiles(device, dtype, head_dim, seqlen).config().items())
+                                   + ((("varlen", 1),) if packed else ()) + ((("sparse", 1),) if sparse else ()))
+
+    def tiles(self, device: torch.device | str, dtype: ir.DType, head_dim: int, seqlen: int | None = None):
+        """The CUDA tiles (flashgen.tiles.Choice: tiles and their origin) this op uses on
+        ``device`` for ``head_dim`` and max(seqlen_q, seqlen_k) = ``seqlen``."""
+        from . import tiles
+
+        device = torch.device(device)
+        index = _index(device)
+        return tiles.choose(self.spec, build.cuda_target(index).arch, dtype, head_dim, seqlen, device_index=index,
+                            fingerprint=self.fingerprint)
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
@@ -536,15 +547,33 @@ class AttentionOp:
         if not all(isinstance(x, bool) for x in sparse):
             raise TypeError(f"sparse: expected bools, got {sparse!r}")
         sps = sorted(set(sparse)) if device.type == "cuda" else [False]
-        insts = list(dict.fromkeys(self.instantiation(device, dt, hd, pk, sp) for dt in dts for hd in hds
-                                   for pk in packs for sp in sps))
+        if device.type == "cuda":  # the default tiles, and those tuned at each stored length
+            from . import tune
+
+            index = _index(device)
+            lens = {dt: {hd: [None, *sorted({n for kind in ("fwd", "bwd")
+                                             for n in tune.tuned_seqlens(self.fingerprint, index, dt, hd, kind)})]
+                         for hd in hds} for dt in dts}
+        else:
+            lens = {dt: {hd: [None] for hd in hds} for dt in dts}
+        todo = {}
+        for dt in dts:
+            for hd in hds:
+                for pk in packs:
+                    for sp in sps:
+                        for n in lens[dt][hd] if not sp else [None]:
+                            inst = self.instantiation(device, dt, hd, pk, sp, n)
+                            bucket = (tune.bucket(self.fingerprint, index, dt, hd, n) if device.type == "cuda"
+                                      else (None, None))
+                            todo.setdefault(inst, []).append((dt, hd, pk, sp, bucket))
+        insts = list(todo)
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            self._remember(device, inst.dtype, inst.head_dim, lib, ("varlen", 1) in inst.config,
-                           ("sparse", 1) in inst.config)
+            for dt, hd, pk, sp, bucket in todo[inst]:
+                self._remember(device, dt, None if device.type == "cpu" else hd, lib, pk, sp, bucket)
         return insts
 
     def _mask_library(self, device: torch.device) -> build.LoadedLibrary:
@@ -603,26 +632,41 @@ class AttentionOp:
 
         return mask_extents(self.spec)
 
-    def _remember(self, device, dtype, head_dim, lib, packed: bool = False, sparse: bool = False) -> None:
+    def _remember(self, device, dtype, head_dim, lib, packed: bool = False, sparse: bool = False,
+                  bucket=(None, None)) -> None:
         with self._libs_lock:
-            self._libs[(device.type, device.index, dtype, head_dim, packed, sparse)] = lib
+            self._libs[(device.type, device.index, dtype, head_dim, packed, sparse, bucket)] = lib
 
     def _library(self, device: torch.device, dtype: ir.DType, head_dim: int,
-                 packed: bool = False, sparse: bool = False) -> build.LoadedLibrary:
+                 packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> build.LoadedLibrary:
+        """The loaded library for a call; on CUDA, with the tiles tuned nearest ``seqlen`` (block-
+        sparse calls take the tuned winner of the longest length, seqlen None, so that lists
+        made for one call's tiles serve every length)."""
         hd = None if device.type == "cpu" else head_dim
         packed = packed and device.type == "cuda"
         sparse = sparse and device.type == "cuda"
-        lib = self._libs.get((device.type, device.index, dtype, hd, packed, sparse))
+        bucket = (None, None)
+        if device.type == "cuda":
+            from . import tune
+
+            seqlen = None if sparse else seqlen
+            if env.autotune() and env.jit():  # tuning compiles candidates: never with JIT off
+                tune.ensure_tuned(self, device, dtype, head_dim, seqlen)
+            bucket = tune.bucket(self.fingerprint, _index(device), dtype, head_dim, seqlen)
+        lib = self._libs.get((device.type, device.index, dtype, hd, packed, sparse, bucket))
         if lib is None:
-            lib = build.load(self.instantiation(device, dtype, head_dim, packed, sparse), announce=_announce)
-            self._remember(device, dtype, hd, lib, packed, sparse)
+            lib = build.load(self.instantiation(device, dtype, head_dim, packed, sparse, seqlen), announce=_announce)
+            self._remember(device, dtype, hd, lib, packed, sparse, bucket)
         return lib
 
     # ------------------------------------------------------------ kernel call
 
     def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
                  dropout_state: torch.Tensor | None = None, *,
-                 packed: Packed | None = None, blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 packed: Packed | None = None, blocks: Blocks | None = None,
+                 lib: build.LoadedLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """out and lse of one forward launch. ``lib``: run this loaded library instead of the
+        call's own (flashgen.tune times candidate tiles this way)."""
         B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
@@ -634,7 +678,8 @@ class AttentionOp:
             return out, lse
         if q.device.type == "cuda":
             q, k, v = (_aligned(t) for t in (q, k, v))
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None)
+        if lib is None:
+            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None, max(Nq, Nk))
         block = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
@@ -658,12 +703,13 @@ class AttentionOp:
 
     def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
                   need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
-                  packed: Packed | None = None, blocks: Blocks | None = None):
+                  packed: Packed | None = None, blocks: Blocks | None = None, lib: build.LoadedLibrary | None = None):
         """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
         the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
         for those not in ``need_param_grads``). With dropout, the forward's ``dropout_p`` and
         ``dropout_state``: the kernel regenerates its mask (FlashAttention, Alg. 4). ``packed``:
-        the validated varlen layout (None: padded)."""
+        the validated varlen layout (None: padded). ``lib``: run this loaded library instead of
+        the call's own (flashgen.tune times candidate tiles this way)."""
         B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # Like the inputs' layout when dense, else contiguous (empty_like's rule; the fake's too).
@@ -692,7 +738,8 @@ class AttentionOp:
         dk_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dv_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dlse = dlse.float().contiguous() if dlse is not None else None
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None)
+        if lib is None:
+            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None, max(Nq, Nk))
         if lib.bwd is None:
             raise NotImplementedError(f"{self.name}: the backward pass is not implemented in this version "
                                       "(forward only); call the op under torch.no_grad() or on inputs "
@@ -991,7 +1038,8 @@ def _set_dropout(args, dropout_p: float, state: torch.Tensor | None) -> None:
 def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
     if status:
         detail = lib.error(kind)
-        raise KernelError(f"{lib.instantiation.name}: {kind} kernel failed with {status_name(status)}"
+        # the artifact's folder name (inst.name), read from its path: no cache key is computed
+        raise KernelError(f"{lib.path.parent.name}: {kind} kernel failed with {status_name(status)}"
                           + (f": {detail}" if detail else ""))
 
 
@@ -1024,6 +1072,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 _sms: dict[int, int] = {}
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index (the current device for a bare 'cuda')."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _num_sms(index: int) -> int:

@@ -52,10 +52,11 @@ PACKED = [("causal", "fwd", 72, {"varlen": 1}), ("alibi", "bwd", 128, {"varlen":
 def test_packed_cuda_compiles(spec, kind, head_dim, config, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-    from flashgen import codegen, frontend, ir
+    from flashgen import build, frontend, ir
 
-    text = codegen.render_instantiation(frontend.parse(ROOT / "specs" / f"{spec}.attn"), "cuda", kind,
-                                        ir.DType("bf16"), head_dim, f"fg_{spec}_{kind}_x", config)
+    inst = build.Instantiation(frontend.parse(ROOT / "specs" / f"{spec}.attn"), build.Target("cuda", "sm_90a"),
+                               ir.DType("bf16"), head_dim, tuple(config.items()))  # tiles: the sm_90a table's
+    text = inst.sources()[inst.source_name(kind)]
     want = ", true, true>(*args)" if len(config) == 2 else ", false, true>(*args)" if "sparse" in config \
         else "launch_classify<" if "mask" in config else ", true>(*args)"
     assert want in text  # the kPacked / kSparse entry point

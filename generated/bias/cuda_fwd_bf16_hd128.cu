@@ -2,7 +2,7 @@
 // spec:        bias (specs/bias.attn:3)
 // fingerprint: e7c5e36251bc
 // family:      cuda fwd, dtype bf16, head_dim 128
-// config:      default
+// config:      bwd_block_m=32, bwd_warps=8, bwd_warps_d=1, bwd_warps_mdq=2, dq_block_n=64, dq_warps=4, fwd_block_m=128, fwd_block_n=64, fwd_warps=4
 // arch:        chosen at build time (-gencode for the device's compute capability, sm_90a on Hopper)
 #include "flashgen/cuda/fwd.cuh"
 
@@ -58,8 +58,11 @@ struct Variant_bias {
 };
 }  // namespace
 
+// Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+
 extern "C" int fg_bias_fwd_bf16_hd128(const FgFwdArgs* args) {
-  return flashgen::cuda::launch_fwd<Variant_bias, __nv_bfloat16, 128>(*args);
+  return flashgen::cuda::launch_fwd_tiled<Variant_bias, __nv_bfloat16, 128, FgFwdTile>(*args);
 }
 
 extern "C" const char* fg_bias_fwd_bf16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

@@ -2,7 +2,7 @@
 // spec:        gemma (specs/gemma.attn:3)
 // fingerprint: 6ce396c36d06
 // family:      cuda bwd, dtype fp16, head_dim 64
-// config:      default
+// config:      bwd_block_m=64, bwd_warps=8, bwd_warps_d=1, bwd_warps_mdq=2, dq_block_n=64, dq_warps=4, fwd_block_m=128, fwd_block_n=32, fwd_warps=4
 // arch:        chosen at build time (-gencode for the device's compute capability, sm_90a on Hopper)
 #include "flashgen/cuda/bwd.cuh"
 
@@ -53,8 +53,15 @@ struct Variant_gemma {
 };
 }  // namespace
 
+// Tiles (flashgen/tiles.py): main kernel 64 queries per step, 8 warps, 1 per key slab, 2 along dQ's rows;
+// deterministic dQ kernel 4 warps x 64 keys.
+using FgBwdTile = flashgen::cuda::BwdTile<64, 8, 1, 2>;
+using FgDqTile = flashgen::cuda::DqTile<4, 64>;
+
 extern "C" int fg_gemma_bwd_fp16_hd64(const FgBwdArgs* args) {
-  return flashgen::cuda::launch_bwd<Variant_gemma, __half, 64>(*args);
+  return flashgen::cuda::launch_bwd_tiled<Variant_gemma, __half, 64, FgBwdTile, FgDqTile>(*args);
 }
 
 extern "C" const char* fg_gemma_bwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }
+
+extern "C" int fg_gemma_bwd_fp16_hd64_abi(void) { return FG_ABI_VERSION; }

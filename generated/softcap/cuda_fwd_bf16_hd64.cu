@@ -2,7 +2,7 @@
 // spec:        softcap (specs/softcap.attn:2)
 // fingerprint: 9aad6e3bb95f
 // family:      cuda fwd, dtype bf16, head_dim 64
-// config:      default
+// config:      bwd_block_m=64, bwd_warps=8, bwd_warps_d=1, bwd_warps_mdq=2, dq_block_n=64, dq_warps=4, fwd_block_m=128, fwd_block_n=32, fwd_warps=4
 // arch:        chosen at build time (-gencode for the device's compute capability, sm_90a on Hopper)
 #include "flashgen/cuda/fwd.cuh"
 
@@ -52,8 +52,11 @@ struct Variant_softcap {
 };
 }  // namespace
 
+// Tile: 128 queries x 32 keys, 4 warps (flashgen/tiles.py).
+using FgFwdTile = flashgen::cuda::FwdTile<128, 32, 4, false>;
+
 extern "C" int fg_softcap_fwd_bf16_hd64(const FgFwdArgs* args) {
-  return flashgen::cuda::launch_fwd<Variant_softcap, __nv_bfloat16, 64>(*args);
+  return flashgen::cuda::launch_fwd_tiled<Variant_softcap, __nv_bfloat16, 64, FgFwdTile>(*args);
 }
 
 extern "C" const char* fg_softcap_fwd_bf16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

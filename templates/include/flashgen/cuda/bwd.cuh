@@ -2,17 +2,19 @@
 // (Dao 2023, arXiv 2307.08691, Algorithm 2) with mma.sync tensor cores, specialised by a
 // generated Variant (flashgen/variant.h).
 //
-//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim>
-//   int flashgen::cuda::launch_bwd(const FgBwdArgs& args);   // FgStatus; no host sync
+//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim,
+//             class Tile /* BwdTile */, class DqTileT /* DqTile */, bool kPacked = false,
+//             bool kSparse = false>
+//   int flashgen::cuda::launch_bwd_tiled(const FgBwdArgs& args);   // FgStatus; no host sync
 //
-// kPacked instantiations (launch_bwd<..., true>) take packed (varlen) batches (args.h): the
+// kPacked instantiations (launch_bwd_tiled<..., true>) take packed (varlen) batches (args.h): the
 // main kernel's items are (key tile up to max_seqlen_k, kv head share, sequence), DqKernel's
 // (query tile up to max_seqlen_q, query head, sequence); an item past its sequence's end does
 // nothing, and every other item runs on its sequence as a padded batch of that sequence's
 // lengths (BwdKernel::localize). The element-wise kernels (preprocess, convert) treat the
 // packed rows as one batch of total rows. Padded instantiations compile the code they had before.
 //
-// kSparse instantiations take block lists (args.h, "Block sparsity"; tiles: bwd_tiles): the main
+// kSparse instantiations take block lists (args.h, "Block sparsity"; tiles: the translation unit exports them): the main
 // kernel's CTA walks, for each query head of its share, only the query tiles that the q list of its
 // key tile names (FgBwdArgs::q_blocks) and that its closed-form range lets see the tile; DqKernel
 // walks its query tile's kv list (FgBwdArgs::kv_blocks) as the forward does. Listed-partial tiles
@@ -34,8 +36,8 @@
 // with dS' != 0: in the main kernel only (never in DqKernel), by one warp when kWarpsD = 2 splits
 // a key slab over two warps. The variant accumulates parameter gradients with fg_atomic_add
 // (float atomics) into buffers the caller owns (and zero-fills), so they are not bitwise
-// repeatable even in the deterministic mode. Score-mod instantiations use smaller default tiles
-// (see DefaultBwdTile).
+// repeatable even in the deterministic mode. Score-mod instantiations use smaller tiles (the
+// tables in flashgen/tiles.py).
 //
 // ---------------------------------------------------------------------------------------------
 // Launch sequence (all on args.stream, no host synchronisation):
@@ -318,33 +320,9 @@ struct DqTile {
   static_assert(kBlockN % 16 == 0, "kBlockN must be a multiple of 16");
 };
 
-// Defaults (bf16/fp16; H200): registers per thread of the main kernel are dK + dV (kD/kWarpsD
-// fp32 per 16 keys x 2) + S^T + dP^T (kBlockM/8 x 4 each).
-//   kD <= 128: 128 keys x 64 queries, 8 warps, 1 CTA/SM (smem: see the top of the file)
-//   kD  > 128: 64 keys x 32 queries, 8 warps, kWarpsD 2
-// Measured alternatives (H200, bf16): 64 keys x 32 queries x 4 warps (2 CTAs/SM) 10-15% slower
-// at kD = 128; 64 keys x 64 queries x 4 warps 0-7% slower at kD = 64; 128 x 128 x 8 warps spills
-// at kD = 64.
-// DqKernel: 64 queries x 64 keys (kD <= 128), x 32 keys above.
-// With a score mod (score, dscore and possibly param_grad on every element; see score_grads)
-// the default main tile spills on sm_90a from kD = 80 on (40 B at kD = 96, 356 B at kD = 128
-// for a softcap + per-head ALiBi + sliding-window example with parameter gradients), so
-// 64 < kD <= 128 takes 128 keys x 32 queries (214-253 registers there, no spills; 64 keys x 64
-// queries with kWarpsD = 2 also fits, but computes S^T and dP^T twice). kD <= 64 and kD > 128
-// keep their tiles (no spills: 204-255 registers). The DqKernel tiles do not spill with that
-// example either (254-255 registers at kD = 80..128); DqTile<4, 32> would leave headroom (198 at
-// kD = 128).
-template <class Variant, int kHeadDim>
-struct DefaultBwdTile {
-  static constexpr int kD = (kHeadDim + 15) / 16 * 16;
-  using type = typename std::conditional<
-      (kD <= 64), BwdTile<64, 8, 1, 2>,
-      typename std::conditional<(kD <= 128),
-                                typename std::conditional<Variant::kHasScoreMod, BwdTile<32, 8, 1, 2>,
-                                                          BwdTile<64, 8, 1, 2>>::type,
-                                BwdTile<32, 8, 2, 2>>::type>::type;
-  using dq_type = typename std::conditional<(kD <= 128), DqTile<4, 64>, DqTile<4, 32>>::type;
-};
+// The tiles of an instantiation (main kernel and DqKernel) are chosen in Python
+// (flashgen/tiles.py, with the measurements behind its tables) and rendered into the generated
+// translation unit, which calls launch_bwd_tiled with them.
 
 // ---------------------------------------------------------------------------------------------
 // Preprocessing: D = rowsum(dout ∘ out) (fp32), optional zero-fill of the fp32 workspaces.
@@ -1589,7 +1567,7 @@ inline int grid_for(int64_t work, int64_t cap) {
 
 }  // namespace bwd_detail
 
-// launch_bwd with explicit tiles (tests / autotuning); launch_bwd picks the defaults.
+// The backward with the tiles the generated translation unit names (flashgen/tiles.py chose them).
 template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT,
           bool kPacked = false, bool kSparse = false>
 int launch_bwd_tiled(const FgBwdArgs& a) {
@@ -1910,27 +1888,6 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     }
   }
   return FG_OK;
-}
-
-// Entry point used by generated translation units. kPacked: packed (varlen) batches only
-// (args.h); false: padded batches only.
-// kSparse: block-sparse batches only (args.q_blocks / kv_blocks set, for bwd_tiles' tiles).
-template <class Variant, class Element, int kHeadDim, bool kPacked = false, bool kSparse = false>
-int launch_bwd(const FgBwdArgs& args) {
-  using D = DefaultBwdTile<Variant, kHeadDim>;
-  return launch_bwd_tiled<Variant, Element, kHeadDim, typename D::type, typename D::dq_type,
-                          kPacked, kSparse>(args);
-}
-
-// The tiles block lists must be made for: out[0..1] the main kernel's (keys x queries: its q
-// lists' block_r, block_c), out[2..3] DqKernel's (queries x keys: its kv lists').
-template <class Variant, int kHeadDim>
-void bwd_tiles(int32_t* out) {
-  using D = DefaultBwdTile<Variant, kHeadDim>;
-  out[0] = D::type::kBlockN;
-  out[1] = D::type::kBlockM;
-  out[2] = D::dq_type::kBlockM;
-  out[3] = D::dq_type::kBlockN;
 }
 
 }  // namespace cuda

@@ -2,16 +2,16 @@
 // mma.sync tensor cores, specialised by a generated Variant (flashgen/variant.h).
 //
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim,
-//             bool kPacked = false>
-//   int flashgen::cuda::launch_fwd(const FgFwdArgs& args);   // FgStatus; no host sync
+//             class Tile /* FwdTile */, bool kPacked = false, bool kSparse = false>
+//   int flashgen::cuda::launch_fwd_tiled(const FgFwdArgs& args);   // FgStatus; no host sync
 //
 // kPacked instantiations take packed (varlen) batches (args.h): work items are (sequence, query
 // head, query tile) with tiles counted up to max_seqlen_q, and an item past its sequence's end
 // returns at once (an idle CTA costs a few loads of cu_seqlens); every hook sees the sequence's
 // own lengths and positions. Padded instantiations compile exactly the code they had before.
 //
-// kSparse instantiations (launch_fwd<..., kPacked, true>) take block lists (args.h, "Block
-// sparsity"; FgFwdArgs::kv_blocks, made for this kernel's tiles: fwd_tiles): a work item walks
+// kSparse instantiations (launch_fwd_tiled<..., kPacked, true>) take block lists (args.h, "Block
+// sparsity"; FgFwdArgs::kv_blocks, made for this kernel's tiles): a work item walks
 // only the key tiles its query tile's row lists, partial ones first, each in list order, with the
 // same two-stage K/V pipeline (the next listed tile is prefetched). A listed-partial tile always
 // takes the per-element mask; a listed-full tile takes the usual tile test, minus tile_full when
@@ -150,50 +150,9 @@ struct FwdTile {
                 "kBlockN must be a multiple of 16");
 };
 
-// Default tile per padded head dim kD, from H200 measurements (bf16, B*N = 16K tokens) and
-// ptxas reports.
-// Without a score mod (dense: no local-memory spills at d = 64 and 128 on sm_80 and sm_90a;
-// masked variants may spill a few dozen bytes at kD = 128):
-//   kD <= 64        128 x 64, 4 warps x 32 rows, Q re-read from smem (~218 regs, 55,296 B smem)
-//   64 < kD < 128   128 x 32, same shape
-//   kD == 128       128 x 64 on sm_90 (128 x 48 on sm_8x) (255 regs, 104,448 B)
-//   kD <= 192       64 x 64, 4 warps x 16 rows (O alone is kD/2 registers per thread)
-//   kD <= 256       64 x 32, 4 warps x 16 rows
-// With a score mod every visited element runs score(), which needs more registers. The tiles
-// below were chosen from ptxas reports on a heavy generated-style example (softcap of score +
-// per-head ALiBi slope, sliding-window mask), except kD = 128, which was timed on the H200
-// (docs/perf-notes.md, "Variants v2"): 128 x 64 spills ~50 B there but runs ALiBi 12-17% and
-// softcap 16-19% faster than 64 x 64 (spill-free) and 2-6% faster than 128 x 32:
-//   kD <= 32        128 x 64
-//   kD <= 64        128 x 32
-//   kD < 128        64 x 64, 4 warps x 16 rows
-//   kD == 128       128 x 64 on sm_90 (128 x 32 on sm_8x)
-//   kD <= 256       64 x 32
-// Everything fits two CTAs per SM on sm_90 and at least one on sm_80 (kD > 128 needs more than
-// the 99 KB of sm_86/sm_89). A generated variant with heavy hooks may still spill a few dozen
-// bytes at 128 x 64, kD = 128 (ptxas, sm_90a); FLASHGEN_CUDA_FWD_TILE=BMxBNxW (flashgen/env.py)
-// forces another FwdTile for experiments, and launch_fwd_tiled takes any.
-template <class Variant, int kHeadDim>
-struct DefaultFwdTile {
-  static constexpr int kD = (kHeadDim + 15) / 16 * 16;
-  using plain = typename std::conditional<
-      (kD <= 64), FwdTile<128, 64, 4, false>,
-      typename std::conditional<
-          (kD < 128), FwdTile<128, 32, 4, false>,
-          typename std::conditional<
-              (kD == 128), FwdTile<128, 64, 4, false, 48>,
-              typename std::conditional<(kD <= 192), FwdTile<64, 64, 4, false>,
-                                        FwdTile<64, 32, 4, false>>::type>::type>::type>::type;
-  using score_mod = typename std::conditional<
-      (kD <= 32), FwdTile<128, 64, 4, false>,
-      typename std::conditional<
-          (kD <= 64), FwdTile<128, 32, 4, false>,
-          typename std::conditional<
-              (kD < 128), FwdTile<64, 64, 4, false>,
-              typename std::conditional<(kD == 128), FwdTile<128, 64, 4, false, 32>,
-                                        FwdTile<64, 32, 4, false>>::type>::type>::type>::type;
-  using type = typename std::conditional<Variant::kHasScoreMod, score_mod, plain>::type;
-};
+// The tile of an instantiation is chosen in Python (flashgen/tiles.py: per-arch tables of
+// measured configurations, tiles derived from the device's shared memory, tuned winners) and
+// rendered into the generated translation unit, which calls launch_fwd_tiled with it.
 
 // ---------------------------------------------------------------------------------------------
 // The kernel.
@@ -915,7 +874,7 @@ constexpr int fwd_block_n(int major) {
   return (major == 0 || major >= 9) ? Tile::kBlockN : Tile::kBlockNSm8x;
 }
 
-// launch_fwd with an explicit tile (the autotuner and tests use it); launch_fwd picks the default.
+// The forward with the tile the generated translation unit names (flashgen/tiles.py chose it).
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
           bool kSparse = false>
 int launch_fwd_tiled(const FgFwdArgs& a) {
@@ -1069,24 +1028,6 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   err = cudaGetLastError();
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "forward kernel launch", err);
   return FG_OK;
-}
-
-// Entry point used by generated translation units.
-// kPacked: packed (varlen) batches only (args.h); false: padded batches only.
-// kSparse: block-sparse batches only (args.kv_blocks set, for this kernel's tiles: fwd_tiles).
-template <class Variant, class Element, int kHeadDim, bool kPacked = false, bool kSparse = false>
-int launch_fwd(const FgFwdArgs& args) {
-  return launch_fwd_tiled<Variant, Element, kHeadDim,
-                          typename DefaultFwdTile<Variant, kHeadDim>::type, kPacked, kSparse>(args);
-}
-
-// The forward tile (queries x keys) on a device of compute capability `major` (0: unknown, taken
-// as sm_90): what the block lists of a kSparse call must be made for.
-template <class Variant, int kHeadDim>
-void fwd_tiles(int major, int32_t* out) {
-  using Tile = typename DefaultFwdTile<Variant, kHeadDim>::type;
-  out[0] = Tile::kBlockM;
-  out[1] = fwd_block_n<Tile>(major);
 }
 
 }  // namespace cuda

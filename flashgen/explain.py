@@ -1,0 +1,1057 @@
+"""``flashgen explain``: what a call of a spec costs, and where that comes from.
+
+For one shape (batch B, query heads Hq, kv heads Hkv, Nq queries, Nk keys, head dim d, element
+size e bytes) this reports the tiles a call uses and where they came from (environment, tuned,
+table, derived), their shared memory and registers per block, the FLOPs, the HBM bytes our
+kernel moves with its real tiles next to standard attention's, and the roofline floor on a GPU
+(the live one, or an architecture's datasheet figures from flashgen.tiles.ARCHS) or, on a
+machine without one, on this CPU (peaks measured here). ``measure=True`` times the call and
+reports the achieved fraction of that floor.
+
+Counting rules (all totals are over the whole call, every batch element and head):
+
+FLOPs (FlashAttention-2 convention, Dao 2023, §4): forward 4 · B · Hq · d · P, where P is the
+number of visible (query, key) pairs per (batch, query head) — Nq · Nk dense, the kept entries
+for a masked spec (flashgen.reference.visible_pairs); backward 2.5× the forward (5 matmuls
+instead of 2). Masked entries a tile computes anyway are not counted.
+
+Forward HBM bytes, our kernel (FlashAttention, Dao et al. 2022, Theorem 2: Θ(N² d² / M) — here
+with the kernel's actual tiles instead of the asymptotic M): per (batch, query head), Q is read
+once (Nq · d · e; query tiles that see no key skip it), O written once (Nq · d · e), the LSE
+written once (4 · Nq); K and V are read once per query tile for the keys that tile loads:
+Σ_i (keys loaded by query tile i) · d · e · 2. For a mask with a closed-form key range per row
+(no mask, causal, windows, prefix-LM, key padding: ``kRowExact``) query tile i loads exactly the
+keys of its range [kv_lo, kv_hi), the hull of the keys its rows keep (rows outside the range are
+zero-filled, never read). For a mask without one (document ids) the CUDA kernel visits the key
+tiles that keep at least one (query, key) pair of the tile (its block lists, built per call) and
+loads each whole, clipped to [0, Nk) — an upper bound by at most one tile per query tile where
+the spec's closed-form bound cuts a listed tile. K/V are counted per *query* head: each query
+head's CTAs load their kv head's K/V (GQA saves capacity, not these loads).
+
+Backward HBM bytes (the non-deterministic CUDA path, FlashAttention-2 Alg. 2):
+  preprocess: read O and dO (2 · Nq · d · e), write D (4 · Nq), zero the fp32 dQ accumulator
+    (4 · Nq · d);
+  main kernel, per (key tile, kv head, split): read K and V once for the rows of the tile inside
+    the union of its visiting query tiles' key ranges, write dK and dV (2 · Nk · d · e per kv
+    head), or with the GQA split add them into fp32 workspaces with atomics (2 · 2 · 4 · d per
+    key row per split; zeroed by the preprocess and converted after: read 2 · 4 · d, write
+    2 · d · e per key row); for each query tile it visits, per query head of its share: read Q and
+    dO (2 · d · e per row), LSE and D (2 · 4 per row), and add the dQ partial into the fp32
+    accumulator with atomics (read + write, 2 · 4 · d per row);
+  convert: read the accumulator (4 · Nq · d), write dq (Nq · d · e);
+  workspaces: ops._backward allocates the dQ accumulator (and, for GQA, the dK/dV workspaces)
+    with torch.zeros (4 · d per row written).
+The deterministic path (a dQ kernel instead of atomics) is not modelled.
+
+Standard attention (FlashAttention, Alg. 0 and Alg. 3, its standard backward; GQA: K/V
+expanded per query head, as standard implementations do), per (batch, query head):
+  forward  e · (2 · Nq · d + 2 · Nk · d + 4 · Nq · Nk): read Q, K; write S; read S, write P;
+           read P, V; write O;
+  backward e · (4 · Nq · d + 4 · Nk · d + 7 · Nq · Nk): read P, dO, write dV; read dO, V, write
+           dP; read P, dP, write dS; read dS, K, write dQ; read dS, Q, write dK.
+Compulsory bytes: every input read once and every output written once (forward: Q, K, V, O,
+LSE; backward: Q, K, V, O, dO, LSE, dQ, dK, dV), K/V per kv head.
+
+Roofline: floor_ms = max(FLOPs / peak, hbm_bytes / bandwidth); ``bound`` names the larger
+term. GPU peaks are vendor datasheet figures (dense bf16/fp16 tensor cores, HBM bandwidth);
+the CPU family's are measured once per process (an fp32 matmul, a large copy). The predicted
+bytes count every global load the kernel issues: they are what reaches L2; K/V re-reads mostly
+hit L2, so DRAM bytes lie between ``compulsory_bytes`` and ``hbm_bytes`` and the floor is an
+upper estimate of the memory term (``compulsory_floor_ms`` uses the compulsory bytes).
+
+The CPU family's tiles are the kernel's own choice (templates/include/flashgen/cpu/fwd.h
+``choose_tiles``, bwd.h ``bwd_choose_tiles``) ported here: sized from the L2 cache, query tile by
+a load-balance cost model over torch.get_num_threads() threads; its bytes use the same model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import platform
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import ir, tiles
+
+ELEMENT_BYTES = {ir.DType.FP16: 2, ir.DType.BF16: 2, ir.DType.FP32: 4}
+LSE_BYTES = 4  # fp32 LSE and D per row
+ACC_BYTES = 4  # fp32 accumulators (dq_accum, dk/dv workspaces)
+_CHUNK_ELEMS = 1 << 22  # elements of one evaluated mask chunk (rows x keys x batch x heads)
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass
+class TileReport:
+    """One kernel's tile: ``block_m`` queries × ``block_n`` keys, ``warps`` (None on CPU),
+    ``origin`` ('env', 'tuned', 'table', 'derived', or 'derived (L2 cache)' for the CPU family),
+    ``smem_bytes`` dynamic shared memory per block (None on CPU), ``regs`` registers per thread
+    and ``regs_source`` (the ptxas figure from cuobjdump, or the model's estimate)."""
+
+    block_m: int
+    block_n: int
+    warps: int | None
+    origin: str
+    smem_bytes: int | None
+    regs: int | None
+    regs_source: str
+    shape: str
+    tuned_seqlen: int | None = None
+
+
+@dataclass
+class Traffic:
+    """One direction's counts: ``flops``, ``hbm_bytes`` (our kernel, bytes), ``standard_hbm_bytes``
+    (standard attention), ``compulsory_bytes``, and ``terms`` (name → bytes of hbm_bytes)."""
+
+    flops: int
+    hbm_bytes: int
+    standard_hbm_bytes: int
+    compulsory_bytes: int
+    terms: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    """What ``explain`` computed. Sizes are elements, bytes are bytes, times milliseconds, rates
+    TFLOP/s (1e12 FLOP/s) and GB/s (1e9 B/s). ``flops`` / ``hbm_bytes`` / ``standard_hbm_bytes``
+    / ``compulsory_bytes`` cover the forward, or forward + backward with ``backward``; ``fwd`` and
+    ``bwd`` hold each direction. ``measured_ms``, ``tflops``, ``fraction_of_floor`` (floor_ms /
+    measured_ms) are None unless measured."""
+
+    spec: str
+    family: str  # 'cuda' or 'cpu'
+    arch: str
+    gpu: str
+    direction: str  # 'fwd' or 'fwd+bwd'
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str
+    params: dict
+    visible_pairs: float  # per (batch, query head)
+    density: float  # visible_pairs / (Nq · Nk)
+    flops: int
+    hbm_bytes: int
+    standard_hbm_bytes: int
+    compulsory_bytes: int
+    fwd: Traffic
+    bwd: Traffic | None
+    tiles: dict[str, TileReport]
+    reference_tiles: dict  # derived tiles and the paper's (Br, Bc), for comparison
+    model: str  # how tile visits were counted
+    peak_tflops: float
+    hbm_gbps: float
+    peaks_source: str
+    arithmetic_intensity: float
+    floor_ms: float
+    compulsory_floor_ms: float
+    bound: str  # 'compute' or 'memory'
+    l2_bytes: int | None = None
+    threads: int | None = None
+    measured_ms: float | None = None
+    tflops: float | None = None
+    fraction_of_floor: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        """A JSON-able dict of every field (tiles as {'fwd': {...}, 'bwd': {...}})."""
+        return asdict(self)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def _as_op(op_or_spec):
+    from .ops import AttentionOp
+    from .ops import compile as fg_compile
+
+    if isinstance(op_or_spec, AttentionOp):
+        return op_or_spec
+    return fg_compile(op_or_spec)
+
+
+def _as_dtype(dtype) -> ir.DType:
+    if isinstance(dtype, ir.DType):
+        return dtype
+    if isinstance(dtype, torch.dtype):
+        from .ops import IR_DTYPE
+
+        if dtype in IR_DTYPE:
+            return IR_DTYPE[dtype]
+    elif isinstance(dtype, str) and dtype in {d.value for d in ir.DType}:
+        return ir.DType(dtype)
+    raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {dtype!r}")
+
+
+def _check_sizes(seqlen_q, seqlen_k, head_dim, batch, heads, kv_heads) -> None:
+    for name, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k), ("head_dim", head_dim), ("batch", batch),
+                    ("heads", heads), ("kv_heads", kv_heads)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v < 1:
+            raise ValueError(f"{name}: {v} is out of range (expected ≥ 1)")
+    if heads % kv_heads:
+        raise ValueError(f"kv_heads: {kv_heads} does not divide heads = {heads}")
+
+
+def _spec_params(spec: ir.Spec, params, batch: int, heads: int, nq: int, nk: int) -> dict:
+    """The spec's parameter values on the CPU: ``params`` given as {name: value} or as
+    ['NAME=VALUE', ...] (flashgen.cli.parse_params, the --param syntax), the rest filled by
+    flashgen.params.example_params with a fixed seed (so a prediction and its measurement see
+    the same values)."""
+    from .params import example_params
+
+    given = {}
+    if params:
+        if isinstance(params, dict):
+            given = dict(params)
+        else:
+            from .cli import parse_params
+
+            given = parse_params(spec, list(params))
+    gen = torch.Generator().manual_seed(0)
+    try:
+        return example_params(spec, batch, heads, nq, nk, "cpu", gen, **given)
+    except TypeError as e:
+        raise ValueError(f"params: {e}") from None
+
+
+@dataclass(frozen=True)
+class _Target:
+    family: str  # 'cuda' | 'cpu'
+    arch: str
+    info: tiles.ArchInfo | None  # CUDA figures
+    device_index: int | None  # live CUDA device (tuned/env tiles, measurement)
+    device: torch.device | None  # where a measurement runs
+
+
+def _resolve(arch, device, measure: bool) -> _Target:
+    """The family and figures: --arch's table entry (the live device's own figures when it is
+    that architecture), else the live GPU, else this CPU."""
+    from .build import cpu_target, cuda_target
+
+    dev = None
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: expected cpu or cuda[:N], got {device!r}") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: '{dev.type}' is not supported (expected cpu or cuda)")
+    if arch is not None:
+        norm = tiles.normalize_arch(str(arch))
+        if dev is not None and dev.type == "cpu":
+            raise ValueError(f"device: cpu conflicts with arch {arch!r} (an architecture names a CUDA target)")
+        live = None
+        if torch.cuda.is_available():
+            index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
+            if cuda_target(index).arch == norm:
+                live = index
+        if live is None and (measure or (dev is not None and dev.type == "cuda")):
+            what = "measure" if measure else "device"
+            raise ValueError(f"{what}: needs a live CUDA device of arch {norm}, and this machine has none "
+                             "(drop it to explain from the tables alone)")
+        if live is not None:
+            return _Target("cuda", norm, tiles.device_info(live), live, torch.device("cuda", live))
+        return _Target("cuda", norm, tiles.arch_info(norm), None, None)
+    if dev is None:
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device: CUDA is not available in this torch build or machine (pass --arch to "
+                             "explain a GPU from the tables)")
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return _Target("cuda", cuda_target(index).arch, tiles.device_info(index), index, torch.device("cuda", index))
+    return _Target("cpu", cpu_target().arch, None, None, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------- mask geometry
+
+
+@dataclass
+class _Geometry:
+    """Which keys each query row keeps, per (b', h') of the mask's extent [Bp, Hp]: ``first`` /
+    ``last`` int64 [Bp·Hp, Nq] (the hull of the row's kept keys; first = Nk, last = -1 when it
+    keeps none), the kept pairs summed over (b', h') (``pairs``), ``exact`` (each row keeps exactly
+    [first, last]), and ``blocks`` {(bm, bn): bool [Bp·Hp, ⌈Nq/bm⌉, ⌈Nk/bn⌉]} (any pair kept in a
+    block), for the tile sizes asked for."""
+
+    bp: int
+    hp: int
+    first: torch.Tensor
+    last: torch.Tensor
+    pairs: int
+    exact: bool
+    source: str
+    blocks: dict = field(default_factory=dict)
+
+
+def _row_exact(spec: ir.Spec) -> bool:
+    from . import codegen
+
+    return spec.mask is None or bool(codegen.hook_bodies(spec)["row_exact"])
+
+
+def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: dict,
+              block_tiles: tuple[tuple[int, int], ...] = ()) -> _Geometry:
+    """The mask's row hulls (and block occupancy at ``block_tiles``): closed form for no mask
+    and the causal masks (O(Nq) memory), else the mask evaluated in chunks of query rows
+    (O(Nq·Nk) time, O(_CHUNK_ELEMS) memory)."""
+    kind = spec.mask_kind
+    rows = torch.arange(nq, dtype=torch.int64)
+    if kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL, ir.MaskKind.CAUSAL_TOP_LEFT):
+        first = torch.zeros(1, nq, dtype=torch.int64)
+        if kind is ir.MaskKind.NONE:
+            last = torch.full((1, nq), nk - 1, dtype=torch.int64)
+        else:  # query i keeps keys [0, i + off] (bottom-right: off = Nk - Nq; top-left: 0)
+            off = nk - nq if kind is ir.MaskKind.CAUSAL else 0
+            last = (rows + off).clamp(max=nk - 1).view(1, nq)
+        empty = last < 0
+        first = torch.where(empty, torch.full_like(first, nk), first)
+        last = torch.where(empty, torch.full_like(last, -1), last)
+        pairs = int((last - first + 1).clamp(min=0).sum())
+        geo = _Geometry(1, 1, first, last, pairs, True, "closed form")
+        for bm, bn in block_tiles:
+            geo.blocks[(bm, bn)] = _blocks_from_hulls(first, last, nq, nk, bm, bn)
+        return geo
+
+    from . import reference
+    from .sparsity import mask_extents
+
+    per_b, per_h = mask_extents(spec)
+    bp, hp = (batch if per_b else 1), (heads if per_h else 1)
+    g = bp * hp
+    step = math.lcm(16, *(bm for bm, _ in block_tiles)) if block_tiles else 16
+    chunk = max(step, (_CHUNK_ELEMS // max(1, g * nk)) // step * step)
+    first = torch.empty(g, nq, dtype=torch.int64)
+    last = torch.empty(g, nq, dtype=torch.int64)
+    blocks = {t: torch.zeros(g, -(-nq // t[0]), -(-nk // t[1]), dtype=torch.bool) for t in block_tiles}
+    ar = lambda lo, hi: torch.arange(lo, hi, dtype=torch.int64)
+    env = {"b": ar(0, bp).view(-1, 1, 1, 1), "h": ar(0, hp).view(1, -1, 1, 1), "kv": ar(0, nk).view(1, 1, 1, -1),
+           "seqlen_q": nq, "seqlen_k": nk}
+    pairs = 0
+    for q0 in range(0, nq, chunk):
+        q1 = min(nq, q0 + chunk)
+        m = reference.evaluate(spec.mask, spec, env | {"q": ar(q0, q1).view(1, 1, -1, 1)}, params, torch.float64)
+        keep = torch.broadcast_to(m.to(torch.bool), (bp, hp, q1 - q0, nk)).reshape(g, q1 - q0, nk)
+        pairs += int(keep.sum())
+        has = keep.any(-1)
+        u8 = keep.to(torch.uint8)
+        first[:, q0:q1] = torch.where(has, u8.argmax(-1), torch.full_like(has, nk, dtype=torch.int64))
+        last[:, q0:q1] = torch.where(has, nk - 1 - u8.flip(-1).argmax(-1), torch.full_like(has, -1, dtype=torch.int64))
+        for (bm, bn), out in blocks.items():
+            rpad, kpad = -(-(q1 - q0) // bm) * bm, out.shape[2] * bn
+            buf = torch.zeros(g, rpad, kpad, dtype=torch.bool)
+            buf[:, :q1 - q0, :nk] = keep
+            occ = buf.view(g, rpad // bm, bm, kpad // bn, bn).any(4).any(2)
+            out[:, q0 // bm:q0 // bm + rpad // bm] |= occ
+    return _Geometry(bp, hp, first, last, pairs, _row_exact(spec), "mask evaluated", blocks)
+
+
+def _blocks_from_hulls(first, last, nq, nk, bm, bn) -> torch.Tensor:
+    """Block occupancy of an exact (interval-per-row) mask from its row intervals."""
+    lo, hi, _ = _tile_hulls(first, last, nq, bm)
+    j = torch.arange(-(-nk // bn), dtype=torch.int64)
+    return (hi > lo).unsqueeze(-1) & (lo.unsqueeze(-1) < (j + 1) * bn) & (hi.unsqueeze(-1) > j * bn)
+
+
+def _tile_hulls(first, last, nq, bm):
+    """Per query tile of ``bm`` rows: the hull [lo, hi) of its rows' kept keys ([G, T] each; 0, 0
+    when empty) and its rows inside [0, Nq) ([T])."""
+    g = first.shape[0]
+    t = -(-nq // bm)
+    pad = t * bm - nq
+    big = torch.iinfo(torch.int64).max // 4
+    f = torch.cat([first, torch.full((g, pad), big, dtype=torch.int64)], 1).view(g, t, bm)
+    la = torch.cat([last, torch.full((g, pad), -1, dtype=torch.int64)], 1).view(g, t, bm)
+    lo, hi = f.amin(-1), la.amax(-1) + 1
+    empty = hi <= lo
+    lo = torch.where(empty, torch.zeros_like(lo), lo)
+    hi = torch.where(empty, torch.zeros_like(hi), hi)
+    rows = (nq - torch.arange(t, dtype=torch.int64) * bm).clamp(max=bm)
+    return lo, hi, rows
+
+
+def _widths(nk: int, bn: int) -> torch.Tensor:
+    """Keys of each key tile inside [0, Nk)."""
+    return (nk - torch.arange(-(-nk // bn), dtype=torch.int64) * bn).clamp(max=bn)
+
+
+@dataclass
+class _Visits:
+    """Tile visits summed over the geometry's (b', h'): forward K/V rows loaded and Q rows read;
+    backward (query tile, key tile) visits as query rows, and K/V rows loaded per key tile."""
+
+    fwd_kv_rows: int
+    fwd_q_rows: int
+    fwd_tiles: int
+    bwd_q_rows: int
+    bwd_blocks: int
+    bwd_kv_rows: int
+
+
+def _visits(geo: _Geometry, nq: int, nk: int, fwd: tuple[int, int], bwd: tuple[int, int] | None,
+            listed: bool) -> _Visits:
+    """Count the loads of the forward tile (bm, bn) and backward tile (bm, bn): by ranges (the
+    hull of each query tile's kept keys) or, with ``listed``, by occupied blocks (block lists)."""
+    bm, bn = fwd
+    if listed:
+        blk = geo.blocks[fwd]
+        w = _widths(nk, bn)
+        kv = (blk.to(torch.int64) * w).sum(-1)
+        ntile = blk.sum(-1)
+        rows = (nq - torch.arange(blk.shape[1], dtype=torch.int64) * bm).clamp(max=bm)
+    else:
+        lo, hi, rows = _tile_hulls(geo.first, geo.last, nq, bm)
+        kv = hi - lo
+        ntile = torch.where(hi > lo, (hi - 1) // bn - lo // bn + 1, torch.zeros_like(lo))
+    f_kv, f_q, f_t = int(kv.sum()), int(((ntile > 0) * rows).sum()), int(ntile.sum())
+    if bwd is None:
+        return _Visits(f_kv, f_q, f_t, 0, 0, 0)
+    bm, bn = bwd
+    w = _widths(nk, bn)
+    nkt = w.numel()
+    if listed:
+        blk = geo.blocks[bwd]
+        rows = (nq - torch.arange(blk.shape[1], dtype=torch.int64) * bm).clamp(max=bm)
+        b_q = int((blk.to(torch.int64) * rows.view(1, -1, 1)).sum())
+        b_n = int(blk.sum())
+        b_kv = int((blk.any(1).to(torch.int64) * w).sum())
+        return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv)
+    lo, hi, rows = _tile_hulls(geo.first, geo.last, nq, bm)
+    nonempty = hi > lo
+    count = torch.where(nonempty, (hi - 1) // bn - lo // bn + 1, torch.zeros_like(lo))
+    b_q = int((count * rows).sum())
+    b_n = int(count.sum())
+    # K/V rows of key tile j: the tile inside [min lo, max hi) of the query tiles visiting it.
+    g, t = lo.shape
+    big = torch.iinfo(torch.int64).max // 4
+    vlo = torch.full((g, nkt), big, dtype=torch.int64)
+    vhi = torch.zeros((g, nkt), dtype=torch.int64)
+    j = torch.arange(nkt, dtype=torch.int64)
+    step = max(1, _CHUNK_ELEMS // max(1, g * nkt))
+    for i0 in range(0, t, step):
+        l, h, ne = lo[:, i0:i0 + step, None], hi[:, i0:i0 + step, None], nonempty[:, i0:i0 + step, None]
+        vis = ne & (l < (j + 1) * bn) & (h > j * bn)
+        vlo = torch.minimum(vlo, torch.where(vis, l, torch.full_like(l, big)).amin(1))
+        vhi = torch.maximum(vhi, torch.where(vis, h, torch.zeros_like(h)).amax(1))
+    b_kv = int((torch.minimum(vhi, j * bn + w) - torch.maximum(vlo, j * bn)).clamp(min=0).sum())
+    return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv)
+
+
+# ---------------------------------------------------------------- the CPU family's tiles
+
+
+def cpu_l2_bytes() -> int:
+    """The L2 size the CPU kernels size their tiles from (bytes): the level-2 cache of cpu0 from
+    /sys/devices/system/cpu/cpu0/cache, kept if within [256 KiB, 8 MiB], else 512 KiB — the
+    clamp and fallback of templates/include/flashgen/cpu/fwd.h ``l2_bytes``."""
+    size = -1
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    try:
+        for idx in sorted(base.glob("index*")):
+            if (idx / "level").read_text().strip() == "2":
+                text = (idx / "size").read_text().strip().upper()
+                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                size = int(text.rstrip("KMG")) * mult
+                break
+    except (OSError, ValueError):
+        size = -1
+    return size if (256 << 10) <= size <= (8 << 20) else 512 << 10
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _spans(geo: _Geometry, nq: int, qc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, key span) per query tile of ``qc`` rows at b = h = 0 (the kernels' cost models
+    evaluate kv_lo / kv_hi there)."""
+    lo, hi, rows = _tile_hulls(geo.first[:1], geo.last[:1], nq, qc)
+    return rows, (hi - lo)[0]
+
+
+def cpu_fwd_tiles(geo: _Geometry, batch_heads: int, nq: int, nk: int, d: int, l2: int, threads: int) -> tuple[int, int]:
+    """(qb, kvb) of the CPU forward: ``choose_tiles`` of cpu/fwd.h — kvb the largest power of two
+    ≤ 512 (≥ 128) whose K and V panels (2 · kvb · d fp32) fit L2, qb the candidate in
+    {qb_max, qb_max/2, ..., 32} (qb_max = L2 / (4 · kvb) in [32, 256]) minimising the makespan of
+    the B·Hq·⌈Nq/qb⌉ tasks over ``threads`` threads times (1 + 5/qb + 5/kvb)."""
+    nk8 = _round_up(max(nk, 1), 8)
+    kvb = 512
+    while kvb > 128 and 2 * kvb * d * 4 > l2:
+        kvb //= 2
+    kvb = min(kvb, nk8)
+    qb_max = min(max(l2 // (4 * kvb), 32), 256)
+    qb = min(qb_max, nq)
+    if nq > 32:
+        best = -1.0
+        cand = qb_max
+        while cand >= 32:
+            qc = min(cand, nq)
+            nqt = -(-nq // qc)
+            rows, span = _spans(geo, nq, qc)
+            cost_t = (rows * (span.clamp(min=0) + 8)).to(torch.float64)
+            prefix = [0.0] + torch.cumsum(cost_t, 0).tolist()
+            ntasks = batch_heads * nqt
+            nthr = min(threads, ntasks)
+            chunk = -(-ntasks // nthr)
+
+            def upto(x, prefix=prefix, nqt=nqt):
+                return (x // nqt) * prefix[nqt] + prefix[x % nqt]
+
+            makespan = 0.0
+            for i in range(nthr):
+                b0, b1 = i * chunk, min(i * chunk + chunk, ntasks)
+                if b0 >= b1:
+                    break
+                makespan = max(makespan, upto(b1) - upto(b0))
+            cost = makespan * (1.0 + 5.0 / qc + 5.0 / kvb)
+            if best < 0.0 or cost < best * 0.999:
+                best, qb = cost, qc
+            cand //= 2
+    return qb, kvb
+
+
+def cpu_bwd_tiles(geo: _Geometry, nq: int, nk: int, d: int, l2: int, mod_path: bool, dropout: bool = False) -> tuple[int, int]:
+    """(qb, kvb) of the CPU backward: ``bwd_choose_tiles`` of cpu/bwd.h — kvb ≤ 128 with its five
+    kvb × d fp32 panels in half of L2, qb_max ≤ 128 with its q × kv tiles (2 with a score mod or
+    parameter gradient, +1 with dropout) and three q × d panels in half of L2, qb the candidate
+    minimising the visited area × (1 + 5/qb + 5/kvb)."""
+    tiles_qk = (2 if mod_path else 1) + (1 if dropout else 0)
+    kvb = 128
+    while kvb > 32 and 5 * kvb * d * 4 > l2 // 2:
+        kvb //= 2
+    qb_max = 128
+    while qb_max > 32 and (tiles_qk * qb_max * kvb + 3 * qb_max * d) * 4 > l2 // 2:
+        qb_max //= 2
+    kvb = min(kvb, _round_up(max(nk, 1), 8))
+    qb = qb_max if qb_max < nq else max(nq, 1)
+    if nq > 32:
+        best = -1.0
+        cand = qb_max
+        while cand >= 32:
+            qc = min(cand, nq)
+            rows, span = _spans(geo, nq, qc)
+            area = float((rows * span.clamp(min=0)).sum())
+            cost = area * (1.0 + 5.0 / qc + 5.0 / kvb)
+            if best < 0.0 or cost < best * 0.999:
+                best, qb = cost, qc
+            cand //= 2
+    return qb, kvb
+
+
+def _cpu_tiles(spec, geo, batch, heads, nq, nk, d, l2, threads):
+    from . import expr as X
+
+    mod_path = spec.score is not None or bool(X.grad_params(spec))
+    return (cpu_fwd_tiles(geo, batch * heads, nq, nk, d, l2, threads),
+            cpu_bwd_tiles(geo, nq, nk, d, l2, mod_path))
+
+
+def cpu_tiles(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim: int, batch: int = 1,
+              heads: int = 1, params=None, l2_bytes: int | None = None,
+              threads: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((qb, kvb) forward, (qb, kvb) backward): the CPU family's tiles for a call (the padded
+    layout, no block mask, no dropout), as its kernels choose them (``cpu_fwd_tiles``,
+    ``cpu_bwd_tiles``) with ``l2_bytes`` (default: this machine's, ``cpu_l2_bytes``) and
+    ``threads`` (default torch.get_num_threads()). ``params`` as in ``explain``."""
+    op = _as_op(op_or_spec)
+    nk = seqlen_q if seqlen_k is None else seqlen_k
+    _check_sizes(seqlen_q, nk, head_dim, batch, heads, heads)
+    values = _spec_params(op.spec, params, batch, heads, seqlen_q, nk)
+    geo = _geometry(op.spec, seqlen_q, nk, batch, heads, values)
+    return _cpu_tiles(op.spec, geo, batch, heads, seqlen_q, nk, head_dim,
+                      cpu_l2_bytes() if l2_bytes is None else l2_bytes,
+                      torch.get_num_threads() if threads is None else threads)
+
+
+# ---------------------------------------------------------------- registers (ptxas, from a cached library)
+
+
+def _cuobjdump() -> str | None:
+    exe = shutil.which("cuobjdump")
+    if exe:
+        return exe
+    from . import env
+
+    homes = [env.cuda_home()]
+    try:
+        from torch.utils import cpp_extension
+
+        homes.append(cpp_extension.CUDA_HOME)
+    except ImportError:
+        pass
+    homes += ["/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        homes.append(str(Path(nvcc).resolve().parent.parent))
+    for home in homes:
+        if home and (Path(home) / "bin" / "cuobjdump").is_file():
+            return str(Path(home) / "bin" / "cuobjdump")
+    return None
+
+
+def resource_usage(lib: Path) -> dict[str, int]:
+    """{mangled kernel name: registers per thread} of a compiled library (``cuobjdump -res-usage``).
+    Raises OSError when cuobjdump is missing or fails."""
+    exe = _cuobjdump()
+    if exe is None:
+        raise OSError("cuobjdump not found (CUDA toolkit bin/ not on PATH)")
+    try:
+        out = subprocess.run([exe, "-res-usage", str(lib)], check=False, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"cuobjdump -res-usage {lib}: timed out") from None
+    if out.returncode != 0:
+        raise OSError(f"cuobjdump -res-usage {lib}: {out.stderr.strip()[:300]}")
+    regs: dict[str, int] = {}
+    fn = None
+    for line in out.stdout.splitlines():
+        m = re.match(r"\s*Function (\S+?):?\s*$", line)
+        if m:
+            fn = m.group(1)
+            continue
+        m = re.search(r"\bREG:(\d+)", line)
+        if m and fn is not None:
+            regs[fn] = max(regs.get(fn, 0), int(m.group(1)))
+            fn = None
+    return regs
+
+
+def _library_path(inst) -> Path | None:
+    """lib.so of ``inst`` in the cache (or an ahead-of-time directory), if already built."""
+    from . import env
+
+    entry = env.cache_dir() / inst.name / "lib.so"
+    if entry.is_file():
+        return entry
+    dirs = env.aot_dirs() if hasattr(env, "aot_dirs") else []
+    if dirs:
+        try:
+            from . import aot
+
+            lib, _ = aot.find(inst, dirs)
+            if lib is not None:
+                return Path(lib.path)
+        except Exception:  # noqa: BLE001 - an unreadable directory only means "no figure"
+            return None
+    return None
+
+
+# ---------------------------------------------------------------- peaks
+
+
+@functools.cache
+def cpu_peaks() -> tuple[float, float]:
+    """(fp32 matmul TFLOP/s, copy bandwidth GB/s) measured on this machine (best of ~0.15 s of
+    2048² matmuls and of 128 MiB copies, read + write counted), once per process."""
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.matmul(a, b)
+    best = math.inf
+    t_end = time.perf_counter() + 0.15
+    while time.perf_counter() < t_end or best == math.inf:
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    tflops = 2 * n**3 / best / 1e12
+    src = torch.empty(32 << 20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = math.inf
+    t_end = time.perf_counter() + 0.15
+    while time.perf_counter() < t_end or best == math.inf:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    gbps = 2 * src.numel() * 4 / best / 1e9
+    return tflops, gbps
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# ---------------------------------------------------------------- traffic
+
+
+def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int) -> Traffic:
+    flops = 4 * d * pairs_total
+    terms = {
+        "Q read": e * d * v.fwd_q_rows * scale,
+        "K, V reads": 2 * e * d * v.fwd_kv_rows * scale,
+        "O write": e * d * B * Hq * nq,
+        "LSE write": LSE_BYTES * B * Hq * nq,
+    }
+    compulsory = e * d * B * (2 * Hq * nq + 2 * Hkv * nk) + LSE_BYTES * B * Hq * nq
+    standard = B * Hq * e * (2 * nq * d + 2 * nk * d + 4 * nq * nk)
+    return Traffic(flops, sum(terms.values()), standard, compulsory, terms)
+
+
+def _bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int, kv_scale_num: int,
+                 kv_scale_den: int, splits: int) -> Traffic:
+    flops = 10 * d * pairs_total  # 2.5 × the forward's 4 · d per pair
+    rows_q = B * Hq * nq
+    rows_k = B * Hkv * nk
+    kv_rows = v.bwd_kv_rows * kv_scale_num // kv_scale_den
+    terms = {
+        "preprocess: O, dO read": 2 * e * d * rows_q,
+        "preprocess: D write": LSE_BYTES * rows_q,
+        "preprocess: dQ accumulator zero": ACC_BYTES * d * rows_q,
+        "main: K, V reads": 2 * e * d * kv_rows,
+        "main: Q, dO reads": 2 * e * d * v.bwd_q_rows * scale,
+        "main: LSE, D reads": 2 * LSE_BYTES * v.bwd_q_rows * scale,
+        "main: dQ atomics (read + write)": 2 * ACC_BYTES * d * v.bwd_q_rows * scale,
+        "convert: dQ accumulator read, dq write": (ACC_BYTES + e) * d * rows_q,
+        "workspace fills (torch.zeros)": ACC_BYTES * d * rows_q + (2 * ACC_BYTES * d * rows_k if Hq != Hkv else 0),
+    }
+    if splits > 1:
+        terms["preprocess: dK, dV workspace zero"] = 2 * ACC_BYTES * d * rows_k
+        terms["main: dK, dV atomics (read + write)"] = 2 * 2 * ACC_BYTES * d * rows_k * splits
+        terms["convert: dK, dV workspaces read, dk, dv write"] = 2 * (ACC_BYTES + e) * d * rows_k
+    else:
+        terms["main: dK, dV writes"] = 2 * e * d * rows_k
+    compulsory = e * d * (4 * rows_q + 4 * rows_k) + LSE_BYTES * rows_q
+    standard = B * Hq * e * (4 * nq * d + 4 * nk * d + 7 * nq * nk)
+    return Traffic(flops, sum(terms.values()), standard, compulsory, terms)
+
+
+def _gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) -> int:
+    """The CUDA backward's GQA split (bwd.cuh launch_bwd_tiled, non-deterministic path)."""
+    splits = 1
+    items = num_n_tiles * hkv * batch
+    if group > 1 and 2 * items <= sms:
+        for s in range(2, group + 1):
+            if group % s == 0 and items * s <= sms:
+                splits = s
+    return splits
+
+
+# ---------------------------------------------------------------- explain
+
+
+def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim: int, batch: int = 1,
+            heads: int = 1, kv_heads: int | None = None, dtype="bf16", arch: str | None = None,
+            device=None, params=None, backward: bool = False, measure: bool = False, build: bool = False,
+            reps: int = 10) -> Report:
+    """Explain one call: q [batch, heads, seqlen_q, head_dim], k, v [batch, kv_heads, seqlen_k,
+    head_dim] of ``dtype`` (see the module docstring for every count and its source).
+
+    Args:
+        op_or_spec: a compiled op, an ``ir.Spec``, a path to a ``.attn`` file or spec text.
+        seqlen_q, seqlen_k: sequence lengths (seqlen_k defaults to seqlen_q); head_dim, batch,
+            heads (query heads), kv_heads (default heads; must divide heads): sizes ≥ 1.
+        dtype: 'bf16', 'fp16' or 'fp32' (fp32: CPU family only), or the torch / flashgen dtype.
+        arch: a CUDA architecture ('sm_90a', '90', ...): tiles and peaks from flashgen.tiles'
+            tables (the live device's own figures, tuned and env tiles when it is that arch).
+            None: the live GPU, else this CPU.
+        device: 'cpu' or 'cuda[:N]' to pick the family / device explicitly.
+        params: the spec's parameters, {name: value} or ['NAME=VALUE', ...] (--param syntax);
+            missing ones get flashgen.params.example_params values (seed 0).
+        backward: count forward + backward (and time both with ``measure``).
+        measure: run the call on random inputs on the device and time it (median of ``reps``,
+            flashgen.bench.time_fn); builds the kernels if needed.
+        build: compile the CUDA instantiation when it is not cached, so that registers come from
+            ptxas (cuobjdump -res-usage) instead of the model.
+
+    Returns:
+        A Report (``as_dict()`` for JSON).
+
+    Raises:
+        ValueError: an argument out of range or unsupported (naming it: arch, head_dim, dtype,
+            device, measure, kv_heads, params, ...).
+        TypeError: a size that is not an int.
+        SpecError / BuildError: the spec does not parse; a build (measure/build) failed.
+    """
+    op = _as_op(op_or_spec)
+    spec = op.spec
+    nq = seqlen_q
+    nk = seqlen_q if seqlen_k is None else seqlen_k
+    hkv = heads if kv_heads is None else kv_heads
+    _check_sizes(nq, nk, head_dim, batch, heads, hkv)
+    if measure and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
+        raise ValueError(f"reps: {reps!r} is out of range (expected an int ≥ 1)")
+    dt = _as_dtype(dtype)
+    target = _resolve(arch, device, measure)
+    fam = target.family
+    if dt not in op.dtypes(fam):
+        allowed = ", ".join(x.value for x in op.dtypes(fam)) or "none"
+        raise ValueError(f"dtype: {dt.value} is not supported by spec '{spec.name}' on {fam.upper()} "
+                         f"(expected one of {allowed})")
+    if head_dim not in op.head_dims(fam):
+        from .ops import _ranges
+
+        raise ValueError(f"head_dim: {head_dim} is not supported by spec '{spec.name}' on {fam.upper()} "
+                         f"(expected one of {_ranges(op.head_dims(fam))})")
+    values = _spec_params(spec, params, batch, heads, nq, nk)
+    e = ELEMENT_BYTES[dt]
+    d = head_dim
+    notes: list[str] = []
+    score_mod = spec.score is not None
+
+    # ---- tiles
+    if fam == "cuda":
+        info = target.info
+        from . import env
+
+        listed = op.auto_sparse and env.auto_block_mask()  # block lists per call (ops.auto_blocks)
+        seqlen = None if listed else max(nq, nk)
+        choice = tiles.choose(spec, target.arch, dt, d, seqlen, device_index=target.device_index,
+                              fingerprint=op.fingerprint)
+        fwd_t, bwd_t = choice.fwd, choice.bwd
+        regs_f, regs_b, regs_src = _registers(op, target, dt, d, choice, listed, build, notes)
+        tile_rep = {
+            "fwd": TileReport(fwd_t.block_m, fwd_t.block_n, fwd_t.warps, choice.fwd_origin, fwd_t.smem_bytes(d),
+                              regs_f if regs_f is not None else fwd_t.regs_estimate(d, score_mod),
+                              regs_src if regs_f is not None else "estimate (tiles.FwdTile.regs_estimate)",
+                              str(fwd_t), choice.tuned_seqlen[0]),
+            "bwd": TileReport(bwd_t.block_m, bwd_t.block_n, bwd_t.warps, choice.bwd_origin, bwd_t.smem_bytes(d),
+                              regs_b if regs_b is not None else bwd_t.regs_estimate(d, score_mod),
+                              regs_src if regs_b is not None else "estimate (tiles.BwdTile.regs_estimate)",
+                              str(bwd_t), choice.tuned_seqlen[1]),
+        }
+        df, db = tiles.derived(info, d, score_mod)
+        br, bc = tiles.paper_tiles(info.smem_optin, d)
+        reference_tiles = {"derived_fwd": str(df), "derived_bwd": str(db), "paper_br_bc": [br, bc],
+                           "smem_optin": info.smem_optin}
+        fwd_mn = (fwd_t.block_m, fwd_t.block_n)
+        bwd_mn = (bwd_t.block_m, bwd_t.block_n)
+        if bwd_t.smem_bytes(d) > info.smem_optin:
+            notes.append("the backward tile exceeds this GPU's shared memory: the kernels take the deterministic "
+                         "path (dQ kernel), which the backward byte model does not describe")
+        geo = _geometry(spec, nq, nk, batch, heads, values, (fwd_mn, bwd_mn) if listed else ())
+        splits = _gqa_splits(-(-nk // bwd_mn[1]), hkv, batch, heads // hkv, info.sms)
+        peak, bw = info.peak_tflops, info.hbm_gbps
+        peaks_source = ("datasheet, by the device's name (flashgen.tiles)" if target.device_index is not None
+                        else f"datasheet of the representative part {info.name} (flashgen.tiles.ARCHS)")
+        gpu_name, l2, threads = info.name, info.l2_bytes, None
+        model = ("block lists: key tiles holding a kept pair, loaded whole" if listed
+                 else "key ranges: each query tile loads the hull of its kept keys")
+    else:
+        listed = False
+        geo = _geometry(spec, nq, nk, batch, heads, values)
+        l2 = cpu_l2_bytes()
+        threads = torch.get_num_threads()
+        (qb, kvb), (bqb, bkvb) = _cpu_tiles(spec, geo, batch, heads, nq, nk, d, l2, threads)
+        origin = "derived (L2 cache)"
+        tile_rep = {
+            "fwd": TileReport(qb, kvb, None, origin, None, None, "n/a (CPU family)", f"{qb}x{kvb}"),
+            "bwd": TileReport(bqb, bkvb, None, origin, None, None, "n/a (CPU family)", f"{bqb}x{bkvb}"),
+        }
+        reference_tiles = {"l2_bytes": l2, "threads": threads}
+        fwd_mn, bwd_mn = (qb, kvb), (bqb, bkvb)
+        splits = 1
+        peak, bw = cpu_peaks()
+        peaks_source = "measured on this machine (fp32 matmul, memory copy)"
+        gpu_name = f"CPU: {_cpu_name()}"
+        model = "key ranges: each query tile loads the hull of its kept keys (the CUDA kernels' model, CPU tiles)"
+        notes.append("CPU family: bytes follow the same tile model with the CPU kernel's tiles; 'hbm' means DRAM")
+
+    # ---- counts
+    if spec.mask_kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL, ir.MaskKind.CAUSAL_TOP_LEFT) or \
+            geo.bp * geo.hp * nq * nk <= (1 << 24):
+        from . import reference
+
+        vp = reference.visible_pairs(spec, nq, nk, batch=batch, heads=heads, **values)
+        pairs_total = round(vp * batch * heads)
+    else:  # the same count, from the chunked evaluation (reference.visible_pairs would build Nq × Nk)
+        pairs_total = geo.pairs * batch * heads // (geo.bp * geo.hp)
+    visits = _visits(geo, nq, nk, fwd_mn, bwd_mn if backward else None, listed)
+    scale = batch * heads // (geo.bp * geo.hp)
+    fwd_tr = _fwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale)
+    bwd_tr = None
+    if backward:
+        bwd_tr = _bwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale,
+                              batch * hkv * splits, geo.bp * geo.hp, splits)
+        if splits > 1:
+            notes.append(f"backward: GQA group split over {splits} CTAs per key tile (dK/dV by fp32 atomics)")
+    flops = fwd_tr.flops + (bwd_tr.flops if bwd_tr else 0)
+    hbm = fwd_tr.hbm_bytes + (bwd_tr.hbm_bytes if bwd_tr else 0)
+    std = fwd_tr.standard_hbm_bytes + (bwd_tr.standard_hbm_bytes if bwd_tr else 0)
+    comp = fwd_tr.compulsory_bytes + (bwd_tr.compulsory_bytes if bwd_tr else 0)
+    t_compute = flops / (peak * 1e12) * 1e3
+    t_memory = hbm / (bw * 1e9) * 1e3
+    floor_ms = max(t_compute, t_memory)
+    compulsory_floor_ms = max(t_compute, comp / (bw * 1e9) * 1e3)
+    if fam == "cuda" and hbm > comp:
+        notes.append(f"K/V re-reads ({_fmt_bytes(hbm - comp)} over compulsory) mostly hit L2 "
+                     f"({_fmt_bytes(l2)}): DRAM bytes lie between compulsory_bytes and hbm_bytes")
+    if listed:
+        notes.append("no closed-form key range: counted from the block lists the kernels build per call "
+                     "(the classifier's own traffic is not counted)")
+
+    shown = {n: (list(x.shape) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
+    rep = Report(
+        spec=spec.name, family=fam, arch=target.arch, gpu=gpu_name, direction="fwd+bwd" if backward else "fwd",
+        batch=batch, heads=heads, kv_heads=hkv, seqlen_q=nq, seqlen_k=nk, head_dim=d, dtype=dt.value,
+        params=shown, visible_pairs=pairs_total / (batch * heads), density=pairs_total / (batch * heads * nq * nk),
+        flops=flops, hbm_bytes=hbm, standard_hbm_bytes=std, compulsory_bytes=comp, fwd=fwd_tr, bwd=bwd_tr,
+        tiles=tile_rep, reference_tiles=reference_tiles, model=model, peak_tflops=peak, hbm_gbps=bw,
+        peaks_source=peaks_source, arithmetic_intensity=flops / hbm if hbm else math.inf, floor_ms=floor_ms,
+        compulsory_floor_ms=compulsory_floor_ms, bound="compute" if t_compute >= t_memory else "memory",
+        l2_bytes=l2, threads=threads, notes=notes)
+    if measure:
+        ms = _measure(op, target, dt, batch, heads, hkv, nq, nk, d, values, backward, reps)
+        rep.measured_ms = ms
+        rep.tflops = flops / ms / 1e9
+        rep.fraction_of_floor = floor_ms / ms
+    return rep
+
+
+def _registers(op, target: _Target, dt, d, choice, listed: bool, build: bool, notes: list) -> tuple:
+    """(fwd regs, bwd regs, source) from the compiled library in the cache (built first with
+    ``build``), or (None, None, '') when it is not there or cannot be read."""
+    from . import build as build_mod
+
+    config = tuple(choice.config().items()) + ((("sparse", 1),) if listed else ())
+    inst = build_mod.Instantiation(op.spec, build_mod.Target("cuda", target.arch), dt, d, config)
+    path = _library_path(inst)
+    if path is None and build:
+        from .ops import _announce
+
+        try:
+            build_mod.load(inst, announce=_announce)
+        except (OSError, build_mod.BuildError):
+            pass  # built but not loadable here (no GPU of that arch): the entry may still exist
+        path = _library_path(inst)
+        if path is None:
+            raise ValueError(f"build: could not build {inst.name} for {target.arch}")
+    if path is None:
+        notes.append("registers: model estimates (the library is not in the cache; --build compiles it)")
+        return None, None, ""
+    try:
+        regs = resource_usage(path)
+    except OSError as err:
+        notes.append(f"registers: model estimates ({err})")
+        return None, None, ""
+    fwd = [r for n, r in regs.items() if "fwd_kernel" in n]
+    bwd = [r for n, r in regs.items() if "bwd_kernel" in n]
+    src = f"ptxas (cuobjdump -res-usage {path})"
+    return (max(fwd) if fwd else None), (max(bwd) if bwd else None), src
+
+
+def _measure(op, target: _Target, dt, batch, heads, hkv, nq, nk, d, values, backward: bool, reps: int) -> float:
+    """Median milliseconds of the call (forward, or forward + backward) on random inputs."""
+    from .bench import time_fn
+    from .ops import TORCH_DTYPE
+
+    device = target.device
+    tdt = TORCH_DTYPE[dt]
+    gen = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, nq, d, device=device, dtype=tdt, generator=gen)
+    k = torch.randn(batch, hkv, nk, d, device=device, dtype=tdt, generator=gen)
+    v = torch.randn(batch, hkv, nk, d, device=device, dtype=tdt, generator=gen)
+    p = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in values.items()}
+    if backward:
+        dout = torch.randn(batch, heads, nq, d, device=device, dtype=tdt, generator=gen)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def step():
+            torch.autograd.grad(op(q, k, v, **p), (q, k, v), dout)
+
+        step()
+        return time_fn(step, device, reps=reps)
+    with torch.no_grad():
+        op(q, k, v, **p)
+        return time_fn(lambda: op(q, k, v, **p), device, reps=reps)
+
+
+# ---------------------------------------------------------------- presentation
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt_flops(n: float) -> str:
+    for unit, f in (("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if n >= f:
+            return f"{n / f:.3f} {unit}"
+    return f"{int(n)} FLOP"
+
+
+def to_json(rep: Report) -> str:
+    """The report as one JSON object (non-finite floats as null)."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(rep.as_dict()), indent=1)
+
+
+def render(rep: Report, console=None) -> None:
+    """Print the report readably (rich)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    con = console or Console()
+    where = (f"{rep.gpu} ({rep.arch})" if rep.family == "cuda" else f"{rep.gpu} ({rep.arch}, {rep.threads} threads, "
+             f"L2 {_fmt_bytes(rep.l2_bytes)})")
+    con.print(f"[bold]{rep.spec}[/bold] {rep.direction}: B={rep.batch} Hq={rep.heads} Hkv={rep.kv_heads} "
+              f"Nq={rep.seqlen_q} Nk={rep.seqlen_k} d={rep.head_dim} {rep.dtype}"
+              + (f"  params: {rep.params}" if rep.params else ""))
+    con.print(f"target: {where}; peaks {rep.peak_tflops:.1f} TFLOP/s, {rep.hbm_gbps:.0f} GB/s ({rep.peaks_source})")
+
+    t = Table(title="tiles", title_justify="left")
+    for c in ("kernel", "tile", "queries x keys", "origin", "smem / block", "regs / thread"):
+        t.add_column(c)
+    for name, tr in rep.tiles.items():
+        regs = "-" if tr.regs is None else (f"{tr.regs} (ptxas)" if tr.regs_source.startswith("ptxas")
+                                            else f"~{tr.regs} (estimate)")
+        origin = tr.origin + (f" at N={tr.tuned_seqlen}" if tr.tuned_seqlen else "")
+        t.add_row({"fwd": "forward", "bwd": "backward"}[name], tr.shape, f"{tr.block_m} x {tr.block_n}", origin,
+                  "-" if tr.smem_bytes is None else f"{tr.smem_bytes:,} B", regs)
+    con.print(t)
+    r = rep.reference_tiles
+    if "paper_br_bc" in r:
+        con.print(f"  for reference: derived tiles fwd {r['derived_fwd']}, bwd {r['derived_bwd']}; the paper's "
+                  f"(Br, Bc) = ({r['paper_br_bc'][0]}, {r['paper_br_bc'][1]}) for M = {r['smem_optin']:,} B")
+
+    con.print(f"visible pairs: {rep.visible_pairs:,.0f} per (batch, head) ({100 * rep.density:.1f}% of Nq·Nk)")
+    m = Table(title="work and memory traffic", title_justify="left")
+    for c in ("", "FLOPs", "ours (Thm 2, real tiles)", "standard attention", "compulsory"):
+        m.add_column(c, justify="right")
+    for name, tr in (("forward", rep.fwd), ("backward", rep.bwd)):
+        if tr is not None:
+            m.add_row(name, _fmt_flops(tr.flops), _fmt_bytes(tr.hbm_bytes), _fmt_bytes(tr.standard_hbm_bytes),
+                      _fmt_bytes(tr.compulsory_bytes))
+    if rep.bwd is not None:
+        m.add_row("total", _fmt_flops(rep.flops), _fmt_bytes(rep.hbm_bytes), _fmt_bytes(rep.standard_hbm_bytes),
+                  _fmt_bytes(rep.compulsory_bytes))
+    con.print(m)
+    con.print(f"  tile visits: {rep.model}")
+    con.print(f"roofline: {rep.arithmetic_intensity:.1f} FLOP/B; floor {rep.floor_ms:.4g} ms ({rep.bound}-bound); "
+              f"with compulsory bytes only {rep.compulsory_floor_ms:.4g} ms")
+    if rep.measured_ms is not None:
+        rate = f"{rep.tflops:.1f} TFLOP/s" if rep.family == "cuda" else f"{rep.tflops * 1e3:.1f} GFLOP/s"
+        con.print(f"measured: {rep.measured_ms:.4g} ms, {rate}, {100 * rep.fraction_of_floor:.1f}% of the floor")
+    for n in rep.notes:
+        con.print(f"  note: {n}")

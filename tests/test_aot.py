@@ -1,0 +1,310 @@
+"""Ahead-of-time directories (`flashgen build SPEC --out DIR`): a fresh process with JIT disabled
+and an empty cache loads and runs them with the compiler, the renderer and process creation
+booby-trapped; missing variants, tampered artifacts and indexes of other versions are refused
+with an error naming the variant."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import aot, build, ir
+
+ROOT = Path(__file__).resolve().parent.parent
+# The causal spec's fp32 CPU kernel: other tests compile it too, so this is usually a cache hit.
+SPEC = ROOT / "specs" / "causal.attn"
+
+# Runs in a new interpreter: every way to compile, render or start a process raises once the
+# imports are done; the op runs forward and backward against the float64 reference; a variant
+# that was not built must raise NotBuiltError.
+FRESH = r"""
+import json, os, subprocess, sys
+import jinja2
+import torch
+import torch.utils.cpp_extension as ce
+import flashgen
+from flashgen import build, check, codegen
+
+cfg = json.loads(sys.argv[1])
+
+def forbidden(*a, **k):
+    raise AssertionError("a compiler, the renderer, a cache key or a new process was asked for with JIT disabled")
+
+ce.load = ce.load_inline = ce._jit_compile = forbidden
+jinja2.Environment.get_template = forbidden
+codegen.render = codegen.render_instantiation = forbidden
+build._build_and_publish = build._load_cached = forbidden
+build.Instantiation._key_fields = forbidden  # the cache key (it may run nvcc --version)
+subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = forbidden
+for name in ("system", "popen", "fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
+    setattr(os, name, forbidden)
+
+device, dtype = cfg["device"], getattr(torch, cfg["dtype"])
+op = flashgen.compile(cfg["spec"])
+g = torch.Generator(device=device).manual_seed(0)
+B, H, N, d = 2, 3, cfg["seqlen"], cfg["head_dim"]
+q, k, v, dout = (torch.randn(B, H, N, d, generator=g, device=device).to(dtype) for _ in range(4))
+params = {}
+if "document_id" in cfg.get("params", []):
+    params["document_id"] = torch.sort(torch.randint(0, 3, (B, N), generator=g, device=device), dim=1).values.int()
+with torch.no_grad():
+    out, lse = op(q, k, v, return_lse=True, **params)
+cmp = check.compare(op.spec, q, k, v, out, lse, **params)
+assert cmp.ok, str(cmp)
+qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+op(qg, kg, vg, **params).backward(dout)
+gcmp = check.compare_grads(op.spec, q, k, v, dout, (qg.grad, kg.grad, vg.grad), params=params)
+assert gcmp.ok, str(gcmp)
+print("forward:", cmp)
+print("backward:", gcmp)
+missing = cfg["missing"]
+x = torch.randn(B, H, N, missing["head_dim"], device=device).to(getattr(torch, missing["dtype"]))
+try:
+    op(x, x, x, **params)
+except flashgen.BuildError as e:
+    print("NOT BUILT", type(e).__name__)
+    print(e)
+else:
+    raise AssertionError("a variant that was not built ran")
+"""
+
+
+def _pythonpath() -> str:
+    """The checkout first, then whatever path the test process was given (its packages)."""
+    return os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
+def run_fresh(aot_dir: Path, cache: Path, **cfg) -> str:
+    cache.mkdir(parents=True, exist_ok=True)
+    env = os.environ | {"FLASHGEN_JIT": "0", "FLASHGEN_AOT_DIR": str(aot_dir), "FLASHGEN_CACHE_DIR": str(cache),
+                        "FLASHGEN_AUTOTUNE": "0", "PYTHONPATH": _pythonpath()}
+    res = subprocess.run([sys.executable, "-c", FRESH, json.dumps(cfg)], env=env, text=True, capture_output=True,
+                         timeout=600, check=False)
+    assert res.returncode == 0, f"exit {res.returncode}\nstdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert list(cache.iterdir()) == [], "the cache was written with JIT disabled"
+    return res.stdout
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lookup():
+    aot.reload()
+    yield
+    aot.reload()
+
+
+@pytest.fixture(scope="module")
+def cpu_dir(tmp_path_factory):
+    """An AOT directory with the causal spec's fp32 CPU kernel (compiled once, or a cache hit)."""
+    out = tmp_path_factory.mktemp("aot") / "kernels"
+    entries = aot.build_dir([SPEC], out, device="cpu", dtypes=["fp32"])
+    return out, entries
+
+
+def fp32_cpu(spec_path=SPEC, dtype=ir.DType.FP32) -> build.Instantiation:
+    return build.Instantiation(flashgen.compile(spec_path).spec, build.cpu_target(), dtype, None)
+
+
+def jit_off(monkeypatch, aot_dirs, cache: Path) -> None:
+    monkeypatch.setenv("FLASHGEN_JIT", "0")
+    monkeypatch.setenv("FLASHGEN_AOT_DIR", os.pathsep.join(str(d) for d in aot_dirs))
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(cache))
+
+
+def test_directory_layout_and_index(cpu_dir):
+    out, entries = cpu_dir
+    [entry] = entries
+    index = json.loads((out / "index.json").read_text())
+    assert index["format"] == 1 and index["flashgen"] == flashgen.__version__
+    assert index["torch"] == torch.__version__ and index["python"] == list(sys.version_info[:2])
+    assert index["entries"] == [entry]
+    inst = fp32_cpu()
+    assert entry["variant"] == inst.variant_id() and entry["artifact"] == inst.name
+    assert entry["target"] == ["cpu", build.cpu_target().arch] and entry["dtype"] == "fp32"
+    assert entry["kinds"] == ["fwd", "bwd"] and entry["spec"] == "causal"
+    folder = out / entry["artifact"]
+    assert {p.name for p in folder.iterdir()} == {"lib.so", "manifest.json", "src"}
+    assert build._sha256(folder / "lib.so") == entry["sha256"]
+    assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.old"))
+
+
+def test_fresh_process_with_jit_disabled_compiles_nothing(cpu_dir, tmp_path):
+    out, _ = cpu_dir
+    stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cpu", dtype="float32", seqlen=77,
+                       head_dim=40, missing={"dtype": "bfloat16", "head_dim": 40})
+    assert "forward: ok" in stdout and "backward: ok" in stdout
+    assert "NOT BUILT NotBuiltError" in stdout
+    assert "causal: cpu" in stdout and "bf16" in stdout and str(out) in stdout
+    assert "flashgen build" in stdout and "--dtype bf16" in stdout
+
+
+def test_missing_variant_error_names_it(cpu_dir, tmp_path, monkeypatch):
+    out, _ = cpu_dir
+    jit_off(monkeypatch, [out], tmp_path / "cache")
+    inst = fp32_cpu(dtype=ir.DType.BF16)
+    with pytest.raises(aot.NotBuiltError) as e:
+        build.load(inst)
+    text = str(e.value)
+    assert isinstance(e.value, flashgen.BuildError)
+    assert f"causal: cpu {build.cpu_target().arch}, bf16" in text
+    assert inst.variant_id() in text and str(out) in text
+    assert "hold for spec 'causal'" in text and "fp32" in text  # what the directory does have
+    assert "flashgen build " in text and f"causal.attn --out {out} --device cpu --dtype bf16" in text
+    assert not (tmp_path / "cache").exists()
+
+
+def test_jit_disabled_without_any_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("FLASHGEN_AOT_DIR", raising=False)
+    monkeypatch.setenv("FLASHGEN_JIT", "0")
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(aot.NotBuiltError, match="FLASHGEN_AOT_DIR is not set"):
+        build.load(fp32_cpu())
+    assert not (tmp_path / "cache").exists()
+
+
+def test_found_in_directory_without_a_cache_key(cpu_dir, tmp_path, monkeypatch):
+    """JIT on: the directory is searched first, and a hit needs no cache key."""
+    out, _ = cpu_dir
+    monkeypatch.setenv("FLASHGEN_AOT_DIR", str(out))
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(build.Instantiation, "_key_fields", lambda self: pytest.fail("cache key computed"))
+    lib = build.load(fp32_cpu())
+    assert lib.path.parent.parent == out and lib.fwd is not None and lib.bwd is not None
+    assert not (tmp_path / "cache").exists()
+
+
+def copy_dir(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_tampered_library_is_not_loaded(cpu_dir, tmp_path, monkeypatch):
+    out, [entry] = cpu_dir
+    bad = copy_dir(out, tmp_path / "bad")
+    lib = bad / entry["artifact"] / "lib.so"
+    data = bytearray(lib.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    lib.write_bytes(bytes(data))
+    jit_off(monkeypatch, [bad], tmp_path / "cache")
+    with pytest.warns(aot.AOTWarning, match="sha256"), pytest.raises(aot.NotBuiltError) as e:
+        build.load(fp32_cpu())
+    assert "does not match the index's sha256" in str(e.value) and entry["artifact"] in str(e.value)
+    # A second directory with a good copy is used instead.
+    aot.reload()
+    jit_off(monkeypatch, [bad, out], tmp_path / "cache")
+    with pytest.warns(aot.AOTWarning):
+        assert build.load(fp32_cpu()).path.parent.parent == out
+
+
+@pytest.mark.parametrize("field, value", [("torch", "0.0.1"), ("flashgen", "0.0.0"), ("python", [2, 7]),
+                                          ("abi", -1)])
+def test_index_of_other_versions_is_ignored(cpu_dir, tmp_path, monkeypatch, field, value):
+    out, _ = cpu_dir
+    other = copy_dir(out, tmp_path / "other")
+    index = json.loads((other / "index.json").read_text())
+    index[field] = value
+    (other / "index.json").write_text(json.dumps(index))
+    jit_off(monkeypatch, [other], tmp_path / "cache")
+    with pytest.warns(aot.AOTWarning, match=f"ignoring ahead-of-time directory .*built for {field}"), \
+            pytest.raises(aot.NotBuiltError) as e:
+        build.load(fp32_cpu())
+    assert f"skipped, built for {field}" in str(e.value)
+
+
+def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path):
+    out, [entry] = cpu_dir
+    again = copy_dir(out, tmp_path / "again")
+    index = json.loads((again / "index.json").read_text())
+    other = dict(entry, variant="0" * 64, spec="other", fingerprint="f" * 64)
+    index["entries"].append(other)
+    (again / "index.json").write_text(json.dumps(index))
+    written = aot.build_dir([SPEC], again, device="cpu", dtypes=["fp32"])
+    entries = json.loads((again / "index.json").read_text())["entries"]
+    assert written == [entry] and sorted(e["variant"] for e in entries) == sorted(["0" * 64, entry["variant"]])
+    assert build._sha256(again / entry["artifact"] / "lib.so") == entry["sha256"]
+
+
+def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
+    """--arch plans (and names) CUDA variants on any machine; a spec whose mask needs per-call
+    block lists brings its block-sparse kernels and the block classifier along."""
+    monkeypatch.setattr(build, "cuda_version", lambda: pytest.fail("toolkit version asked for"))
+    monkeypatch.setattr(build, "generator_hash", lambda *a: pytest.fail("generator hash asked for"))
+    monkeypatch.setattr(aot, "_gpus", dict)
+    planned = aot.plan([ROOT / "specs" / "document.attn", SPEC], arches=["sm_80", "90"], dtypes=["bf16"],
+                       head_dims=[64], layouts=["padded", "packed"])
+    got = {(p.inst.spec.name, p.inst.target.arch, dict(p.inst.config).get("varlen", 0),
+            dict(p.inst.config).get("sparse", 0), dict(p.inst.config).get("mask", 0)) for p in planned}
+    for arch in ("sm_80", "sm_90a"):
+        assert {("document", arch, pk, sp, 0) for pk in (0, 1) for sp in (0, 1)} <= got
+        assert ("document", arch, 0, 0, 1) in got  # the classifier
+        assert {("causal", arch, pk, 0, 0) for pk in (0, 1)} <= got
+        assert not any(g[0] == "causal" and (g[3] or g[4]) for g in got)  # no sparse kernels unless asked
+    assert len({p.inst.variant_id() for p in planned}) == len(planned)
+    causal_packed = next(p.inst for p in planned if p.inst.spec.name == "causal" and p.inst.target.arch == "sm_90a"
+                         and dict(p.inst.config).get("varlen"))
+    text = aot.not_built_message(causal_packed, [], [])
+    assert "causal: cuda sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
+    assert "causal.attn --out DIR --arch sm_90a --dtype bf16 --head-dim 64 --layouts packed" in text
+    sparse = aot.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True)
+    assert {dict(p.inst.config).get("sparse", 0) or 2 * dict(p.inst.config).get("mask", 0) for p in sparse} == {1, 2}
+    with pytest.raises(ValueError, match="sm_70"):
+        aot.plan([SPEC], arches=["sm_70"])
+    with pytest.raises(ValueError, match="fp32 is not supported"):
+        aot.plan([SPEC], arches=["sm_90a"], dtypes=["fp32"])
+
+
+def test_variant_id_is_what_the_artifact_is():
+    spec = flashgen.compile(SPEC).spec
+    a = build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64)
+    assert a.variant_id() == build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64,
+                                                 a.config).variant_id()
+    others = [build.Instantiation(spec, build.Target("cuda", "sm_80"), ir.DType.BF16, 64),
+              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.FP16, 64),
+              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 128),
+              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64, (("varlen", 1),))]
+    assert len({a.variant_id(), *(o.variant_id() for o in others)}) == 5
+
+
+def test_build_command_writes_a_directory(cpu_dir, tmp_path):
+    _, [entry] = cpu_dir
+    dest = tmp_path / "cli"
+    env = os.environ | {"PYTHONPATH": _pythonpath()}
+    res = subprocess.run([sys.executable, "-m", "flashgen", "build", str(SPEC), "--out", str(dest), "--device", "cpu",
+                          "--dtype", "fp32"], env=env, text=True, capture_output=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stderr
+    [written] = json.loads((dest / "index.json").read_text())["entries"]
+    assert written["variant"] == entry["variant"] and f"wrote {dest / 'index.json'}" in res.stdout
+    assert str(dest / written["artifact"] / "lib.so") in res.stdout
+
+
+# ---------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_directory_runs_with_jit_disabled(tmp_path):
+    out = tmp_path / "kernels"
+    entries = aot.build_dir([SPEC], out, device="cuda", dtypes=["bf16"], head_dims=[64])
+    assert entries and all(e["target"][0] == "cuda" and e["head_dim"] == 64 for e in entries)
+    stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cuda", dtype="bfloat16", seqlen=300,
+                       head_dim=64, missing={"dtype": "bfloat16", "head_dim": 128})
+    assert "forward: ok" in stdout and "backward: ok" in stdout
+    assert "NOT BUILT NotBuiltError" in stdout and "head_dim 128" in stdout and "--head-dim 128" in stdout
+
+
+@pytest.mark.gpu
+def test_cuda_directory_with_per_call_block_lists(tmp_path):
+    """A mask without a closed-form key range (document ids): its calls need the block-sparse
+    kernels and the block classifier, which the directory then holds."""
+    spec = ROOT / "specs" / "document.attn"
+    assert flashgen.compile(spec).auto_sparse
+    out = tmp_path / "kernels"
+    entries = aot.build_dir([spec], out, device="cuda", dtypes=["bf16"], head_dims=[64])
+    assert any(e["config"].get("mask") for e in entries) and any(e["config"].get("sparse") for e in entries)
+    stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(spec), device="cuda", dtype="bfloat16", seqlen=300,
+                       head_dim=64, params=["document_id"], missing={"dtype": "float16", "head_dim": 64})
+    assert "forward: ok" in stdout and "backward: ok" in stdout and "NOT BUILT" in stdout

@@ -1,0 +1,378 @@
+"""`flashgen explain` (flashgen/explain.py): FLOPs, predicted bytes and tiles against hand counts.
+
+The hand counts here are written out independently of the module (plain loops and arithmetic
+over the tile boundaries), on the CPU; the GPU tests run --measure on a live device.
+"""
+
+import json
+import math
+import resource
+import stat
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import build, cli, ir, reference, tiles
+from flashgen import explain as ex
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+TOP_LEFT = "attention causal_tl {\n    mask = causal_top_left\n}\n"
+
+
+@pytest.fixture(autouse=True)
+def _no_tile_overrides(monkeypatch):
+    """Tile overrides from the environment would change the tiles these tests count with."""
+    monkeypatch.delenv("FLASHGEN_CUDA_FWD_TILE", raising=False)
+    monkeypatch.delenv("FLASHGEN_CUDA_BWD_TILE", raising=False)
+    monkeypatch.delenv("FLASHGEN_AOT_DIR", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_gpu_unless_marked(request, monkeypatch):
+    """The CPU tests describe a machine without a GPU (so --arch always means the tables, never a
+    live device of that architecture with its own tuned tiles and name)."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+# ---------------------------------------------------------------- FLOPs
+
+
+def test_dense_flops_exact():
+    B, H, nq, nk, d = 3, 4, 300, 200, 64
+    rep = ex.explain(SPECS / "dense.attn", nq, nk, head_dim=d, batch=B, heads=H, arch="sm_90a")
+    assert rep.flops == 4 * B * H * nq * nk * d
+    assert isinstance(rep.flops, int)
+    assert rep.visible_pairs == nq * nk and rep.density == 1.0
+    both = ex.explain(SPECS / "dense.attn", nq, nk, head_dim=d, batch=B, heads=H, arch="sm_90a", backward=True)
+    assert both.fwd.flops == rep.flops
+    assert both.bwd.flops * 2 == 5 * rep.flops  # 2.5 × the forward
+    assert both.flops == both.fwd.flops + both.bwd.flops and both.direction == "fwd+bwd"
+
+
+def hand_causal(nq, nk, top_left=False):
+    off = 0 if top_left else nk - nq
+    count = 0
+    for i in range(nq):
+        for j in range(nk):
+            if j <= i + off:
+                count += 1
+    return count
+
+
+@pytest.mark.parametrize("nq,nk", [(100, 100), (70, 130), (130, 70), (1, 50), (50, 1)])
+def test_causal_flops_hand_count(nq, nk):
+    B, H, d = 2, 3, 32
+    rep = ex.explain(SPECS / "causal.attn", nq, nk, head_dim=d, batch=B, heads=H, arch="sm_80")
+    assert rep.flops == 4 * B * H * d * hand_causal(nq, nk)
+    tl = ex.explain(TOP_LEFT, nq, nk, head_dim=d, batch=B, heads=H, arch="sm_80")
+    assert tl.flops == 4 * B * H * d * hand_causal(nq, nk, top_left=True)
+
+
+def test_causal_flops_arithmetic_series():
+    # Nq = Nk = N: N (N + 1) / 2 pairs per head
+    n, d = 1000, 64
+    rep = ex.explain(SPECS / "causal.attn", n, head_dim=d, arch="sm_90a")
+    assert rep.flops == 4 * d * n * (n + 1) // 2
+
+
+@pytest.mark.parametrize("nq,nk,w", [(100, 100, 17), (60, 140, 25), (140, 60, 9), (80, 80, 500)])
+def test_sliding_window_flops_hand_count(nq, nk, w):
+    off = nk - nq
+    count = sum(1 for i in range(nq) for j in range(nk) if i + off - w < j <= i + off)
+    for params in ({"window": w}, [f"window={w}"]):  # a dict, or the --param syntax
+        rep = ex.explain(SPECS / "sliding_window.attn", nq, nk, head_dim=64, heads=2, arch="sm_90a", params=params)
+        assert rep.flops == 4 * 2 * 64 * count
+        assert rep.params == {"window": w}
+
+
+def test_per_batch_mask_flops():
+    # key padding with given lengths: batch 0 sees 5 keys, batch 1 sees 50
+    kv_len = torch.tensor([5, 50], dtype=torch.int32)
+    rep = ex.explain(SPECS / "key_padding.attn", 40, 64, head_dim=16, batch=2, heads=3, arch="sm_90a",
+                     params={"kv_len": kv_len})
+    assert rep.flops == 4 * 16 * 3 * 40 * (5 + 50)
+
+
+# ---------------------------------------------------------------- bytes
+
+
+def test_dense_hbm_bytes_table_tile():
+    # sm_90a, d = 128, bf16: the table's forward tile is 128 queries x 64 keys, so every
+    # (batch, head) reads K and V once per query tile: ceil(1000 / 128) = 8 times.
+    B, H, nq, nk, d, e = 2, 3, 1000, 777, 128, 2
+    rep = ex.explain(SPECS / "dense.attn", nq, nk, head_dim=d, batch=B, heads=H, arch="sm_90a")
+    fwd = rep.tiles["fwd"]
+    assert (fwd.block_m, fwd.block_n, fwd.warps, fwd.origin) == (128, 64, 4, "table")
+    assert fwd.smem_bytes == (128 + 4 * 64) * (128 + 8) * 2
+    per_head = nq * d * e + 8 * nk * d * e * 2 + nq * d * e + nq * 4  # Q, K+V, O, LSE
+    assert rep.hbm_bytes == B * H * per_head
+    assert rep.compulsory_bytes == B * H * (2 * nq * d * e + 2 * nk * d * e + 4 * nq)
+    assert rep.fwd.terms["K, V reads"] == B * H * 8 * nk * d * e * 2
+
+
+@pytest.mark.parametrize("nq,nk,kv_rows,q_rows", [
+    # sm_90a, d = 64 → 128 x 64 tiles; query tile i loads keys [0, min(q_hi + Nk - Nq, Nk)).
+    (300, 300, 128 + 256 + 300, 300),
+    (200, 300, (128 + 100) + 300, 200),
+    (300, 200, 28 + 156 + 200, 300),
+    (300, 100, 0 + 56 + 100, 128 + 44),  # the first query tile sees no key: no Q, K, V loads
+])
+def test_causal_hbm_bytes_tile_granularity(nq, nk, kv_rows, q_rows):
+    d, e = 64, 2
+    rep = ex.explain(SPECS / "causal.attn", nq, nk, head_dim=d, arch="sm_90a")
+    assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (128, 64)
+    assert rep.fwd.terms["K, V reads"] == kv_rows * d * e * 2
+    assert rep.fwd.terms["Q read"] == q_rows * d * e
+    assert rep.hbm_bytes == (kv_rows * 2 + q_rows + nq) * d * e + nq * 4
+
+
+def test_causal_hbm_bytes_gqa_counts_kv_per_query_head():
+    B, H, Hkv, n, d, e = 2, 8, 2, 256, 64, 2
+    rep = ex.explain(SPECS / "causal.attn", n, head_dim=d, batch=B, heads=H, kv_heads=Hkv, arch="sm_90a")
+    kv_rows = 128 + 256  # two query tiles of 128
+    assert rep.fwd.terms["K, V reads"] == B * H * kv_rows * d * e * 2
+    assert rep.compulsory_bytes == B * (2 * H * n + 2 * Hkv * n) * d * e + B * H * n * 4
+
+
+def test_standard_hbm_bytes_formula():
+    B, H, nq, nk, d, e = 2, 3, 100, 60, 32, 2
+    for hkv in (3, 1):  # standard attention expands K/V per query head
+        rep = ex.explain(SPECS / "causal.attn", nq, nk, head_dim=d, batch=B, heads=H, kv_heads=hkv, arch="sm_80",
+                         backward=True)
+        assert rep.fwd.standard_hbm_bytes == B * H * e * (2 * nq * d + 2 * nk * d + 4 * nq * nk)
+        assert rep.bwd.standard_hbm_bytes == B * H * e * (4 * nq * d + 4 * nk * d + 7 * nq * nk)
+        assert rep.standard_hbm_bytes == rep.fwd.standard_hbm_bytes + rep.bwd.standard_hbm_bytes
+    fp16 = ex.explain(SPECS / "dense.attn", nq, nk, head_dim=d, arch="sm_80", dtype="fp16")
+    assert fp16.standard_hbm_bytes == 2 * (2 * nq * d + 2 * nk * d + 4 * nq * nk)
+
+
+def test_dense_backward_bytes_hand_count():
+    # sm_90a, d = 64: backward tile 64 queries x 128 keys (64x8x1x2). N = 256: 2 key tiles, each
+    # visited by 4 query tiles of 64 rows; 1 batch, 1 head, no GQA split.
+    n, d, e = 256, 64, 2
+    rep = ex.explain(SPECS / "dense.attn", n, head_dim=d, arch="sm_90a", backward=True)
+    bwd = rep.tiles["bwd"]
+    assert (bwd.block_m, bwd.block_n, bwd.origin) == (64, 128, "table")
+    visited_rows = 2 * 4 * 64
+    want = (2 * e * d * n + 4 * n + 4 * d * n  # preprocess: O, dO; D; zero dq_accum
+            + 2 * e * d * n  # K, V once per key tile
+            + visited_rows * (2 * e * d + 2 * 4 + 2 * 4 * d)  # Q, dO; LSE, D; dQ atomics
+            + 2 * e * d * n  # dK, dV
+            + (4 + e) * d * n  # convert
+            + 4 * d * n)  # torch.zeros of dq_accum
+    assert rep.bwd.hbm_bytes == want
+    assert rep.bwd.compulsory_bytes == 8 * n * d * e + 4 * n
+
+
+def test_document_mask_counts_occupied_tiles():
+    # No closed-form key range: the CUDA kernel visits the key tiles that keep any pair of the
+    # query tile (block lists) and loads each whole (clipped to Nk). Counted here by brute force.
+    op = flashgen.compile(SPECS / "document.attn")
+    B, H, n, d, e = 2, 2, 200, 64, 2
+    doc = torch.tensor([[0] * 70 + [1] * 100 + [2] * 30, [0] * 150 + [1] * 50], dtype=torch.int32)
+    rep = ex.explain(op, n, head_dim=d, batch=B, heads=H, arch="sm_90a", params={"document_id": doc})
+    keep = reference.keep_mask(op.spec, n, n, batch=B, heads=H, document_id=doc).expand(B, H, n, n)
+    bm, bn = rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n
+    kv_rows = pairs = 0
+    for b in range(B):
+        for h in range(H):
+            pairs += int(keep[b, h].sum())
+            for i in range(0, n, bm):
+                for j in range(0, n, bn):
+                    if keep[b, h, i:i + bm, j:j + bn].any():
+                        kv_rows += min(bn, n - j)
+    assert rep.flops == 4 * d * pairs
+    assert rep.fwd.terms["K, V reads"] == kv_rows * d * e * 2
+    assert "block lists" in rep.model
+
+
+# ---------------------------------------------------------------- targets, tiles, errors
+
+
+def test_arch_from_tables_without_gpu():
+    rep = ex.explain(SPECS / "causal.attn", 4096, head_dim=128, batch=2, heads=16, arch="90")
+    info = tiles.ARCHS["sm_90a"]
+    assert (rep.family, rep.arch, rep.gpu) == ("cuda", "sm_90a", info.name)
+    assert (rep.peak_tflops, rep.hbm_gbps) == (info.peak_tflops, info.hbm_gbps)
+    t_c, t_m = rep.flops / (info.peak_tflops * 1e12) * 1e3, rep.hbm_bytes / (info.hbm_gbps * 1e9) * 1e3
+    assert rep.floor_ms == pytest.approx(max(t_c, t_m))
+    assert rep.bound == ("compute" if t_c >= t_m else "memory")
+    assert rep.arithmetic_intensity == pytest.approx(rep.flops / rep.hbm_bytes)
+    assert rep.compulsory_floor_ms <= rep.floor_ms
+    df, db = tiles.derived(info, 128)
+    assert rep.reference_tiles["derived_fwd"] == str(df) and rep.reference_tiles["derived_bwd"] == str(db)
+    assert tuple(rep.reference_tiles["paper_br_bc"]) == tiles.paper_tiles(info.smem_optin, 128)
+    assert rep.tiles["fwd"].regs_source.startswith("estimate")
+    assert rep.tiles["fwd"].regs == tiles.FwdTile(128, 64, 4).regs_estimate(128)
+    assert rep.measured_ms is None and rep.fraction_of_floor is None
+
+
+def test_env_tile_override_shows_as_origin(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "64x32x4")
+    rep = ex.explain(SPECS / "dense.attn", 512, head_dim=64, arch="sm_90a")
+    fwd = rep.tiles["fwd"]
+    assert (fwd.block_m, fwd.block_n, fwd.origin) == (64, 32, "env")
+    assert rep.fwd.terms["K, V reads"] == 8 * 512 * 64 * 2 * 2  # 512 / 64 query tiles
+
+
+def test_registers_from_cached_library(tmp_path, monkeypatch):
+    # A cache entry for exactly the instantiation explain describes, and a stand-in cuobjdump.
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    op = flashgen.compile(SPECS / "causal.attn")
+    choice = tiles.choose(op.spec, "sm_90a", ir.DType.BF16, 64, 1024)
+    inst = build.Instantiation(op.spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64,
+                               tuple(choice.config().items()))
+    entry = tmp_path / "cache" / inst.name
+    entry.mkdir(parents=True)
+    (entry / "lib.so").write_bytes(b"")
+    fake = tmp_path / "bin" / "cuobjdump"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\ncat <<'EOF'\nResource usage:\n Common:\n  GLOBAL:0\n"
+                    " Function _ZN8flashgen4cuda10fwd_kernelINS0_9FwdKernelIN12_GLOBAL__N_1EEEEEvT_:\n"
+                    "  REG:168 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:900 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+                    " Function _ZN8flashgen4cuda10bwd_kernelINS0_9BwdKernelIN12_GLOBAL__N_1EEEEEvT_:\n"
+                    "  REG:230 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:900 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+                    " Function _ZN8flashgen4cuda21bwd_preprocess_kernelI13__nv_bfloat16Li64EEEvT_:\n"
+                    "  REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:400 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
+                    "EOF\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{__import__('os').environ.get('PATH', '')}")
+    rep = ex.explain(op, 1024, head_dim=64, arch="sm_90a")
+    assert rep.tiles["fwd"].regs == 168 and rep.tiles["fwd"].regs_source.startswith("ptxas")
+    assert rep.tiles["bwd"].regs == 230
+
+
+def test_bad_arch_errors_name_the_argument(capsys):
+    for bad in ("sm_75", "volta", "sm_9"):
+        with pytest.raises(ValueError, match="^arch:"):
+            ex.explain(SPECS / "dense.attn", 128, head_dim=64, arch=bad)
+        rc = cli.main(["explain", str(SPECS / "dense.attn"), "--seqlen", "128", "--head-dim", "64", "--arch", bad])
+        assert rc == 2
+        assert "--arch:" in capsys.readouterr().err
+
+
+def test_other_errors_name_the_argument(capsys):
+    cases = [
+        (["--head-dim", "60", "--arch", "sm_90a"], "--head-dim:"),  # CUDA head dims are multiples of 8
+        (["--head-dim", "64", "--arch", "sm_90a", "--dtype", "fp32"], "--dtype:"),  # fp32 is CPU only
+        (["--head-dim", "64", "--kv-heads", "3", "--heads", "4", "--arch", "sm_80"], "--kv-heads:"),
+        (["--head-dim", "64", "--seqlen-k", "0", "--arch", "sm_80"], "--seqlen-k:"),
+        (["--head-dim", "64", "--arch", "sm_80", "--device", "cpu"], "--device:"),
+        (["--head-dim", "64", "--arch", "sm_80", "--param", "window=3"], "--param"),
+    ]
+    for extra, want in cases:
+        rc = cli.main(["explain", str(SPECS / "dense.attn"), "--seqlen", "128", *extra])
+        assert rc == 2, extra
+        assert want in capsys.readouterr().err, extra
+    if not torch.cuda.is_available():
+        rc = cli.main(["explain", str(SPECS / "dense.attn"), "--seqlen", "128", "--head-dim", "64", "--arch",
+                       "sm_90a", "--measure"])
+        assert rc == 2 and "--measure:" in capsys.readouterr().err
+
+
+def test_cli_json_is_one_object(capsys):
+    rc = cli.main(["explain", str(SPECS / "sliding_window.attn"), "--seqlen", "512", "--head-dim", "64", "--batch", "2",
+                   "--heads", "4", "--kv-heads", "2", "--arch", "sm_90a", "--param", "window=100", "--backward",
+                   "--json"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    d = json.loads(out)  # the whole of stdout is one JSON object
+    for key in ("flops", "hbm_bytes", "standard_hbm_bytes", "compulsory_bytes", "tiles", "arch", "gpu", "peak_tflops",
+                "hbm_gbps", "arithmetic_intensity", "floor_ms", "bound", "measured_ms", "tflops", "fraction_of_floor"):
+        assert key in d, key
+    for kind in ("fwd", "bwd"):
+        for key in ("block_m", "block_n", "warps", "origin", "smem_bytes", "regs", "regs_source"):
+            assert key in d["tiles"][kind], (kind, key)
+    assert d["arch"] == "sm_90a" and d["bound"] in ("compute", "memory")
+    assert d["flops"] == 14 * 2 * 4 * 64 * sum(min(i + 1, 100) for i in range(512))  # (1 + 2.5) · 4 · B·H·d·pairs
+    assert d["hbm_bytes"] == d["fwd"]["hbm_bytes"] + d["bwd"]["hbm_bytes"]
+
+
+def test_cli_readable_report(capsys):
+    rc = cli.main(["explain", str(SPECS / "causal.attn"), "--seqlen", "2048", "--head-dim", "128", "--arch", "sm_80",
+                   "--backward"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for text in ("tiles", "forward", "backward", "standard", "roofline", "A100"):
+        assert text in out, text
+
+
+def test_cpu_family_without_gpu_or_arch():
+    rep = ex.explain(SPECS / "causal.attn", 1024, head_dim=64, batch=2, heads=4)
+    assert rep.family == "cpu" and rep.gpu.startswith("CPU")
+    assert rep.tiles["fwd"].origin == "derived (L2 cache)" and rep.tiles["fwd"].warps is None
+    assert rep.tiles["fwd"].smem_bytes is None and rep.tiles["fwd"].regs is None
+    (qb, kvb), (bqb, bkvb) = ex.cpu_tiles(SPECS / "causal.attn", 1024, head_dim=64, batch=2, heads=4)
+    assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (qb, kvb)
+    assert (rep.tiles["bwd"].block_m, rep.tiles["bwd"].block_n) == (bqb, bkvb)
+    assert rep.l2_bytes == ex.cpu_l2_bytes() and rep.threads == torch.get_num_threads()
+    assert rep.peak_tflops > 0 and rep.hbm_gbps > 0 and "measured" in rep.peaks_source
+    assert rep.flops == 4 * 2 * 4 * 64 * 1024 * 1025 // 2
+    d = json.loads(ex.to_json(rep))
+    assert d["tiles"]["fwd"]["origin"] == "derived (L2 cache)"
+
+
+def test_cpu_tiles_port_hand_derived():
+    # L2 = 512 KiB, d = 64: kvb = 512 (2·512·64·4 B fits), qb_max = 512 KiB / (4·512) = 256.
+    # Dense Nq = 1024, one (batch, head): one thread → every candidate costs the same work, the
+    # largest tile wins (256); 8 threads → 4 tasks of 256 rows leave 4 threads idle, 8 of 128
+    # halve the makespan, 16 of 64 do not improve it further and pay more per tile → 128.
+    l2 = 512 << 10
+    assert ex.cpu_tiles(SPECS / "dense.attn", 1024, head_dim=64, l2_bytes=l2, threads=1)[0] == (256, 512)
+    assert ex.cpu_tiles(SPECS / "dense.attn", 1024, head_dim=64, l2_bytes=l2, threads=8)[0] == (128, 512)
+    # Backward: kvb 128 (5·128·64·4 B in half of L2), qb_max 128; equal work → the largest, 128.
+    assert ex.cpu_tiles(SPECS / "dense.attn", 1024, head_dim=64, l2_bytes=l2, threads=8)[1] == (128, 128)
+    # Short keys: kvb is capped by Nk rounded up to 8; a short query side by Nq.
+    assert ex.cpu_tiles(SPECS / "dense.attn", 20, 30, head_dim=64, l2_bytes=l2, threads=1) == ((20, 32), (20, 32))
+    # Larger d shrinks the key tile: 2·kvb·256·4 ≤ 512 KiB → kvb = 256.
+    assert ex.cpu_tiles(SPECS / "dense.attn", 4096, head_dim=256, l2_bytes=l2, threads=1)[0][1] == 256
+
+
+def test_cpu_l2_bytes_in_the_kernels_range():
+    l2 = ex.cpu_l2_bytes()
+    assert (256 << 10) <= l2 <= (8 << 20)
+
+
+def test_long_causal_is_fast_and_small():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    rep = ex.explain(SPECS / "causal.attn", 65536, head_dim=128, batch=1, heads=16, arch="sm_90a", backward=True)
+    took = time.perf_counter() - t0
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # ru_maxrss is KiB on Linux
+    assert took < 2.0, took
+    assert grown_mib < 512, grown_mib  # an N × N bool mask alone would be 4 GiB
+    n = 65536
+    assert rep.flops == 14 * 16 * 128 * n * (n + 1) // 2  # (1 + 2.5) · 4 · H·d·pairs
+    # 512 query tiles of 128 rows; tile i loads keys [0, 128 (i + 1))
+    assert rep.fwd.terms["K, V reads"] == 16 * sum(128 * (i + 1) for i in range(512)) * 128 * 2 * 2
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.gpu
+def test_measure_on_cuda():
+    rep = ex.explain(SPECS / "causal.attn", 2048, head_dim=64, batch=2, heads=8, device="cuda", measure=True)
+    assert rep.family == "cuda" and rep.arch.startswith("sm_")
+    assert rep.measured_ms > 0
+    assert 0 < rep.fraction_of_floor <= 1.05
+    assert rep.tflops == pytest.approx(rep.flops / rep.measured_ms / 1e9)
+    assert rep.tiles["fwd"].origin in ("table", "derived", "tuned", "env")
+    op = flashgen.compile(SPECS / "causal.attn")
+    choice = op.tiles("cuda", ir.DType.BF16, 64, 2048)
+    assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (choice.fwd.block_m, choice.fwd.block_n)
+
+
+@pytest.mark.gpu
+def test_measure_backward_cli_json(capsys):
+    rc = cli.main(["explain", str(SPECS / "dense.attn"), "--seqlen", "1024", "--head-dim", "128", "--batch", "2",
+                   "--heads", "4", "--device", "cuda", "--backward", "--measure", "--reps", "5", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["measured_ms"] > 0 and 0 < d["fraction_of_floor"] <= 1.05
+    assert math.isclose(d["tflops"], d["flops"] / d["measured_ms"] / 1e9)
