@@ -109,6 +109,8 @@ def _read_dir(path: Path) -> _Dir:
     try:
         data = json.loads(index.read_text())
     except FileNotFoundError:
+        if not path.is_dir():
+            return _Dir(path, {}, "does not exist or is not a directory")
         return _Dir(path, {}, f"no {INDEX} (not written by `flashgen build --out`)")
     except (OSError, ValueError) as e:
         return _Dir(path, {}, f"{INDEX} does not read: {e}")
@@ -273,9 +275,11 @@ def not_built_message(inst: build.Instantiation, dirs: list[Path], notes: list[s
     lines = [f"no ahead-of-time kernel for {describe_instantiation(inst)}, and JIT is disabled (FLASHGEN_JIT=0)",
              f"  variant: {inst.variant_id()}"]
     if dirs:
-        lines.append("  searched (FLASHGEN_AOT_DIR): " + ", ".join(str(d) for d in dirs))
+        lines.append("  searched (FLASHGEN_AOT_DIR): " + ", ".join(str(d) for d in dirs)
+                     + " (with FLASHGEN_JIT=0 the kernel cache is not searched)")
     else:
-        lines.append("  searched: nothing (FLASHGEN_AOT_DIR is not set)")
+        lines.append("  searched: nothing (FLASHGEN_AOT_DIR is not set or empty; with FLASHGEN_JIT=0 the kernel "
+                     "cache is not searched)")
     lines += [f"  {n}" for n in notes]
     fp = inst.spec.fingerprint()
     held = []
@@ -602,6 +606,7 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
     planned = plan(specs, device=device, arches=arches, dtypes=dtypes, head_dims=head_dims, layouts=layouts,
                    sparse=sparse)
     out = Path(out)
+    build.check_toolchain(p.inst.target for p in planned)  # before DIR is created
     out.mkdir(parents=True, exist_ok=True)
     from concurrent.futures import ThreadPoolExecutor
 

@@ -363,8 +363,22 @@ def _try_load(inst: Instantiation, entry: Path) -> LoadedLibrary | None:
         return None
 
 
+def check_toolchain(targets) -> None:
+    """Raise BuildError when this torch cannot build for one of ``targets``: CUDA kernels are
+    compiled and linked by torch.utils.cpp_extension against a CUDA build of torch (with nvcc);
+    a CPU-only torch (torch.version.cuda None) cannot build them, whatever CUDA_HOME says."""
+    import torch
+
+    if any(t.backend == "cuda" for t in targets) and torch.version.cuda is None:
+        raise BuildError(f"building CUDA kernels needs a CUDA build of torch and nvcc; this torch "
+                         f"({torch.__version__}) is CPU-only. Cross-compile (--arch) on a machine with a CUDA "
+                         "build of torch (the same version the kernels will load under)")
+
+
 def _build_and_publish(inst: Instantiation, entry: Path) -> None:
     from torch.utils import cpp_extension
+
+    check_toolchain([inst.target])
 
     tmp_root = entry.parent / ".tmp"
     work = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}"

@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--head-dim", nargs="*", type=int, help="CUDA head dims (default 64 128)")
     b.add_argument("--out", type=Path, help="write an ahead-of-time directory here (kernels, index.json, tuning/) "
                    "for processes run with FLASHGEN_AOT_DIR=DIR (and FLASHGEN_JIT=0)")
-    b.add_argument("--arch", nargs="+", help="CUDA architectures to build for (sm_80 sm_90a ...), with or "
+    b.add_argument("--arch", nargs="+", action="extend", help="CUDA architectures to build for (sm_80 sm_90a ...), with or "
                    "without that GPU here; implies CUDA")
     b.add_argument("--layouts", nargs="+", choices=("padded", "packed"), default=["padded"],
                    help="CUDA layouts (default padded; packed: varlen batches)")

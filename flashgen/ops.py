@@ -491,14 +491,43 @@ class AttentionOp:
                                    tuple(self.tiles(device, dtype, head_dim, seqlen).config().items())
                                    + ((("varlen", 1),) if packed else ()) + ((("sparse", 1),) if sparse else ()))
 
-    def tiles(self, device: torch.device | str, dtype: ir.DType, head_dim: int, seqlen: int | None = None):
-        """The CUDA tiles (flashgen.tiles.Choice: tiles and their origin) this op uses on
-        ``device`` for ``head_dim`` and max(seqlen_q, seqlen_k) = ``seqlen``."""
+    def tiles(self, device: torch.device | str | None = "cuda", dtype=ir.DType.BF16, head_dim: int = 128,
+              seqlen: int | None = None, *, arch: str | None = None):
+        """The CUDA tiles this op uses, as a flashgen.tiles.Choice (forward, backward and dq tiles
+        and where each came from: 'env', 'tuned', 'table', 'derived').
+
+        Args:
+            device: a CUDA device (its architecture, shared memory and tuning results); None
+                with ``arch``.
+            dtype: torch or flashgen dtype (or 'bf16' / 'fp16').
+            head_dim: the head dim d; seqlen: max(seqlen_q, seqlen_k) of the call (tuned
+                winners depend on it; None: the longest tuned length).
+            arch: instead of a device, an architecture such as 'sm_90a' (no GPU needed; tables
+                and derived tiles only).
+
+        Raises ValueError naming the argument for a device that is not an available CUDA
+        device, a dtype or head dim the spec does not allow on CUDA, or a malformed arch."""
         from . import tiles
 
+        dt = _as_dtype(dtype)
+        if dt not in self.dtypes("cuda"):
+            raise ValueError(f"dtype: {dt.value} is not supported by spec '{self.spec.name}' on cuda (expected one "
+                             f"of {', '.join(d.value for d in self.dtypes('cuda')) or 'none'})")
+        if head_dim not in self.head_dims("cuda"):
+            raise ValueError(f"head_dim: {head_dim} is not supported by spec '{self.spec.name}' on cuda (expected "
+                             f"one of {_ranges(self.head_dims('cuda'))})")
+        if arch is not None:
+            return tiles.choose(self.spec, tiles.normalize_arch(arch), dt, head_dim, seqlen,
+                                fingerprint=self.fingerprint)
         device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"device: the tiles are the CUDA kernels' (got '{device}'; the CPU family sizes its "
+                             "tiles at run time); pass a CUDA device or arch=")
+        if not torch.cuda.is_available():
+            raise ValueError("device: CUDA is not available in this torch build or machine; pass arch= "
+                             "(e.g. 'sm_90a') for the tables' and derived tiles")
         index = _index(device)
-        return tiles.choose(self.spec, build.cuda_target(index).arch, dtype, head_dim, seqlen, device_index=index,
+        return tiles.choose(self.spec, build.cuda_target(index).arch, dt, head_dim, seqlen, device_index=index,
                             fingerprint=self.fingerprint)
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,

@@ -388,6 +388,8 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
     derived tiles. ValueError for a malformed environment override."""
     from . import env
 
+    if not 8 <= head_dim <= 256 or head_dim % 8:
+        raise ValueError(f"head_dim: {head_dim} is not a CUDA head dim (multiples of 8 up to 256)")
     info = device_info(device_index) if device_index is not None else arch_info(arch)
     base = default_choice(spec, arch, head_dim, info)
     fwd, bwd, fo, bo = base.fwd, base.bwd, base.fwd_origin, base.bwd_origin

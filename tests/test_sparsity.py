@@ -3,7 +3,7 @@ kernels' forward and backward against the float64 reference on the CPU (CUDA cas
 
 import pytest
 import torch
-from sparsity_cases import random_pattern, run_case
+from sparsity_cases import run_case
 from variant_cases import alibi_slopes, op
 
 import flashgen

@@ -113,3 +113,39 @@ def test_arch_names():
         with pytest.raises(ValueError, match="arch"):
             tiles.normalize_arch(bad)
     assert math.isclose(tiles.arch_info("sm_90a").peak_tflops, 989.4)
+
+
+def test_op_tiles_by_arch_and_its_errors(causal_op):
+    import torch
+
+    c = causal_op.tiles(None, torch.bfloat16, 128, arch="sm_90a")
+    assert str(c.fwd) == "128x64x4" and c.fwd_origin == "table"
+    assert causal_op.tiles(None, "fp16", 64, arch="sm_120").fwd_origin == "derived"
+    with pytest.raises(ValueError, match="head_dim: 300"):
+        causal_op.tiles(None, "bf16", 300, arch="sm_90a")
+    with pytest.raises(ValueError, match="dtype: fp32"):
+        causal_op.tiles(None, torch.float32, 64, arch="sm_90a")
+    with pytest.raises(ValueError, match="arch"):
+        causal_op.tiles(None, "bf16", 64, arch="sm_75")
+    with pytest.raises(ValueError, match="device: the tiles are the CUDA kernels'"):
+        causal_op.tiles("cpu", "bf16", 64)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: CUDA is not available"):
+            causal_op.tiles("cuda", "bf16", 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        tiles.choose(causal_op.spec, "sm_90a", ir.DType.BF16, 300)
+
+
+def test_cuda_builds_need_a_cuda_torch(tmp_path, monkeypatch):
+    """A CPU-only torch cannot compile CUDA kernels: a clear BuildError before anything is
+    written (not cpp_extension's CUDA_HOME message)."""
+    import torch
+
+    from flashgen import aot
+    from flashgen.errors import BuildError
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    out = tmp_path / "aot"
+    with pytest.raises(BuildError, match="CPU-only"):
+        aot.build_dir([frontend.parse(CAUSAL)], out, arches=["sm_90a"], dtypes=["bf16"], head_dims=[64])
+    assert not out.exists()
