@@ -96,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--batch", type=int, default=1)
     ex.add_argument("--heads", type=int, default=1)
     ex.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: kv heads (default: --heads)")
-    ex.add_argument("--dtype", choices=DTYPE_ARG, default="bf16")
+    ex.add_argument("--dtype", choices=DTYPE_ARG, default=None,
+                    help="default bf16, or the first dtype the spec allows on the target when not bf16")
     ex.add_argument("--arch", default=None, help="a CUDA architecture (e.g. sm_90a): tiles and peaks from the tables "
                     "(default: the live GPU, else this CPU)")
     ex.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available, else cpu)")
@@ -454,6 +455,8 @@ def cmd_explain(args) -> int:
         if sep and name in _EXPLAIN_OPTIONS:
             raise type(e)(f"{_EXPLAIN_OPTIONS[name]}:{rest}") from None
         raise
+    except IndexError as e:  # a parameter indexed out of its bounds: a usage error (exit 2), not a traceback
+        raise ValueError(f"--param: {e}") from None
     if args.json:
         print(ex.to_json(rep))
     else:

@@ -12,7 +12,8 @@ Counting rules (all totals are over the whole call, every batch element and head
 
 FLOPs (FlashAttention-2 convention, Dao 2023, §4): forward 4 · B · Hq · d · P, where P is the
 number of visible (query, key) pairs per (batch, query head) — Nq · Nk dense, the kept entries
-for a masked spec (flashgen.reference.visible_pairs); backward 2.5× the forward (5 matmuls
+for a masked spec (as flashgen.reference.visible_pairs counts them, from the mask geometry below;
+tensor parameters only the score reads do not change it); backward 2.5× the forward (5 matmuls
 instead of 2). Masked entries a tile computes anyway are not counted.
 
 Forward HBM bytes, our kernel (FlashAttention, Dao et al. 2022, Theorem 2: Θ(N² d² / M) — here
@@ -43,21 +44,53 @@ Backward HBM bytes (the non-deterministic CUDA path, FlashAttention-2 Alg. 2):
     with torch.zeros (4 · d per row written).
 The deterministic path (a dQ kernel instead of atomics) is not modelled.
 
+Tensor parameters (the spec's ``param NAME: T[...]``; each at its actual shape, ``batch|1`` /
+``heads|1`` dims at the full size the explain call builds them, element size 4 for f32 / i32, 8
+for i64, 1 for bool). A tensor indexed by both the query and the key position (an index using q
+but not kv and another using kv but not q, like bias[b, h, q, kv]) is read per visited element:
+its element size times the elements of the visited tiles (forward: Σ_i rows of query tile i ·
+keys it loads; backward: the same with the backward's query tiles), per (batch, query head) work
+item — dims broadcast over batch or heads are re-read by every work item. Other tensors (per
+batch or head vectors, small tables, document ids) are read once per kernel. With ``backward``,
+each f32 tensor that gets a gradient (flashgen.expr.grad_params: it enters the score) costs a
+torch.zeros fill of its fp32 gradient (4 bytes per element) and fp32 atomics (read + write, 2 · 4
+bytes) per visited element and read of it in the score. Terms: "tensor param NAME: ...". Only the
+parameters the mask reads are evaluated (mask geometry, visible pairs); the others need only their
+shape (explain never materialises them, unless ``measure``).
+
 Standard attention (FlashAttention, Alg. 0 and Alg. 3, its standard backward; GQA: K/V
 expanded per query head, as standard implementations do), per (batch, query head):
   forward  e · (2 · Nq · d + 2 · Nk · d + 4 · Nq · Nk): read Q, K; write S; read S, write P;
            read P, V; write O;
   backward e · (4 · Nq · d + 4 · Nk · d + 7 · Nq · Nk): read P, dO, write dV; read dO, V, write
            dP; read P, dP, write dS; read dS, K, write dQ; read dS, Q, write dK.
-Compulsory bytes: every input read once and every output written once (forward: Q, K, V, O,
-LSE; backward: Q, K, V, O, dO, LSE, dQ, dK, dV), K/V per kv head.
+  plus each tensor parameter read once in the forward (S = Q Kᵀ + bias) and, with ``backward``,
+  each parameter gradient written once.
+
+Compulsory bytes (``compulsory_terms``): what the kernel reads at all, each byte once, and its
+outputs written once. Forward: the Q rows of query tiles that see a key, K and V for the keys
+the kernel reads at all — the union over query tiles of their visited key ranges (block lists:
+occupied key tiles), per (batch, kv head) (a window or padding mask skips the rest) —, O and the
+LSE; each tensor parameter's bytes once (a (q, kv)-indexed one scaled by the fraction of its
+(q, kv) elements the kernel visits, all of it when no key is skipped). Backward: O, dO, dQ, dK,
+dV once; Q and the LSE for the rows of query tiles that visit a key tile; K and V over the union
+of the backward's key ranges; the parameters as in the forward, plus each gradient written once.
+K/V are capped at the kernel's own K/V reads (the GQA backward's per-group average can fall
+below a per-head mask's union), so compulsory_bytes ≤ hbm_bytes, term by term.
 
 Roofline: floor_ms = max(FLOPs / peak, hbm_bytes / bandwidth); ``bound`` names the larger
 term. GPU peaks are vendor datasheet figures (dense bf16/fp16 tensor cores, HBM bandwidth);
 the CPU family's are measured once per process (an fp32 matmul, a large copy). The predicted
 bytes count every global load the kernel issues: they are what reaches L2; K/V re-reads mostly
 hit L2, so DRAM bytes lie between ``compulsory_bytes`` and ``hbm_bytes`` and the floor is an
-upper estimate of the memory term (``compulsory_floor_ms`` uses the compulsory bytes).
+upper estimate of the memory term (``compulsory_floor_ms`` uses the compulsory bytes: a lower
+estimate, ≤ ``floor_ms``).
+
+How the mask is counted: no mask and the causal masks in closed form; a mask with a closed-form
+key range per row (``kRowExact``: windows, prefix-LM, key padding, ...) from its per-row bounds
+(flashgen.expr.key_range's interval reasoning, evaluated per query row in PyTorch: O(Nq) time
+and memory); any other mask evaluated element by element in chunks of query rows (O(Nq · Nk)
+time, bounded memory).
 
 The CPU family's tiles are the kernel's own choice (templates/include/flashgen/cpu/fwd.h
 ``choose_tiles``, bwd.h ``bwd_choose_tiles``) ported here: sized from the L2 cache, query tile by
@@ -84,6 +117,7 @@ from . import ir, tiles
 ELEMENT_BYTES = {ir.DType.FP16: 2, ir.DType.BF16: 2, ir.DType.FP32: 4}
 LSE_BYTES = 4  # fp32 LSE and D per row
 ACC_BYTES = 4  # fp32 accumulators (dq_accum, dk/dv workspaces)
+PARAM_BYTES = {"f32": 4, "i32": 4, "i64": 8, "bool": 1}  # tensor parameters' element sizes
 _CHUNK_ELEMS = 1 << 22  # elements of one evaluated mask chunk (rows x keys x batch x heads)
 
 
@@ -111,13 +145,15 @@ class TileReport:
 @dataclass
 class Traffic:
     """One direction's counts: ``flops``, ``hbm_bytes`` (our kernel, bytes), ``standard_hbm_bytes``
-    (standard attention), ``compulsory_bytes``, and ``terms`` (name → bytes of hbm_bytes)."""
+    (standard attention), ``compulsory_bytes``, ``terms`` (name → bytes of hbm_bytes) and
+    ``compulsory_terms`` (name → bytes of compulsory_bytes)."""
 
     flops: int
     hbm_bytes: int
     standard_hbm_bytes: int
     compulsory_bytes: int
     terms: dict[str, int] = field(default_factory=dict)
+    compulsory_terms: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -203,30 +239,69 @@ def _check_sizes(seqlen_q, seqlen_k, head_dim, batch, heads, kv_heads) -> None:
             raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
         if v < 1:
             raise ValueError(f"{name}: {v} is out of range (expected ≥ 1)")
+    from .expr import MAX_SEQLEN
+
+    for name, v in (("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if v > MAX_SEQLEN:
+            raise ValueError(f"{name}: {v} is out of range (expected ≤ 2^30 = {MAX_SEQLEN}: the kernels' positions "
+                             "are 32-bit)")
     if heads % kv_heads:
         raise ValueError(f"kv_heads: {kv_heads} does not divide heads = {heads}")
 
 
-def _spec_params(spec: ir.Spec, params, batch: int, heads: int, nq: int, nk: int) -> dict:
-    """The spec's parameter values on the CPU: ``params`` given as {name: value} or as
-    ['NAME=VALUE', ...] (flashgen.cli.parse_params, the --param syntax), the rest filled by
+def _given_params(spec: ir.Spec, params) -> dict:
+    """``params`` given as {name: value} or as ['NAME=VALUE', ...] (flashgen.cli.parse_params, the
+    --param syntax), as a dict."""
+    if not params:
+        return {}
+    if isinstance(params, dict):
+        return dict(params)
+    from .cli import parse_params
+
+    return parse_params(spec, list(params))
+
+
+def _spec_params(spec: ir.Spec, given: dict, batch: int, heads: int, nq: int, nk: int) -> dict:
+    """The spec's parameter values on the CPU: ``given`` ones, the rest filled by
     flashgen.params.example_params with a fixed seed (so a prediction and its measurement see
-    the same values)."""
-    from .params import example_params
+    the same values). Only the tensors the mask reads get values: the others (a bias read by
+    the score alone, say) are 'meta' tensors of their shape, never allocated (a [B, H, N, N]
+    fp32 bias is 17 GB at N = 16K); ``_materialize`` fills them for a measurement."""
+    from .params import _TORCH, example_params, shape_of
+    from .sparsity import mask_names
 
-    given = {}
-    if params:
-        if isinstance(params, dict):
-            given = dict(params)
-        else:
-            from .cli import parse_params
-
-            given = parse_params(spec, list(params))
+    unknown = set(given) - {p.name for p in spec.params}
+    if unknown:
+        raise ValueError(f"params: unknown parameter(s) {', '.join(sorted(unknown))} for spec '{spec.name}'")
+    sizes = {"batch": batch, "heads": heads, "seqlen_q": nq, "seqlen_k": nk}
+    for p in spec.params:  # int params size tensor dims (as example_params fills them)
+        if p.kind == "int":
+            sizes[p.name] = int(given[p.name]) if given.get(p.name) is not None else max(1, nk // 8)
+    read = mask_names(spec)
+    shaped = {}
+    for p in spec.params:
+        if p.is_tensor and p.name not in read and not isinstance(given.get(p.name), torch.Tensor):
+            shape = shape_of(p, sizes)
+            if any(n < 1 for n in shape):
+                raise ValueError(f"params: {p.name}: its shape {shape} for these sizes and parameters has a dim "
+                                 "below 1")
+            shaped[p.name] = torch.empty(shape, dtype=_TORCH[p.dtype], device="meta")
     gen = torch.Generator().manual_seed(0)
     try:
-        return example_params(spec, batch, heads, nq, nk, "cpu", gen, **given)
-    except TypeError as e:
+        return example_params(spec, batch, heads, nq, nk, "cpu", gen, **(given | shaped))
+    except (TypeError, ValueError) as e:
         raise ValueError(f"params: {e}") from None
+
+
+def _materialize(spec: ir.Spec, values: dict, given: dict, batch: int, heads: int, nq: int, nk: int) -> dict:
+    """``values`` with its shape-only ('meta') tensors filled as example_params fills them."""
+    from .params import example_params
+
+    if not any(isinstance(x, torch.Tensor) and x.is_meta for x in values.values()):
+        return values
+    known = {n: x for n, x in values.items() if not (isinstance(x, torch.Tensor) and x.is_meta)}
+    gen = torch.Generator().manual_seed(0)
+    return example_params(spec, batch, heads, nq, nk, "cpu", gen, **(given | known))
 
 
 @dataclass(frozen=True)
@@ -305,11 +380,84 @@ def _row_exact(spec: ir.Spec) -> bool:
     return spec.mask is None or bool(codegen.hook_bodies(spec)["row_exact"])
 
 
+class _NoClosedForm(Exception):
+    """The mask's per-row key range is not available in closed form."""
+
+
+def _row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict) -> tuple:
+    """Per query row, the key range [lo, hi) int64 [bp, hp, Nq] the mask keeps (None: unbounded
+    on that side), by the interval reasoning of flashgen.expr.key_range applied to a single row
+    (q_lo = q, q_hi = q + 1) and evaluated in PyTorch. Exact when key_range(spec).exact (the
+    caller's condition): the row keeps exactly [lo, hi) ∩ [0, Nk). Raises _NoClosedForm for a
+    structure key_range leaves unbounded."""
+    from . import expr as X
+    from . import reference
+
+    ar = lambda n: torch.arange(n, dtype=torch.int64)
+    env = {"b": ar(bp).view(-1, 1, 1), "h": ar(hp).view(1, -1, 1), "q": ar(nq).view(1, 1, -1),
+           "seqlen_q": nq, "seqlen_k": nk}
+    scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
+    shape = (bp, hp, nq)
+
+    def val(e):
+        if e is None:
+            return 0
+        return torch.broadcast_to(torch.as_tensor(reference.evaluate(e, spec, env, params, torch.float64)), shape)
+
+    def both(a, b, fn, none_wins: bool):
+        if a is None or b is None:
+            return None if none_wins else (b if a is None else a)
+        return fn(a, b)
+
+    def go(e: ir.Expr, negate: bool):
+        if isinstance(e, ir.Unary) and e.op == "not":
+            return go(e.operand, not negate)
+        if isinstance(e, ir.BinOp) and e.op in ("and", "or"):
+            (alo, ahi), (blo, bhi) = go(e.lhs, negate), go(e.rhs, negate)
+            if (e.op == "and") != negate:  # intersection
+                return both(alo, blo, torch.maximum, False), both(ahi, bhi, torch.minimum, False)
+            return both(alo, blo, torch.minimum, True), both(ahi, bhi, torch.maximum, True)  # union (exact: an interval)
+        if not X.uses(e, "kv"):
+            if X.uses(e, "q"):
+                raise _NoClosedForm
+            c = val(e).to(torch.bool)
+            c = ~c if negate else c
+            return None, torch.where(c, torch.full(shape, nk, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64))
+        if not (isinstance(e, ir.BinOp) and e.op in X._FLIP_CMP):
+            raise _NoClosedForm
+        if X.type_of(e.lhs, scope) != X.INT or X.type_of(e.rhs, scope) != X.INT:
+            raise _NoClosedForm
+        op = X._NEG_CMP[e.op] if negate else e.op
+        lhs, rhs = X._linear_in_kv(e.lhs), X._linear_in_kv(e.rhs)
+        if lhs is None or rhs is None:
+            raise _NoClosedForm
+        c = lhs[0] - rhs[0]
+        f = (val(rhs[1]) - val(lhs[1])) * torch.ones(shape, dtype=torch.int64)  # c·kv op f
+        if c == -1:
+            op, f = X._FLIP_CMP[op], -f
+        elif c != 1:
+            raise _NoClosedForm
+        if op == "<=":
+            return None, f + 1
+        if op == "<":
+            return None, f
+        if op == ">=":
+            return f, None
+        if op == ">":
+            return f + 1, None
+        if op == "==":
+            return f, f + 1
+        raise _NoClosedForm  # !=
+
+    return go(spec.mask, False)
+
+
 def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: dict,
               block_tiles: tuple[tuple[int, int], ...] = ()) -> _Geometry:
-    """The mask's row hulls (and block occupancy at ``block_tiles``): closed form for no mask
-    and the causal masks (O(Nq) memory), else the mask evaluated in chunks of query rows
-    (O(Nq·Nk) time, O(_CHUNK_ELEMS) memory)."""
+    """The mask's row hulls (and block occupancy at ``block_tiles``): closed form for no mask,
+    the causal masks and any mask with an exact per-row key range (O(Nq) time and memory per
+    (b', h') of the mask's extent), else the mask evaluated in chunks of query rows (O(Nq·Nk)
+    time, O(_CHUNK_ELEMS) memory)."""
     kind = spec.mask_kind
     rows = torch.arange(nq, dtype=torch.int64)
     if kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL, ir.MaskKind.CAUSAL_TOP_LEFT):
@@ -334,6 +482,23 @@ def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: d
     per_b, per_h = mask_extents(spec)
     bp, hp = (batch if per_b else 1), (heads if per_h else 1)
     g = bp * hp
+    if _row_exact(spec):
+        try:
+            lo, hi = _row_bounds(spec, nq, nk, bp, hp, params)
+        except _NoClosedForm:
+            pass
+        else:
+            first = (torch.zeros(bp, hp, nq, dtype=torch.int64) if lo is None else lo.clamp(min=0)).reshape(g, nq)
+            last = ((torch.full((bp, hp, nq), nk, dtype=torch.int64) if hi is None else hi.clamp(max=nk)) - 1
+                    ).reshape(g, nq)
+            empty = last < first
+            first = torch.where(empty, torch.full_like(first, nk), first)
+            last = torch.where(empty, torch.full_like(last, -1), last)
+            pairs = int((last - first + 1).clamp(min=0).sum())
+            geo = _Geometry(bp, hp, first, last, pairs, True, "closed form (per-row key range)")
+            for bm, bn in block_tiles:
+                geo.blocks[(bm, bn)] = _blocks_from_hulls(first, last, nq, nk, bm, bn)
+            return geo
     step = math.lcm(16, *(bm for bm, _ in block_tiles)) if block_tiles else 16
     chunk = max(step, (_CHUNK_ELEMS // max(1, g * nk)) // step * step)
     first = torch.empty(g, nq, dtype=torch.int64)
@@ -392,8 +557,11 @@ def _widths(nk: int, bn: int) -> torch.Tensor:
 
 @dataclass
 class _Visits:
-    """Tile visits summed over the geometry's (b', h'): forward K/V rows loaded and Q rows read;
-    backward (query tile, key tile) visits as query rows, and K/V rows loaded per key tile."""
+    """Tile visits summed over the geometry's (b', h'): forward K/V rows loaded, Q rows read and
+    key tiles visited, the elements (query row, key) of the visited tiles; backward (query tile,
+    key tile) visits as query rows, the K/V rows loaded per key tile, the visited elements and
+    the rows of query tiles that visit any key tile. ``fwd_kv_union`` / ``bwd_kv_union``: the
+    keys read at all, per (batch, kv head), summed over the whole batch and every kv head."""
 
     fwd_kv_rows: int
     fwd_q_rows: int
@@ -401,12 +569,49 @@ class _Visits:
     bwd_q_rows: int
     bwd_blocks: int
     bwd_kv_rows: int
+    fwd_elems: int = 0
+    bwd_elems: int = 0
+    bwd_q_any: int = 0
+    fwd_kv_union: int = 0
+    bwd_kv_union: int = 0
+
+
+def _interval_union(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """[G]: the length of the union of the intervals [lo, hi) of each row of [G, T] (empty ones,
+    hi ≤ lo, add nothing)."""
+    order = lo.argsort(-1)
+    lo, hi = lo.gather(-1, order), hi.gather(-1, order)
+    hi = torch.maximum(hi, lo)
+    reach = torch.cummax(hi, -1).values  # the furthest end among the intervals so far
+    before = torch.cat([torch.full_like(reach[:, :1], torch.iinfo(torch.int64).min // 4), reach[:, :-1]], 1)
+    return (hi - torch.maximum(lo, before)).clamp(min=0).sum(-1)
+
+
+def _kv_union(geo: _Geometry, lo=None, hi=None, blk=None, widths=None, *, batch: int, heads: int,
+              hkv: int) -> int:
+    """Keys read at all, summed over every (batch, kv head): the union over the query tiles (and
+    over the query heads of the kv head's group, when the mask depends on the head) of the key
+    ranges [lo, hi) [G, T], or of the occupied key tiles ``blk`` [G, T, J] of ``widths`` keys."""
+    bp, hp = geo.bp, geo.hp
+    group = heads // hkv
+    if blk is not None:
+        occ = blk.any(1)  # [G, J]
+        if hp > 1:
+            occ = occ.view(bp, hkv, group, -1).any(2).reshape(bp * hkv, -1)
+        u = int((occ.to(torch.int64) * widths).sum())
+    else:
+        if hp > 1:
+            lo = lo.reshape(bp, hkv, group * lo.shape[-1]).reshape(bp * hkv, -1)
+            hi = hi.reshape(bp, hkv, group * hi.shape[-1]).reshape(bp * hkv, -1)
+        u = int(_interval_union(lo, hi).sum())
+    return u * (batch // bp) * (hkv if hp == 1 else 1)
 
 
 def _visits(geo: _Geometry, nq: int, nk: int, fwd: tuple[int, int], bwd: tuple[int, int] | None,
-            listed: bool) -> _Visits:
+            listed: bool, batch: int = 1, heads: int = 1, hkv: int = 1) -> _Visits:
     """Count the loads of the forward tile (bm, bn) and backward tile (bm, bn): by ranges (the
     hull of each query tile's kept keys) or, with ``listed``, by occupied blocks (block lists)."""
+    sizes = {"batch": batch, "heads": heads, "hkv": hkv}
     bm, bn = fwd
     if listed:
         blk = geo.blocks[fwd]
@@ -414,13 +619,16 @@ def _visits(geo: _Geometry, nq: int, nk: int, fwd: tuple[int, int], bwd: tuple[i
         kv = (blk.to(torch.int64) * w).sum(-1)
         ntile = blk.sum(-1)
         rows = (nq - torch.arange(blk.shape[1], dtype=torch.int64) * bm).clamp(max=bm)
+        f_union = _kv_union(geo, blk=blk, widths=w, **sizes)
     else:
         lo, hi, rows = _tile_hulls(geo.first, geo.last, nq, bm)
         kv = hi - lo
         ntile = torch.where(hi > lo, (hi - 1) // bn - lo // bn + 1, torch.zeros_like(lo))
+        f_union = _kv_union(geo, lo, hi, **sizes)
     f_kv, f_q, f_t = int(kv.sum()), int(((ntile > 0) * rows).sum()), int(ntile.sum())
+    f_el = int((kv * rows).sum())
     if bwd is None:
-        return _Visits(f_kv, f_q, f_t, 0, 0, 0)
+        return _Visits(f_kv, f_q, f_t, 0, 0, 0, fwd_elems=f_el, fwd_kv_union=f_union)
     bm, bn = bwd
     w = _widths(nk, bn)
     nkt = w.numel()
@@ -430,12 +638,17 @@ def _visits(geo: _Geometry, nq: int, nk: int, fwd: tuple[int, int], bwd: tuple[i
         b_q = int((blk.to(torch.int64) * rows.view(1, -1, 1)).sum())
         b_n = int(blk.sum())
         b_kv = int((blk.any(1).to(torch.int64) * w).sum())
-        return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv)
+        b_el = int(((blk.to(torch.int64) * w).sum(-1) * rows).sum())
+        b_any = int((blk.any(-1) * rows).sum())
+        return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv, f_el, b_el, b_any, f_union,
+                       _kv_union(geo, blk=blk, widths=w, **sizes))
     lo, hi, rows = _tile_hulls(geo.first, geo.last, nq, bm)
     nonempty = hi > lo
     count = torch.where(nonempty, (hi - 1) // bn - lo // bn + 1, torch.zeros_like(lo))
     b_q = int((count * rows).sum())
     b_n = int(count.sum())
+    b_el = int(((hi - lo) * rows).sum())
+    b_any = int((nonempty * rows).sum())
     # K/V rows of key tile j: the tile inside [min lo, max hi) of the query tiles visiting it.
     g, t = lo.shape
     big = torch.iinfo(torch.int64).max // 4
@@ -449,7 +662,7 @@ def _visits(geo: _Geometry, nq: int, nk: int, fwd: tuple[int, int], bwd: tuple[i
         vlo = torch.minimum(vlo, torch.where(vis, l, torch.full_like(l, big)).amin(1))
         vhi = torch.maximum(vhi, torch.where(vis, h, torch.zeros_like(h)).amax(1))
     b_kv = int((torch.minimum(vhi, j * bn + w) - torch.maximum(vlo, j * bn)).clamp(min=0).sum())
-    return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv)
+    return _Visits(f_kv, f_q, f_t, b_q, b_n, b_kv, f_el, b_el, b_any, f_union, _kv_union(geo, lo, hi, **sizes))
 
 
 # ---------------------------------------------------------------- the CPU family's tiles
@@ -571,8 +784,9 @@ def cpu_tiles(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_di
     op = _as_op(op_or_spec)
     nk = seqlen_q if seqlen_k is None else seqlen_k
     _check_sizes(seqlen_q, nk, head_dim, batch, heads, heads)
-    values = _spec_params(op.spec, params, batch, heads, seqlen_q, nk)
-    geo = _geometry(op.spec, seqlen_q, nk, batch, heads, values)
+    given = _given_params(op.spec, params)
+    values = _spec_params(op.spec, given, batch, heads, seqlen_q, nk)
+    geo = _mask_geometry(op.spec, seqlen_q, nk, batch, heads, values, given)
     return _cpu_tiles(op.spec, geo, batch, heads, seqlen_q, nk, head_dim,
                       cpu_l2_bytes() if l2_bytes is None else l2_bytes,
                       torch.get_num_threads() if threads is None else threads)
@@ -693,7 +907,73 @@ def _cpu_name() -> str:
 # ---------------------------------------------------------------- traffic
 
 
-def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int) -> Traffic:
+@dataclass(frozen=True)
+class _TensorParam:
+    """A tensor parameter the kernels read: ``numel`` elements of ``elt`` bytes at its actual
+    shape; ``per_pair``: indexed by both the query and the key position (read per visited
+    element); ``grad_reads``: reads of it in the score when it gets an fp32 gradient (0 if not)."""
+
+    name: str
+    numel: int
+    elt: int
+    per_pair: bool
+    grad_reads: int
+
+
+def _tensor_params(spec: ir.Spec, values: dict) -> list[_TensorParam]:
+    """The spec's tensor parameters that its mask or score reads (see the module docstring)."""
+    from . import expr as X
+
+    grads = {p.name for p in X.grad_params(spec)}
+    out = []
+    for p in spec.params:
+        if not p.is_tensor:
+            continue
+        reads = [n for e in (spec.mask, spec.score) if e is not None for n in X.walk(e)
+                 if isinstance(n, ir.Index) and n.base.id == p.name]
+        if not reads:
+            continue
+
+        def pair(n: ir.Index) -> bool:
+            uq = [X.uses(i, "q") and not X.uses(i, "kv") for i in n.indices]
+            uk = [X.uses(i, "kv") and not X.uses(i, "q") for i in n.indices]
+            return any(uq) and any(uk)
+
+        value = values[p.name]
+        numel = value.numel() if isinstance(value, torch.Tensor) else 1
+        out.append(_TensorParam(p.name, numel, PARAM_BYTES[p.dtype], any(pair(n) for n in reads),
+                                max(1, len(X.param_reads(spec, p))) if p.name in grads else 0))
+    return out
+
+
+def _param_terms(tparams: list[_TensorParam], elems: int, all_elems: int, backward: bool,
+                 terms: dict, comp: dict) -> int:
+    """Add the tensor parameters' terms (ours and compulsory) for one direction whose visited
+    elements over every work item are ``elems`` (of ``all_elems`` = B · Hq · Nq · Nk); returns
+    the bytes standard attention moves for them."""
+    standard = 0
+    for tp in tparams:
+        size = tp.elt * tp.numel
+        if tp.per_pair:
+            read = tp.elt * elems
+            need = min(read, size * elems // all_elems)  # its (q, kv) elements the kernel visits
+        else:
+            read = need = size
+        terms[f"tensor param {tp.name}: reads"] = read
+        comp[f"tensor param {tp.name}: read once"] = need
+        if not backward:
+            standard += size
+        elif tp.grad_reads:
+            terms[f"tensor param {tp.name}: gradient zero fill (torch.zeros)"] = ACC_BYTES * tp.numel
+            terms[f"tensor param {tp.name}: gradient atomics (read + write)"] = \
+                2 * ACC_BYTES * elems * tp.grad_reads
+            comp[f"tensor param {tp.name}: gradient write"] = ACC_BYTES * tp.numel
+            standard += ACC_BYTES * tp.numel
+    return standard
+
+
+def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int,
+                 tparams: list[_TensorParam] = ()) -> Traffic:
     flops = 4 * d * pairs_total
     terms = {
         "Q read": e * d * v.fwd_q_rows * scale,
@@ -701,13 +981,19 @@ def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int) 
         "O write": e * d * B * Hq * nq,
         "LSE write": LSE_BYTES * B * Hq * nq,
     }
-    compulsory = e * d * B * (2 * Hq * nq + 2 * Hkv * nk) + LSE_BYTES * B * Hq * nq
+    comp = {
+        "Q read": terms["Q read"],
+        "K, V reads": min(2 * e * d * v.fwd_kv_union, terms["K, V reads"]),
+        "O write": terms["O write"],
+        "LSE write": terms["LSE write"],
+    }
     standard = B * Hq * e * (2 * nq * d + 2 * nk * d + 4 * nq * nk)
-    return Traffic(flops, sum(terms.values()), standard, compulsory, terms)
+    standard += _param_terms(tparams, v.fwd_elems * scale, B * Hq * nq * nk, False, terms, comp)
+    return Traffic(flops, sum(terms.values()), standard, sum(comp.values()), terms, comp)
 
 
 def _bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int, kv_scale_num: int,
-                 kv_scale_den: int, splits: int) -> Traffic:
+                 kv_scale_den: int, splits: int, tparams: list[_TensorParam] = ()) -> Traffic:
     flops = 10 * d * pairs_total  # 2.5 × the forward's 4 · d per pair
     rows_q = B * Hq * nq
     rows_k = B * Hkv * nk
@@ -729,9 +1015,17 @@ def _bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int, 
         terms["convert: dK, dV workspaces read, dk, dv write"] = 2 * (ACC_BYTES + e) * d * rows_k
     else:
         terms["main: dK, dV writes"] = 2 * e * d * rows_k
-    compulsory = e * d * (4 * rows_q + 4 * rows_k) + LSE_BYTES * rows_q
+    comp = {
+        "O, dO reads": 2 * e * d * rows_q,
+        "Q read": e * d * v.bwd_q_any * scale,
+        "LSE read": LSE_BYTES * v.bwd_q_any * scale,
+        "K, V reads": min(2 * e * d * v.bwd_kv_union, terms["main: K, V reads"]),
+        "dQ write": e * d * rows_q,
+        "dK, dV writes": 2 * e * d * rows_k,
+    }
     standard = B * Hq * e * (4 * nq * d + 4 * nk * d + 7 * nq * nk)
-    return Traffic(flops, sum(terms.values()), standard, compulsory, terms)
+    standard += _param_terms(tparams, v.bwd_elems * scale, B * Hq * nq * nk, True, terms, comp)
+    return Traffic(flops, sum(terms.values()), standard, sum(comp.values()), terms, comp)
 
 
 def _gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) -> int:
@@ -745,11 +1039,37 @@ def _gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) ->
     return splits
 
 
+def _nearest_known_arch(arch: str) -> str:
+    """The architecture of flashgen.tiles.ARCHS whose figures tiles.arch_info uses for ``arch``
+    (the nearest older one), with its part's name."""
+    num = lambda a: int(a.removeprefix("sm_").rstrip("a"))
+    base = max((k for k in tiles.ARCHS if num(k) <= num(arch)), key=num)
+    return f"{base} ({tiles.ARCHS[base].name})"
+
+
+def _mask_geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, values: dict, given: dict,
+                   block_tiles=()) -> _Geometry:
+    """_geometry, with a mask that indexes a parameter out of its bounds at these sizes (say a
+    document-id mask [batch, seqlen_k] indexed by q with seqlen_q > seqlen_k) reported as a
+    ValueError naming what to change: the parameter when it was given as a tensor, else
+    seqlen_k (when it differs from seqlen_q) or params."""
+    try:
+        return _geometry(spec, nq, nk, batch, heads, values, block_tiles)
+    except IndexError as err:
+        name, _, detail = str(err).partition(": ")
+        if isinstance(given.get(name), torch.Tensor) or nq == nk:
+            what = f"params: {name}"
+        else:
+            what = f"seqlen_k: {nk} with seqlen_q = {nq}"
+        raise ValueError(f"{what}: the mask of spec '{spec.name}' reads parameter {name} out of its bounds at these "
+                         f"sizes ({detail})") from None
+
+
 # ---------------------------------------------------------------- explain
 
 
 def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim: int, batch: int = 1,
-            heads: int = 1, kv_heads: int | None = None, dtype="bf16", arch: str | None = None,
+            heads: int = 1, kv_heads: int | None = None, dtype=None, arch: str | None = None,
             device=None, params=None, backward: bool = False, measure: bool = False, build: bool = False,
             reps: int = 10) -> Report:
     """Explain one call: q [batch, heads, seqlen_q, head_dim], k, v [batch, kv_heads, seqlen_k,
@@ -758,14 +1078,18 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     Args:
         op_or_spec: a compiled op, an ``ir.Spec``, a path to a ``.attn`` file or spec text.
         seqlen_q, seqlen_k: sequence lengths (seqlen_k defaults to seqlen_q); head_dim, batch,
-            heads (query heads), kv_heads (default heads; must divide heads): sizes ≥ 1.
-        dtype: 'bf16', 'fp16' or 'fp32' (fp32: CPU family only), or the torch / flashgen dtype.
+            heads (query heads), kv_heads (default heads; must divide heads): sizes ≥ 1 (the
+            sequence lengths ≤ 2^30, the kernels' limit).
+        dtype: 'bf16', 'fp16' or 'fp32' (fp32: CPU family only), or the torch / flashgen dtype;
+            None: bf16 when the spec allows it on the target's family, else the first dtype it
+            allows there.
         arch: a CUDA architecture ('sm_90a', '90', ...): tiles and peaks from flashgen.tiles'
             tables (the live device's own figures, tuned and env tiles when it is that arch).
             None: the live GPU, else this CPU.
         device: 'cpu' or 'cuda[:N]' to pick the family / device explicitly.
         params: the spec's parameters, {name: value} or ['NAME=VALUE', ...] (--param syntax);
-            missing ones get flashgen.params.example_params values (seed 0).
+            missing ones get flashgen.params.example_params values (seed 0) — only those the
+            mask reads: the others are counted from their shape alone.
         backward: count forward + backward (and time both with ``measure``).
         measure: run the call on random inputs on the device and time it (median of ``reps``,
             flashgen.bench.time_fn); builds the kernels if needed.
@@ -777,7 +1101,8 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
 
     Raises:
         ValueError: an argument out of range or unsupported (naming it: arch, head_dim, dtype,
-            device, measure, kv_heads, params, ...).
+            device, measure, kv_heads, params, ...), including sizes at which the mask indexes
+            a parameter out of its bounds (naming seqlen_k or params).
         TypeError: a size that is not an int.
         SpecError / BuildError: the spec does not parse; a build (measure/build) failed.
     """
@@ -789,19 +1114,31 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     _check_sizes(nq, nk, head_dim, batch, heads, hkv)
     if measure and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
         raise ValueError(f"reps: {reps!r} is out of range (expected an int ≥ 1)")
-    dt = _as_dtype(dtype)
+    dt = None if dtype is None else _as_dtype(dtype)
     target = _resolve(arch, device, measure)
     fam = target.family
-    if dt not in op.dtypes(fam):
-        allowed = ", ".join(x.value for x in op.dtypes(fam)) or "none"
+    allowed = op.dtypes(fam)
+    if not allowed:
+        from .ops import BACKEND_DTYPES
+
+        what = "arch" if arch is not None else "device" if device is not None else "dtype"
+        declared = ", ".join(x.value for x in spec.dtypes or ())
+        family = ", ".join(x.value for x in BACKEND_DTYPES[fam])
+        raise ValueError(f"{what}: spec '{spec.name}' has no {fam.upper()} dtype: it allows {declared} and the "
+                         f"{fam.upper()} kernels run {family} (explain it on the CPU family: no --arch, "
+                         "--device cpu)")
+    if dt is None:
+        dt = ir.DType.BF16 if ir.DType.BF16 in allowed else allowed[0]
+    if dt not in allowed:
         raise ValueError(f"dtype: {dt.value} is not supported by spec '{spec.name}' on {fam.upper()} "
-                         f"(expected one of {allowed})")
+                         f"(expected one of {', '.join(x.value for x in allowed)})")
     if head_dim not in op.head_dims(fam):
         from .ops import _ranges
 
         raise ValueError(f"head_dim: {head_dim} is not supported by spec '{spec.name}' on {fam.upper()} "
                          f"(expected one of {_ranges(op.head_dims(fam))})")
-    values = _spec_params(spec, params, batch, heads, nq, nk)
+    given = _given_params(spec, params)
+    values = _spec_params(spec, given, batch, heads, nq, nk)
     e = ELEMENT_BYTES[dt]
     d = head_dim
     notes: list[str] = []
@@ -834,20 +1171,30 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
                            "smem_optin": info.smem_optin}
         fwd_mn = (fwd_t.block_m, fwd_t.block_n)
         bwd_mn = (bwd_t.block_m, bwd_t.block_n)
+        if fwd_t.smem_bytes(d) > info.smem_optin:
+            fix = " (set a smaller FLASHGEN_CUDA_FWD_TILE)" if choice.fwd_origin == "env" else ""
+            notes.append(f"the forward tile {fwd_t} ({choice.fwd_origin}) needs {fwd_t.smem_bytes(d):,} B of shared "
+                         f"memory per block, over this GPU's {info.smem_optin:,} B: the forward kernel cannot "
+                         f"launch with it{fix}")
         if bwd_t.smem_bytes(d) > info.smem_optin:
             notes.append("the backward tile exceeds this GPU's shared memory: the kernels take the deterministic "
                          "path (dQ kernel), which the backward byte model does not describe")
-        geo = _geometry(spec, nq, nk, batch, heads, values, (fwd_mn, bwd_mn) if listed else ())
+        geo = _mask_geometry(spec, nq, nk, batch, heads, values, given, (fwd_mn, bwd_mn) if listed else ())
         splits = _gqa_splits(-(-nk // bwd_mn[1]), hkv, batch, heads // hkv, info.sms)
         peak, bw = info.peak_tflops, info.hbm_gbps
-        peaks_source = ("datasheet, by the device's name (flashgen.tiles)" if target.device_index is not None
-                        else f"datasheet of the representative part {info.name} (flashgen.tiles.ARCHS)")
+        if target.device_index is not None:
+            peaks_source = "datasheet, by the device's name (flashgen.tiles)"
+        elif target.arch in tiles.ARCHS:
+            peaks_source = f"datasheet of the representative part {info.name} (flashgen.tiles.ARCHS)"
+        else:
+            peaks_source = (f"datasheet of {_nearest_known_arch(target.arch)}, the nearest older architecture in "
+                            "flashgen.tiles.ARCHS")
         gpu_name, l2, threads = info.name, info.l2_bytes, None
         model = ("block lists: key tiles holding a kept pair, loaded whole" if listed
                  else "key ranges: each query tile loads the hull of its kept keys")
     else:
         listed = False
-        geo = _geometry(spec, nq, nk, batch, heads, values)
+        geo = _mask_geometry(spec, nq, nk, batch, heads, values, given)
         l2 = cpu_l2_bytes()
         threads = torch.get_num_threads()
         (qb, kvb), (bqb, bkvb) = _cpu_tiles(spec, geo, batch, heads, nq, nk, d, l2, threads)
@@ -866,21 +1213,17 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
         notes.append("CPU family: bytes follow the same tile model with the CPU kernel's tiles; 'hbm' means DRAM")
 
     # ---- counts
-    if spec.mask_kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL, ir.MaskKind.CAUSAL_TOP_LEFT) or \
-            geo.bp * geo.hp * nq * nk <= (1 << 24):
-        from . import reference
-
-        vp = reference.visible_pairs(spec, nq, nk, batch=batch, heads=heads, **values)
-        pairs_total = round(vp * batch * heads)
-    else:  # the same count, from the chunked evaluation (reference.visible_pairs would build Nq × Nk)
-        pairs_total = geo.pairs * batch * heads // (geo.bp * geo.hp)
-    visits = _visits(geo, nq, nk, fwd_mn, bwd_mn if backward else None, listed)
+    # The kept pairs, as reference.visible_pairs counts them (from the geometry: the closed form
+    # or the chunked evaluation of the mask alone, never an Nq × Nk tensor).
+    pairs_total = geo.pairs * batch * heads // (geo.bp * geo.hp)
+    visits = _visits(geo, nq, nk, fwd_mn, bwd_mn if backward else None, listed, batch, heads, hkv)
     scale = batch * heads // (geo.bp * geo.hp)
-    fwd_tr = _fwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale)
+    tparams = _tensor_params(spec, values)
+    fwd_tr = _fwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale, tparams)
     bwd_tr = None
     if backward:
         bwd_tr = _bwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale,
-                              batch * hkv * splits, geo.bp * geo.hp, splits)
+                              batch * hkv * splits, geo.bp * geo.hp, splits, tparams)
         if splits > 1:
             notes.append(f"backward: GQA group split over {splits} CTAs per key tile (dK/dV by fp32 atomics)")
     flops = fwd_tr.flops + (bwd_tr.flops if bwd_tr else 0)
@@ -891,9 +1234,20 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     t_memory = hbm / (bw * 1e9) * 1e3
     floor_ms = max(t_compute, t_memory)
     compulsory_floor_ms = max(t_compute, comp / (bw * 1e9) * 1e3)
-    if fam == "cuda" and hbm > comp:
-        notes.append(f"K/V re-reads ({_fmt_bytes(hbm - comp)} over compulsory) mostly hit L2 "
+    rereads = fwd_tr.terms["K, V reads"] - fwd_tr.compulsory_terms["K, V reads"]
+    if bwd_tr is not None:
+        rereads += bwd_tr.terms["main: K, V reads"] - bwd_tr.compulsory_terms["K, V reads"]
+    if fam == "cuda" and rereads > 0:
+        notes.append(f"K/V re-reads ({_fmt_bytes(rereads)} over reading each K/V row once) mostly hit L2 "
                      f"({_fmt_bytes(l2)}): DRAM bytes lie between compulsory_bytes and hbm_bytes")
+    pair_params = [tp.name for tp in tparams if tp.per_pair]
+    if pair_params:
+        notes.append(f"tensor parameter(s) {', '.join(pair_params)} indexed by (q, kv): read per visited element "
+                     "and work item (an upper bound where a tile's mask is partial: score() sees kept elements "
+                     "only)")
+    if backward and any(tp.grad_reads for tp in tparams):
+        names = ", ".join(tp.name for tp in tparams if tp.grad_reads)
+        notes.append(f"backward: counted with the gradient of {names} requested (fp32 atomics per visited element)")
     if listed:
         notes.append("no closed-form key range: counted from the block lists the kernels build per call "
                      "(the classifier's own traffic is not counted)")
@@ -909,6 +1263,7 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
         compulsory_floor_ms=compulsory_floor_ms, bound="compute" if t_compute >= t_memory else "memory",
         l2_bytes=l2, threads=threads, notes=notes)
     if measure:
+        values = _materialize(spec, values, given, batch, heads, nq, nk)
         ms = _measure(op, target, dt, batch, heads, hkv, nq, nk, d, values, backward, reps)
         rep.measured_ms = ms
         rep.tflops = flops / ms / 1e9
@@ -1013,8 +1368,8 @@ def render(rep: Report, console=None) -> None:
     from rich.table import Table
 
     con = console or Console()
-    where = (f"{rep.gpu} ({rep.arch})" if rep.family == "cuda" else f"{rep.gpu} ({rep.arch}, {rep.threads} threads, "
-             f"L2 {_fmt_bytes(rep.l2_bytes)})")
+    where = ((rep.gpu if rep.arch in rep.gpu else f"{rep.gpu} ({rep.arch})") if rep.family == "cuda"
+             else f"{rep.gpu} ({rep.arch}, {rep.threads} threads, L2 {_fmt_bytes(rep.l2_bytes)})")
     con.print(f"[bold]{rep.spec}[/bold] {rep.direction}: B={rep.batch} Hq={rep.heads} Hkv={rep.kv_heads} "
               f"Nq={rep.seqlen_q} Nk={rep.seqlen_k} d={rep.head_dim} {rep.dtype}"
               + (f"  params: {rep.params}" if rep.params else ""))

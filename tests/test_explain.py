@@ -352,6 +352,280 @@ def test_long_causal_is_fast_and_small():
     assert rep.fwd.terms["K, V reads"] == 16 * sum(128 * (i + 1) for i in range(512)) * 128 * 2 * 2
 
 
+# ---------------------------------------------------------------- user-testing fixes
+
+
+def test_mask_index_out_of_bounds_is_a_clean_error(capsys):
+    # document_id is [batch, seqlen_k] and the mask indexes it with q: seqlen_q > seqlen_k reads
+    # past its end. A clean error naming the option and the parameter, not an IndexError.
+    with pytest.raises(ValueError, match="^seqlen_k: 2048 with seqlen_q = 4096: .*document_id"):
+        ex.explain(SPECS / "document.attn", 4096, 2048, head_dim=64, arch="sm_90a")
+    rc = cli.main(["explain", str(SPECS / "document.attn"), "--seqlen", "4096", "--seqlen-k", "2048",
+                   "--head-dim", "64", "--arch", "sm_90a"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("flashgen: error: ValueError: --seqlen-k: 2048") and "document_id" in err
+    # a given tensor of the wrong size: the parameter is to blame
+    with pytest.raises(ValueError, match="^params: document_id: "):
+        ex.explain(SPECS / "document.attn", 64, head_dim=64, arch="sm_90a",
+                   params={"document_id": torch.zeros(1, 32, dtype=torch.int32)})
+
+
+BIAS_CAUSAL = ("attention bias_causal {\n    param bias: f32[batch|1, heads|1, seqlen_q, seqlen_k]\n"
+               "    mask = causal\n    score = score + bias[b, h, q, kv]\n}\n")
+
+
+def test_bias_traffic_counted():
+    # f32 bias [2, 4, 2048, 2048] (134 MB): read once per visited element by every (b, h), in
+    # the compulsory bytes once, in standard attention's once; it does not change the pairs.
+    B, H, n, d, e = 2, 4, 2048, 64, 2
+    rep = ex.explain(SPECS / "bias.attn", n, head_dim=d, batch=B, heads=H, arch="sm_90a")
+    dense = ex.explain(SPECS / "dense.attn", n, head_dim=d, batch=B, heads=H, arch="sm_90a")
+    bias_bytes = 4 * B * H * n * n
+    assert rep.params == {"bias": [B, H, n, n]}
+    assert rep.flops == dense.flops and rep.visible_pairs == n * n
+    assert rep.fwd.terms["tensor param bias: reads"] == bias_bytes
+    assert rep.compulsory_bytes == B * H * (4 * n * d * e + 4 * n) + bias_bytes
+    assert rep.fwd.compulsory_terms["tensor param bias: read once"] == bias_bytes
+    assert rep.standard_hbm_bytes == dense.standard_hbm_bytes + bias_bytes
+    assert rep.hbm_bytes == sum(rep.fwd.terms.values())
+    assert rep.compulsory_bytes <= rep.hbm_bytes
+    # backward: read again per visited element, the fp32 dbias zero-filled, atomics read + write
+    both = ex.explain(SPECS / "bias.attn", n, head_dim=d, batch=B, heads=H, arch="sm_90a", backward=True)
+    t = both.bwd.terms
+    assert t["tensor param bias: reads"] == bias_bytes
+    assert t["tensor param bias: gradient zero fill (torch.zeros)"] == bias_bytes
+    assert t["tensor param bias: gradient atomics (read + write)"] == 2 * bias_bytes
+    assert both.bwd.compulsory_terms["tensor param bias: gradient write"] == bias_bytes
+    assert both.compulsory_bytes <= both.hbm_bytes
+
+
+def test_broadcast_bias_is_reread_per_work_item():
+    # A given [1, 1, N, N] bias: every (b, h) work item re-reads it; compulsory once.
+    B, H, n = 3, 2, 256
+    bias = torch.zeros(1, 1, n, n)
+    rep = ex.explain(SPECS / "bias.attn", n, head_dim=64, batch=B, heads=H, arch="sm_90a", params={"bias": bias})
+    assert rep.fwd.terms["tensor param bias: reads"] == 4 * B * H * n * n
+    assert rep.fwd.compulsory_terms["tensor param bias: read once"] == 4 * n * n
+
+
+def test_masked_bias_reads_visited_elements_hand_count():
+    nq, nk, d = 300, 200, 64
+    rep = ex.explain(BIAS_CAUSAL, nq, nk, head_dim=d, batch=2, heads=3, arch="sm_90a", backward=True)
+    for kind, tr in (("fwd", rep.fwd), ("bwd", rep.bwd)):
+        bm = rep.tiles[kind].block_m
+        elems = 0
+        for i0 in range(0, nq, bm):
+            rows = min(bm, nq - i0)
+            hi = min(i0 + rows - 1 + nk - nq, nk - 1) + 1  # the tile's last row keeps keys [0, hi)
+            elems += rows * max(hi, 0)
+        assert tr.terms["tensor param bias: reads"] == 2 * 3 * 4 * elems, kind
+        # compulsory: its bytes scaled by the visited fraction (≤ the reads)
+        assert tr.compulsory_terms["tensor param bias: read once"] == 4 * 2 * 3 * nq * nk * (2 * 3 * elems) // (
+            2 * 3 * nq * nk)
+    assert rep.compulsory_bytes <= rep.hbm_bytes
+    assert rep.flops == 14 * 2 * 3 * d * hand_causal(nq, nk)  # the bias does not change the pairs
+
+
+def test_small_params_read_once_and_gradients():
+    # alibi: slopes f32[heads] read once per kernel; with the backward its gradient (atomics per
+    # visited element). relative_bias's rel [heads, 2 m + 1] is indexed by kv - q: a table, once.
+    H, n = 4, 256
+    rep = ex.explain(SPECS / "alibi.attn", n, head_dim=64, heads=H, arch="sm_90a", backward=True)
+    assert rep.fwd.terms["tensor param slopes: reads"] == 4 * H
+    assert rep.bwd.terms["tensor param slopes: gradient zero fill (torch.zeros)"] == 4 * H
+    assert rep.bwd.terms["tensor param slopes: gradient atomics (read + write)"] > 0
+    assert rep.compulsory_bytes <= rep.hbm_bytes
+    rel = ex.explain(SPECS / "relative_bias.attn", n, head_dim=64, heads=H, arch="sm_90a",
+                     params=["max_distance=16"])
+    assert rel.fwd.terms["tensor param rel: reads"] == 4 * H * 33
+    assert rel.params["rel"] == [H, 33]
+
+
+def test_score_only_params_are_not_materialised():
+    # bias [1, 16, 16K, 16K] f32 is 17 GB: explain counts it from its shape alone.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    rep = ex.explain(SPECS / "bias.attn", 16384, head_dim=128, heads=16, arch="sm_90a")
+    took = time.perf_counter() - t0
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert took < 1.0, took
+    assert grown_mib < 256, grown_mib
+    assert rep.params == {"bias": [1, 16, 16384, 16384]}
+    assert rep.fwd.compulsory_terms["tensor param bias: read once"] == 4 * 16 * 16384 ** 2
+    # a measurement gets real values (the mask's as predicted, the rest filled like example_params)
+    spec = flashgen.compile(SPECS / "bias.attn").spec
+    vals = ex._spec_params(spec, {}, 2, 3, 8, 8)
+    assert vals["bias"].is_meta and list(vals["bias"].shape) == [2, 3, 8, 8]
+    full = ex._materialize(spec, vals, {}, 2, 3, 8, 8)
+    assert not full["bias"].is_meta and full["bias"].shape == (2, 3, 8, 8) and full["bias"].dtype == torch.float32
+    assert torch.equal(ex._materialize(spec, vals, {"bias": 0.5}, 2, 3, 8, 8)["bias"], torch.full((2, 3, 8, 8), 0.5))
+
+
+def test_compulsory_counts_only_keys_read_sliding_window():
+    # window 4096 over Nk = 32768 keys for 512 queries (bottom-right): rows keep keys
+    # (i + 28160, i + 32256], so the kernel reads keys [28161, 32768) only: 4607 of them.
+    B, H, nq, nk, d, e, w = 1, 8, 512, 32768, 128, 2, 4096
+    rep = ex.explain(SPECS / "sliding_window.attn", nq, nk, head_dim=d, heads=H, arch="sm_90a",
+                     params=[f"window={w}"])
+    assert rep.compulsory_bytes <= rep.hbm_bytes
+    keys = nk - (nk - nq + 1 - w)  # 4607
+    assert keys == 4607
+    assert rep.compulsory_bytes == e * d * B * (2 * H * nq + 2 * H * keys) + 4 * B * H * nq == 20_983_808
+    bm = rep.tiles["fwd"].block_m
+    assert bm == 128
+    per_tile = (bm - 1) + w  # the hull of 128 rows' windows
+    assert rep.fwd.terms["K, V reads"] == H * (nq // bm) * per_tile * d * e * 2
+    both = ex.explain(SPECS / "sliding_window.attn", nq, nk, head_dim=d, heads=H, arch="sm_90a",
+                      params=[f"window={w}"], backward=True)
+    assert both.bwd.compulsory_terms["K, V reads"] == 2 * e * d * H * keys
+    assert both.compulsory_bytes <= both.hbm_bytes
+    assert both.compulsory_floor_ms <= both.floor_ms
+
+
+def test_compulsory_below_predicted_bytes_everywhere():
+    cases = [(SPECS / "causal.attn", {}), (SPECS / "prefix_lm.attn", {}), (SPECS / "key_padding.attn", {}),
+             (SPECS / "document.attn", {}), (SPECS / "gemma.attn", {"window": 20}), (BIAS_CAUSAL, {}),
+             (SPECS / "sliding_window.attn", {"window": 7})]
+    for spec, params in cases:
+        for nq, nk, hkv in [(300, 100, 1), (100, 300, 2), (200, 200, 4)]:
+            if "document" in str(spec) and nq != nk:
+                continue
+            rep = ex.explain(spec, nq, nk, head_dim=64, batch=2, heads=4, kv_heads=hkv, arch="sm_80",
+                             params=params, backward=True)
+            for tr in (rep.fwd, rep.bwd):
+                assert tr.compulsory_bytes <= tr.hbm_bytes, (spec, nq, nk, hkv)
+                assert tr.compulsory_bytes == sum(tr.compulsory_terms.values())
+
+
+def test_compulsory_kv_union_per_kv_head_gqa_brute_force():
+    # A per-head mask with GQA: the keys a kv head's K/V rows are read for is the union over its
+    # group's query heads (and their query tiles), counted here by brute force from the keep mask.
+    text = ("attention per_head {\n    param lens: i32[heads]\n    mask = kv < lens[h] and kv >= q - 40\n}\n")
+    B, H, Hkv, n, d, e = 2, 4, 2, 160, 64, 2
+    lens = torch.tensor([10, 90, 150, 30], dtype=torch.int32)
+    rep = ex.explain(text, n, head_dim=d, batch=B, heads=H, kv_heads=Hkv, arch="sm_90a", params={"lens": lens})
+    keep = reference.keep_mask(flashgen.compile(text).spec, n, n, batch=B, heads=H, lens=lens).expand(B, H, n, n)
+    bm = rep.tiles["fwd"].block_m
+    keys = 0
+    for b in range(B):
+        for g in range(Hkv):
+            read = set()
+            for h in range(g * (H // Hkv), (g + 1) * (H // Hkv)):
+                for i0 in range(0, n, bm):
+                    kept = keep[b, h, i0:i0 + bm].any(0).nonzero().flatten().tolist()
+                    if kept:
+                        read |= set(range(min(kept), max(kept) + 1))  # the tile's hull
+            keys += len(read)
+    assert rep.fwd.compulsory_terms["K, V reads"] == 2 * e * d * keys
+
+
+def test_seqlen_beyond_the_kernels_limit(capsys):
+    big = (1 << 30) + 1
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="^seqlen_q: .*2\\^30"):
+        ex.explain(SPECS / "causal.attn", big, head_dim=64, arch="sm_90a")
+    with pytest.raises(ValueError, match="^seqlen_k: "):
+        ex.explain(SPECS / "dense.attn", 128, big, head_dim=64, arch="sm_90a")
+    rc = cli.main(["explain", str(SPECS / "dense.attn"), "--seqlen", "128", "--seqlen-k", str(big), "--head-dim",
+                   "64", "--arch", "sm_90a"])
+    assert rc == 2 and "--seqlen-k:" in capsys.readouterr().err
+    assert time.perf_counter() - t0 < 1.0
+    ex.explain(SPECS / "dense.attn", 1, 1 << 20, head_dim=64, arch="sm_90a")  # large but allowed
+
+
+def test_forward_tile_over_shared_memory_gets_a_note(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "128x256x4")
+    rep = ex.explain(SPECS / "dense.attn", 1024, head_dim=256, arch="sm_86")
+    assert rep.tiles["fwd"].smem_bytes == 608_256
+    assert any("forward tile" in n and "608,256" in n and "101,376" in n for n in rep.notes), rep.notes
+    monkeypatch.delenv("FLASHGEN_CUDA_FWD_TILE")
+    ok = ex.explain(SPECS / "dense.attn", 1024, head_dim=256, arch="sm_86")
+    assert not any("forward tile" in n for n in ok.notes)
+
+
+def test_kv_reread_note_counts_kv_only():
+    d, e = 64, 2
+    # one query tile, one key: no K/V re-read at all (the backward's extra traffic is not K/V)
+    rep = ex.explain(SPECS / "dense.attn", 64, 1, head_dim=d, arch="sm_90a", backward=True)
+    assert not any("re-read" in n for n in rep.notes), rep.notes
+    # 1024 queries = 8 query tiles of 128, each loading the one key: 7 re-reads of K and V
+    rep = ex.explain(SPECS / "dense.attn", 1024, 1, head_dim=d, arch="sm_90a")
+    note = next(n for n in rep.notes if "re-read" in n)
+    assert ex._fmt_bytes(7 * 2 * d * e) in note
+
+
+def test_default_dtype_follows_the_spec(tmp_path, capsys):
+    f32 = tmp_path / "f32only.attn"
+    f32.write_text("attention f32only {\n    dtype fp32\n}\n")
+    h16 = tmp_path / "h16.attn"
+    h16.write_text("attention h16 {\n    dtype fp16\n    mask = causal\n}\n")
+    assert ex.explain(SPECS / "causal.attn", 128, head_dim=64, arch="sm_90a").dtype == "bf16"
+    assert ex.explain(h16, 128, head_dim=64, arch="sm_90a").dtype == "fp16"
+    assert ex.explain(f32, 128, head_dim=64, device="cpu").dtype == "fp32"
+    with pytest.raises(ValueError, match="^arch: spec 'f32only' has no CUDA dtype"):
+        ex.explain(f32, 128, head_dim=64, arch="sm_90a")
+    rc = cli.main(["explain", str(h16), "--seqlen", "128", "--head-dim", "64", "--arch", "sm_90a", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["dtype"] == "fp16"
+    rc = cli.main(["explain", str(f32), "--seqlen", "128", "--head-dim", "64", "--arch", "sm_90a"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--arch:" in err and "no CUDA dtype" in err
+
+
+ROW_EXACT_MASKS = [
+    (SPECS / "sliding_window.attn", {"window": 9}),
+    (SPECS / "gemma.attn", {"window": 5}),
+    (SPECS / "prefix_lm.attn", {}),
+    (SPECS / "key_padding.attn", {}),
+    ("attention w {\n    param l: int\n    param r: int\n    mask = window(l, r)\n}\n", {"l": 3, "r": 2}),
+    ("attention n {\n    mask = not (kv > q or kv < q - 6)\n}\n", {}),
+    ("attention e {\n    mask = kv == q\n}\n", {}),
+    ("attention f {\n    param on: i32[batch]\n    mask = on[b] > 20 and kv <= 2 * q\n}\n", {}),
+    ("attention p {\n    param lens: i32[heads]\n    mask = -kv > -lens[h] and kv >= q - 5\n}\n", {}),
+]
+
+
+@pytest.mark.parametrize("spec,params", ROW_EXACT_MASKS)
+def test_row_exact_masks_closed_form_matches_evaluation(spec, params, monkeypatch):
+    op = flashgen.compile(spec)
+    from flashgen import codegen
+
+    assert codegen.hook_bodies(op.spec)["row_exact"]
+    for nq, nk, B, H in [(37, 53, 2, 3), (64, 20, 3, 2), (100, 100, 2, 4)]:
+        vals = ex._spec_params(op.spec, dict(params), B, H, nq, nk)
+        closed = ex._geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
+        assert closed.source.startswith("closed form")
+        monkeypatch.setattr(ex, "_row_exact", lambda s: False)
+        evaluated = ex._geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
+        monkeypatch.undo()
+        assert evaluated.source == "mask evaluated"
+        assert torch.equal(closed.first, evaluated.first) and torch.equal(closed.last, evaluated.last)
+        assert closed.pairs == evaluated.pairs
+        assert torch.equal(closed.blocks[(16, 8)], evaluated.blocks[(16, 8)])
+
+
+def test_long_sliding_window_is_fast():
+    n, w = 65536, 4096
+    t0 = time.perf_counter()
+    rep = ex.explain(SPECS / "sliding_window.attn", n, head_dim=128, heads=16, arch="sm_90a", backward=True,
+                     params=[f"window={w}"])
+    took = time.perf_counter() - t0
+    assert took < 2.0, took
+    pairs = w * (w + 1) // 2 + (n - w) * w  # rows keep min(i + 1, w) keys
+    assert rep.flops == 14 * 16 * 128 * pairs
+    assert rep.compulsory_bytes <= rep.hbm_bytes
+
+
+def test_unknown_arch_named_once():
+    from rich.console import Console
+
+    rep = ex.explain(SPECS / "dense.attn", 1024, head_dim=64, arch="sm_103")
+    con = Console(record=True, width=200)
+    ex.render(rep, con)
+    out = con.export_text()
+    assert out.count("sm_103 (figures of B200)") == 1, out
+    assert "sm_100" in out  # where the figures come from
+
+
 # ---------------------------------------------------------------- on a GPU
 
 
