@@ -103,9 +103,6 @@ import functools
 import json
 import math
 import platform
-import re
-import shutil
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -795,53 +792,15 @@ def cpu_tiles(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_di
 # ---------------------------------------------------------------- registers (ptxas, from a cached library)
 
 
-def _cuobjdump() -> str | None:
-    exe = shutil.which("cuobjdump")
-    if exe:
-        return exe
-    from . import env
-
-    homes = [env.cuda_home()]
-    try:
-        from torch.utils import cpp_extension
-
-        homes.append(cpp_extension.CUDA_HOME)
-    except ImportError:
-        pass
-    homes += ["/usr/local/cuda"]
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        homes.append(str(Path(nvcc).resolve().parent.parent))
-    for home in homes:
-        if home and (Path(home) / "bin" / "cuobjdump").is_file():
-            return str(Path(home) / "bin" / "cuobjdump")
-    return None
-
-
 def resource_usage(lib: Path) -> dict[str, int]:
-    """{mangled kernel name: registers per thread} of a compiled library (``cuobjdump -res-usage``).
-    Raises OSError when cuobjdump is missing or fails."""
-    exe = _cuobjdump()
-    if exe is None:
-        raise OSError("cuobjdump not found (CUDA toolkit bin/ not on PATH)")
-    try:
-        out = subprocess.run([exe, "-res-usage", str(lib)], check=False, capture_output=True, text=True, timeout=120)
-    except subprocess.TimeoutExpired:
-        raise OSError(f"cuobjdump -res-usage {lib}: timed out") from None
-    if out.returncode != 0:
-        raise OSError(f"cuobjdump -res-usage {lib}: {out.stderr.strip()[:300]}")
-    regs: dict[str, int] = {}
-    fn = None
-    for line in out.stdout.splitlines():
-        m = re.match(r"\s*Function (\S+?):?\s*$", line)
-        if m:
-            fn = m.group(1)
-            continue
-        m = re.search(r"\bREG:(\d+)", line)
-        if m and fn is not None:
-            regs[fn] = max(regs.get(fn, 0), int(m.group(1)))
-            fn = None
-    return regs
+    """{mangled kernel name: registers per thread} of a compiled library (flashgen.tune's
+    ``cuobjdump -res-usage`` report). Raises OSError when cuobjdump is missing or fails."""
+    from . import tune
+
+    res = tune.resource_usage(lib)
+    if res is None:
+        raise OSError("cuobjdump not found or failed (CUDA toolkit bin/ not on PATH)")
+    return {name: r.regs for name, r in res.items()}
 
 
 def _library_path(inst) -> Path | None:
