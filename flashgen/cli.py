@@ -186,9 +186,27 @@ def cmd_build(args) -> int:
     from .ops import compile as fg_compile
 
     console = Console(stderr=True)
-    if args.out is not None or args.arch:
-        return _build_aot(args, console)
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out: {args.out} exists and is not a directory")
+    try:
+        if args.out is not None or args.arch:
+            return _build_aot(args, console)
+        return _build_cache(args, console, torch, build_mod, fg_compile)
+    except ValueError as e:  # the API names its arguments; name the options instead
+        text = str(e)
+        for api, opt in (("dtypes:", "--dtype:"), ("head_dims:", "--head-dim:"), ("layouts:", "--layouts:"),
+                         ("arch:", "--arch:"), ("device:", "--device:")):
+            if text.startswith(api):
+                raise ValueError(opt + text[len(api):]) from None
+        raise
+
+
+def _build_cache(args, console, torch, build_mod, fg_compile) -> int:
+    """``build`` into the kernel cache (no --out, no --arch)."""
     device = torch.device(args.device or "cpu")
+    if device.type == "cpu" and (args.head_dim or args.layouts != ["padded"] or args.sparse):
+        print("note: --head-dim, --layouts and --sparse apply to CUDA builds; the CPU kernels take the head dim, "
+              "the layout and block masks at run time", file=sys.stderr)
     for sp in args.specs:
         op = fg_compile(sp)
         dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None

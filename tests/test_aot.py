@@ -308,3 +308,15 @@ def test_cuda_directory_with_per_call_block_lists(tmp_path):
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(spec), device="cuda", dtype="bfloat16", seqlen=300,
                        head_dim=64, params=["document_id"], missing={"dtype": "float16", "head_dim": 64})
     assert "forward: ok" in stdout and "backward: ok" in stdout and "NOT BUILT" in stdout
+
+
+def test_build_command_errors_name_the_options(tmp_path, capsys):
+    from flashgen import cli
+
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert cli.main(["build", str(SPEC), "--out", str(afile), "--device", "cpu"]) == 2
+    assert "--out:" in capsys.readouterr().err
+    assert cli.main(["build", str(SPEC), "--out", str(tmp_path / "d"), "--arch", "sm_75"]) == 2
+    assert "--arch:" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
