@@ -41,6 +41,7 @@ from pathlib import Path
 from . import __version__, build, env
 from .abi import ABI_VERSION
 from .errors import BuildError, NotBuiltError  # noqa: F401 (raised by build.load through this module)
+from .paths import write_json_atomic
 
 FORMAT = 1
 INDEX = "index.json"
@@ -512,12 +513,6 @@ def _copy_artifact(src: Path, out: Path, name: str) -> tuple[Path, str]:
     return dest, sha
 
 
-def _write_json(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
 def _update_index(out: Path, new: list[dict]) -> dict:
     path = out / INDEX
     entries: dict[str, dict] = {}
@@ -537,7 +532,7 @@ def _update_index(out: Path, new: list[dict]) -> dict:
     ordered = sorted(entries.values(), key=lambda e: (e.get("spec", ""), e.get("target", []), e.get("dtype", ""),
                                                       e.get("head_dim") or 0, e.get("artifact", "")))
     data = runtime() | {"entries": ordered}
-    _write_json(path, data)
+    write_json_atomic(path, data)
     return data
 
 
@@ -566,7 +561,7 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
         merged = tune._read(path, meta) if path.exists() else {}
         for k, per_n in picked.items():
             merged.setdefault(k, {}).update(per_n)
-        _write_json(path, {"meta": meta, "entries": merged})
+        write_json_atomic(path, {"meta": meta, "entries": merged})
         written.append(path)
     return written
 

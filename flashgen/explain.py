@@ -217,16 +217,13 @@ def _as_op(op_or_spec):
 
 
 def _as_dtype(dtype) -> ir.DType:
-    if isinstance(dtype, ir.DType):
-        return dtype
-    if isinstance(dtype, torch.dtype):
-        from .ops import IR_DTYPE
+    """ops._as_dtype, with the error naming explain's argument."""
+    from .ops import _as_dtype as as_dtype
 
-        if dtype in IR_DTYPE:
-            return IR_DTYPE[dtype]
-    elif isinstance(dtype, str) and dtype in {d.value for d in ir.DType}:
-        return ir.DType(dtype)
-    raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {dtype!r}")
+    try:
+        return as_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {dtype!r}") from None
 
 
 def _check_sizes(seqlen_q, seqlen_k, head_dim, batch, heads, kv_heads) -> None:
@@ -1001,8 +998,7 @@ def _gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) ->
 def _nearest_known_arch(arch: str) -> str:
     """The architecture of flashgen.tiles.ARCHS whose figures tiles.arch_info uses for ``arch``
     (the nearest older one), with its part's name."""
-    num = lambda a: int(a.removeprefix("sm_").rstrip("a"))
-    base = max((k for k in tiles.ARCHS if num(k) <= num(arch)), key=num)
+    base = tiles.known_arch(arch)
     return f"{base} ({tiles.ARCHS[base].name})"
 
 

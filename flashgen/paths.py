@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
+import uuid
 from importlib import resources
 from pathlib import Path
 
@@ -31,3 +34,11 @@ def repo_root() -> Path | None:
     """The source checkout (with specs/ and generated/), or None for an installed package."""
     root = Path(__file__).resolve().parent.parent
     return root if (root / "specs").is_dir() and (root / "pyproject.toml").is_file() else None
+
+
+def write_json_atomic(path: Path, data) -> None:
+    """Write ``data`` as JSON to ``path`` by one rename (readers see the old or the new file,
+    never a partial one)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

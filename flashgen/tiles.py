@@ -137,16 +137,22 @@ class DqTile:
         return f"{self.warps}x{self.block_n}"
 
 
-TILE_KEYS = ("fwd_block_m", "fwd_block_n", "fwd_warps", "bwd_block_m", "bwd_warps", "bwd_warps_d",
-             "bwd_warps_mdq", "dq_warps", "dq_block_n")
+KIND_KEYS = {"fwd": ("fwd_block_m", "fwd_block_n", "fwd_warps"),
+             "bwd": ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"),
+             "dq": ("dq_warps", "dq_block_n")}
+TILE_KEYS = KIND_KEYS["fwd"] + KIND_KEYS["bwd"] + KIND_KEYS["dq"]
+_KIND_TILE = {"fwd": FwdTile, "bwd": BwdTile, "dq": DqTile}
+
+
+def tile_of(kind: str, config: dict):
+    """The ``kind`` ('fwd', 'bwd', 'dq') tile named by a config's KIND_KEYS[kind] entries
+    (KeyError when one is missing)."""
+    return _KIND_TILE[kind](*(config[k] for k in KIND_KEYS[kind]))
 
 
 def from_config(config: dict) -> tuple[FwdTile, BwdTile, DqTile]:
     """The three tiles named by an instantiation's config (every TILE_KEYS entry present)."""
-    c = config
-    return (FwdTile(c["fwd_block_m"], c["fwd_block_n"], c["fwd_warps"]),
-            BwdTile(c["bwd_block_m"], c["bwd_warps"], c["bwd_warps_d"], c["bwd_warps_mdq"]),
-            DqTile(c["dq_warps"], c["dq_block_n"]))
+    return tile_of("fwd", config), tile_of("bwd", config), tile_of("dq", config)
 
 
 # ---------------------------------------------------------------- architectures
@@ -199,15 +205,23 @@ def normalize_arch(arch: str) -> str:
     return "sm_90a" if num == "90" else f"sm_{num}"
 
 
+def known_arch(arch: str) -> str:
+    """The ARCHS key whose figures stand for ``arch``: itself when listed, else the nearest older
+    listed architecture."""
+    arch = normalize_arch(arch)
+    if arch in ARCHS:
+        return arch
+    num = lambda a: int(a.removeprefix("sm_").rstrip("a"))  # noqa: E731
+    return max((k for k in ARCHS if num(k) <= num(arch)), key=num)
+
+
 def arch_info(arch: str) -> ArchInfo:
     """The table's figures for ``arch`` (its representative part); for an architecture not in the
-    table, the nearest older one's."""
+    table, the nearest older one's (``known_arch``)."""
     arch = normalize_arch(arch)
     if arch in ARCHS:
         return ARCHS[arch]
-    num = int(arch.removeprefix("sm_").rstrip("a"))
-    older = [k for k in ARCHS if int(k.removeprefix("sm_").rstrip("a")) <= num]
-    base = ARCHS[max(older, key=lambda k: int(k.removeprefix("sm_").rstrip("a")))]
+    base = ARCHS[known_arch(arch)]
     return ArchInfo(f"unknown {arch} (figures of {base.name})", arch, base.smem_optin, base.sms,
                     base.peak_tflops, base.hbm_gbps, base.l2_bytes)
 
@@ -402,14 +416,13 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
             if hit is not None:
                 cfg, n = hit
                 if kind == "fwd":
-                    fwd, fo = FwdTile(cfg["fwd_block_m"], cfg["fwd_block_n"], cfg["fwd_warps"]), "tuned"
+                    fwd, fo = tile_of("fwd", cfg), "tuned"
                 else:
-                    bwd, bo = BwdTile(cfg["bwd_block_m"], cfg["bwd_warps"], cfg["bwd_warps_d"],
-                                      cfg["bwd_warps_mdq"]), "tuned"
+                    bwd, bo = tile_of("bwd", cfg), "tuned"
                 tuned_n[i] = n
     ef, eb = dict(env.cuda_fwd_tile()), dict(env.cuda_bwd_tile())
     if ef:
-        fwd, fo, tuned_n[0] = FwdTile(ef["fwd_block_m"], ef["fwd_block_n"], ef["fwd_warps"]), "env", None
+        fwd, fo, tuned_n[0] = tile_of("fwd", ef), "env", None
     if eb:
-        bwd, bo, tuned_n[1] = BwdTile(eb["bwd_block_m"], eb["bwd_warps"], eb["bwd_warps_d"], eb["bwd_warps_mdq"]), "env", None
+        bwd, bo, tuned_n[1] = tile_of("bwd", eb), "env", None
     return Choice(fwd, bwd, base.dq, fo, bo, (tuned_n[0], tuned_n[1]))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__, env, ir
+from .paths import write_json_atomic
 
 _lock = threading.Lock()
 _index: dict[int, dict] | None = None  # device index -> {entry key: {seqlen: record}}
@@ -94,10 +95,10 @@ def _valid_record(kind: str, n, rec) -> bool:
     except (TypeError, ValueError):
         return False
     cfg = rec["config"]
-    keys = {"fwd": tiles.TILE_KEYS[:3], "bwd": tiles.TILE_KEYS[3:7]}.get(kind)
+    keys = tiles.KIND_KEYS.get(kind) if kind in ("fwd", "bwd") else None
     if keys is None or not all(type(cfg.get(k)) is int for k in keys):
         return False
-    tile = tiles.FwdTile(*(cfg[k] for k in keys)) if kind == "fwd" else tiles.BwdTile(*(cfg[k] for k in keys))
+    tile = tiles.tile_of(kind, cfg)
     return tile.legal()
 
 
@@ -178,9 +179,7 @@ def record(spec: ir.Spec | str, device_index: int, dtype: ir.DType, head_dim: in
         entries = _read(path, want)
         entries.setdefault(entry_key(spec, dtype, head_dim, kind), {})[str(int(seqlen))] = {
             "config": dict(config), **(info or {})}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"meta": want, "entries": entries}, indent=1, sort_keys=True))
-        tmp.replace(path)
+        write_json_atomic(path, {"meta": want, "entries": entries})
     reload()
     return path
 
@@ -577,20 +576,13 @@ def _runner(op, w: _Workload, kind: str, lib):
 def _time_calls(fn, nsets: int, device, *, warmup: int, reps: int) -> float:
     """Median milliseconds of ``fn(i)`` over ``reps`` calls with input set i rotating over
     ``nsets`` (so the L2 does not hold a call's inputs from the previous one): CUDA events around
-    each call, queued back to back, one synchronisation at the end (as flashgen.bench.time_fn)."""
-    import statistics
+    each call (flashgen.bench.time_fn, with the input set advancing per call)."""
+    import itertools
 
-    import torch
+    from .bench import time_fn
 
-    for i in range(warmup):
-        fn(i % nsets)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for i, (start, end) in enumerate(events):
-        start.record()
-        fn((warmup + i) % nsets)
-        end.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    calls = itertools.count()
+    return time_fn(lambda: fn(next(calls) % nsets), device, warmup=warmup, reps=reps)
 
 
 def _mismatch(got, ref) -> str | None:

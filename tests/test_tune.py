@@ -592,3 +592,11 @@ def test_tuned_op_matches_the_reference_in_process(tmp_path, monkeypatch):
         assert check.compare_grads(causal_op.spec, q, k, v, dout, (qg.grad, kg.grad, vg.grad)).ok
     finally:
         tune.reload()
+
+
+def test_timing_rotates_the_input_sets():
+    """_time_calls times through flashgen.bench.time_fn, advancing the input set on every call
+    (warm-up included), so consecutive calls never reuse the previous call's inputs."""
+    seen = []
+    ms = tune._time_calls(seen.append, 3, torch.device("cpu"), warmup=2, reps=5)
+    assert seen == [0, 1, 2, 0, 1, 2, 0] and ms >= 0
