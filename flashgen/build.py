@@ -26,13 +26,17 @@ from pathlib import Path
 
 import filelock
 
-from . import __version__, codegen, env, ir
+from . import __version__, codegen, env, imports, ir
 from .abi import ABI_VERSION
 from .errors import BuildError
 from .paths import include_dir, templates_dir
 
-# Files whose content decides what a build produces, besides the templates directory.
-_GENERATOR_FILES = ("codegen.py", "build.py", "ir.py", "abi.py")
+# Modules whose content decides what a build produces, besides the templates directory: this
+# module (flags, artifact layout), the ABI mirror, and the code generator with every flashgen
+# module it imports, directly or not (the IR and the hook emitters in expr.py among them), found
+# by parsing their imports so that a new emitter module can never be left out of the key.
+_GENERATOR_ROOTS = ("build", "abi", "codegen")
+PACKAGE = Path(__file__).resolve().parent  # the flashgen package directory these modules live in
 
 # Relevant x86/arm ISA flags for -march=native builds (part of the CPU target's name).
 _CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512fp16", "amx_tile", "asimd", "sve")
@@ -189,19 +193,38 @@ class Instantiation:
 
 
 @functools.cache
-def generator_hash(backend: str = "cpu") -> str:
+def generator_hash(backend: str = "cpu", package: Path | None = None) -> str:
     """sha256 over the templates, the shared headers, ``backend``'s kernel headers and the code
-    generator: editing any of them changes every key of that family (and only that family)."""
+    generator (``generator_modules`` of ``package``, default this package): editing any of them
+    changes every key of that family (and only that family)."""
     h = hashlib.sha256()
     root = templates_dir()
     include = root / "include" / "flashgen"
     files = sorted(root.glob("*.jinja")) + sorted(include.glob("*.h"))
     files += sorted(p for p in (include / backend).rglob("*") if p.is_file())
-    files += [Path(__file__).with_name(n) for n in _GENERATOR_FILES]
-    for p in files:
-        h.update(p.name.encode() if p.parent == Path(__file__).parent else str(p.relative_to(root)).encode())
+    files = [(str(p.relative_to(root)), p) for p in files]
+    files += [(m, p) for m, p in generator_modules(package)]
+    for name, p in files:
+        h.update(name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()
+
+
+def generator_modules(package: Path | None = None) -> list[tuple[str, Path]]:
+    """(dotted name, path) of every flashgen module that shapes a build: ``_GENERATOR_ROOTS`` and
+    the flashgen modules they import, transitively (the package ``__init__`` excluded: it only
+    re-exports), sorted by name. ``package``: the package directory (default ``PACKAGE``)."""
+    graph = imports.module_graph(package or PACKAGE)
+    todo = [f"flashgen.{m}" for m in _GENERATOR_ROOTS]
+    seen: set[str] = set()
+    while todo:
+        mod = todo.pop()
+        if mod in seen or mod not in graph.paths:
+            continue
+        seen.add(mod)
+        todo.extend(graph.edges.get(mod, ()))
+    seen.discard("flashgen")
+    return sorted((m, graph.paths[m]) for m in seen)
 
 
 @functools.cache

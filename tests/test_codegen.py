@@ -100,6 +100,28 @@ def test_key_changes_with_a_template_edit(tmp_path, monkeypatch):
         build.generator_hash.cache_clear()
 
 
+def test_key_covers_every_emitter_module(tmp_path, monkeypatch):
+    """The generator hash covers every module the code generator imports (expr.py emits each
+    hook's C++): an edit to one in a copy of the package changes the key; the copy unedited
+    does not."""
+    names = [m for m, _ in build.generator_modules()]
+    for must in ("flashgen.codegen", "flashgen.expr", "flashgen.ir", "flashgen.abi", "flashgen.build"):
+        assert must in names, names
+    before = _inst("attention c { mask = causal }").key
+    copy = tmp_path / "flashgen"
+    shutil.copytree(build.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(build, "PACKAGE", copy)
+    build.generator_hash.cache_clear()
+    try:
+        assert _inst("attention c { mask = causal }").key == before  # same content, same key
+        emitter = copy / "expr.py"
+        emitter.write_text(emitter.read_text() + "\n# an emitter change\n")
+        build.generator_hash.cache_clear()
+        assert _inst("attention c { mask = causal }").key != before
+    finally:
+        build.generator_hash.cache_clear()
+
+
 def test_artifact_names_are_readable():
     inst = build.Instantiation(frontend.parse("attention causal { mask = causal }"), build.Target("cuda", "sm_90a"),
                                ir.DType.BF16, 128)

@@ -1,0 +1,70 @@
+"""The package's structure: its import graph (read by flashgen/imports.py) and the rules the
+architecture page (docs/architecture.md) states for it."""
+
+import ast
+from pathlib import Path
+
+import flashgen
+from flashgen import imports
+
+PACKAGE = Path(flashgen.__file__).resolve().parent
+
+
+def _ast_edges(package: Path) -> dict[str, set[str]]:
+    """The same graph as imports.module_graph, by parsing every module with ast (slow, exact)."""
+    graph = imports.module_graph(package)
+    out = {}
+    for mod, path in graph.paths.items():
+        is_package = path.name == "__init__.py"
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in graph.paths and a.name != mod}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    parts = mod.split(".") if is_package else mod.split(".")[:-1]
+                    parts = parts[: len(parts) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                if not (base == "flashgen" or base.startswith("flashgen.")):
+                    continue
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    target = sub if sub in graph.paths else base
+                    if target != mod:
+                        edges.add(target)
+        out[mod] = edges
+    return out
+
+
+def test_import_graph_matches_a_full_parse():
+    graph = imports.module_graph(PACKAGE)
+    assert "flashgen.build" in graph.paths and "flashgen.codegen" in graph.edges["flashgen.build"]
+    assert {m: graph.edges[m] for m in graph.paths} == _ast_edges(PACKAGE)
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    pkg = root / "flashgen"
+    for name, text in files.items():
+        path = pkg / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return pkg
+
+
+def test_cycle_finder_names_a_cycle(tmp_path):
+    pkg = _package(tmp_path, {
+        "__init__.py": "from .a import x\n",
+        "a.py": "from . import b\nx = 1\n",
+        "b.py": "from .sub import c\n",
+        "sub/__init__.py": "",
+        "sub/c.py": "def f():\n    from ..a import x\n    return x\n",  # a function-local import closes it
+        "d.py": "import flashgen.a\n",
+    })
+    graph = imports.module_graph(pkg)
+    found = imports.cycles(graph, exclude=("flashgen",))
+    assert found == [["flashgen.a", "flashgen.b", "flashgen.sub.c", "flashgen.a"]]
+    assert graph.local["flashgen.sub.c"] == [("flashgen.a", 2)]
+    acyclic = _package(tmp_path / "ok", {"__init__.py": "", "a.py": "from . import b\n", "b.py": "import os\n"})
+    assert imports.cycles(imports.module_graph(acyclic)) == []
