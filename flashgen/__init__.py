@@ -4,9 +4,10 @@ __version__ = "0.1.0"
 
 from . import reference
 from .errors import BuildError, FlashgenError, KernelError, NotBuiltError, SpecError
+from .families import use_family
 from .ops import AttentionOp, compile, dropout_state
 from .sparsity import BlockMask, block_mask
 
 __all__ = ["AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "NotBuiltError", "SpecError", "block_mask", "compile",
            "dropout_state",
-           "reference"]
+           "reference", "use_family"]

@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, build, env
+from . import __version__, build, env, families
 from .abi import ABI_VERSION
 from .errors import BuildError, NotBuiltError  # noqa: F401 (raised by build.load through this module)
 from .paths import write_json_atomic
 
-FORMAT = 1
+FORMAT = 2  # 2: the kernel family is part of every artifact (its name, key and index entry)
 INDEX = "index.json"
 
 
@@ -92,6 +92,9 @@ def _mismatch(data) -> str | None:
     def show(x) -> str:
         return ".".join(map(str, x)) if isinstance(x, list) else str(x)
 
+    if data.get("format") != FORMAT:
+        return (f"index format {show(data.get('format'))}, but this flashgen reads format {FORMAT} (kernel "
+                f"families in artifacts): rebuild the directory with `flashgen build --out`")
     diffs = [f"{field} {show(data.get(field))} (this process: {show(want)})"
              for field, want in runtime().items() if data.get(field) != want]
     if diffs:
@@ -213,13 +216,14 @@ def _tiles_text(config: dict) -> str:
 
 
 def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_dim: int | None, config: dict) -> str:
-    """One line naming a variant: spec, target, dtype, head dim, layout, sparsity, tiles."""
-    backend, arch = target
+    """One line naming a variant: spec, target (kernel family, arch), dtype, head dim, layout,
+    sparsity, tiles."""
+    backend, arch = target[0], target[1]
     if config.get("mask"):
         return f"{spec_name}: block classifier (block_mask / per-call block lists), {backend} {arch}"
-    if backend == "cpu":
-        return (f"{spec_name}: {backend} {arch}, {dtype}, any head_dim (the CPU kernels take the head dim and "
-                f"the layout at run time)")
+    if head_dim is None:
+        return (f"{spec_name}: {backend} {arch}, {dtype}, any head_dim (the {backend} kernels take the head dim "
+                f"and the layout at run time)")
     parts = [f"{backend} {arch}", dtype, f"head_dim {head_dim}",
              "packed (varlen) layout" if config.get("varlen") else "padded layout",
              "block-sparse" if config.get("sparse") else "not block-sparse"]
@@ -229,7 +233,7 @@ def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_di
 
 
 def describe_instantiation(inst: build.Instantiation) -> str:
-    return describe(inst.spec.name, (inst.target.backend, inst.target.arch), inst.dtype.value, inst.head_dim,
+    return describe(inst.spec.name, (inst.target.family, inst.target.arch), inst.dtype.value, inst.head_dim,
                     dict(inst.config))
 
 
@@ -352,13 +356,13 @@ def targets(device=None, arches: Iterable[str] = ()) -> list[tuple[str, str, int
     if device is not None:
         dev = torch.device(device)
         if dev.type == "cpu":
-            out.append(("cpu", build.cpu_target().arch, None))
+            out.append(("cpu", build.cpu_arch(), None))
         elif dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device: {device}: CUDA is not available here (use --arch to build for an "
                                  "architecture without its GPU)")
             index = dev.index if dev.index is not None else torch.cuda.current_device()
-            arch = build.cuda_target(index).arch
+            arch = build.cuda_arch_of(index)
             gpus = {arch: index} | {a: i for a, i in _gpus().items() if a != arch}
             if not arches:
                 out.append(("cuda", arch, index))
@@ -370,7 +374,7 @@ def targets(device=None, arches: Iterable[str] = ()) -> list[tuple[str, str, int
             arch = tiles.normalize_arch(a)
             out.append(("cuda", arch, gpus.get(arch)))
     if not out:
-        out.append(("cpu", build.cpu_target().arch, None))
+        out.append(("cpu", build.cpu_arch(), None))
     return list(dict.fromkeys(out))
 
 
@@ -419,9 +423,10 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                 if dt not in op.dtypes(backend):
                     raise ValueError(f"dtypes: {dt.value} is not supported by spec '{spec.name}' on {backend} "
                                      f"(it allows {', '.join(d.value for d in op.dtypes(backend)) or 'none'})")
-            if backend == "cpu":
+            fam = families.for_arch(backend, arch)
+            if fam.runtime_head_dim:
                 for dt in dts:
-                    add(Planned(op, build.Instantiation(spec, build.Target("cpu", arch), dt, None)))
+                    add(Planned(op, fam.instantiation(spec, arch, dt, None)))
                 continue
             allowed = op.head_dims("cuda")
             if want_hds is not None:
@@ -433,7 +438,6 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
             else:
                 hds = [d for d in (64, 128) if d in allowed] or list(allowed)
             sps = sorted(set(sparse) | ({True} if op.auto_sparse else set()))
-            target = build.Target("cuda", arch)
             for dt in dts:
                 for hd in hds:
                     lens: list[int | None] = [None]
@@ -450,13 +454,11 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                                 choices.append(tiles.choose(spec, arch, dt, hd, None, device_index=index,
                                                             use_tuned=False))
                             for ch in choices:
-                                cfg = (tuple(ch.config().items()) + ((("varlen", 1),) if pk else ())
-                                       + ((("sparse", 1),) if sp else ()))
-                                add(Planned(op, build.Instantiation(spec, target, dt, hd, cfg), index,
+                                inst = fam.instantiation(spec, arch, dt, hd, packed=pk, sparse=sp, tiles=ch.config())
+                                add(Planned(op, inst, index,
                                             (ch.fwd_origin, ch.bwd_origin), ch.tuned_seqlen))
             if True in sps:  # the block classifier (one per spec and arch, as ops._mask_library)
-                add(Planned(op, build.Instantiation(spec, target, op.dtypes("cuda")[0], None, (("mask", 1),)),
-                            index))
+                add(Planned(op, fam.classifier(spec, arch), index))
     return list(out.values())
 
 
@@ -472,7 +474,7 @@ def _entry(p: Planned, artifact: Path, sha256: str) -> dict:
         "sha256": sha256,
         "spec": inst.spec.name,
         "fingerprint": inst.spec.fingerprint(),
-        "target": [inst.target.backend, inst.target.arch],
+        "target": [inst.target.family, inst.target.arch, inst.target.device],
         "dtype": inst.dtype.value,
         "head_dim": inst.head_dim,
         "config": cfg,

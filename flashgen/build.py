@@ -44,14 +44,23 @@ _CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512fp
 
 @dataclass(frozen=True)
 class Target:
-    """Where kernels run: backend 'cpu' or 'cuda', and the architecture they are built for."""
+    """What an artifact is built for: the kernel family (flashgen/families: 'sm80', 'cpu'), the
+    architecture, and the device type its toolchain builds for ('cpu': the host compiler,
+    'cuda': nvcc)."""
 
-    backend: str
+    family: str
     arch: str  # e.g. 'sm_90a', 'sm_80', 'x86_64-avx2-fma'
+    device: str
+
+    @property
+    def backend(self) -> str:
+        """The device type ('cpu' or 'cuda'): which toolchain, flags and header folder."""
+        return self.device
 
 
 @functools.cache
-def cpu_target() -> Target:
+def cpu_arch() -> str:
+    """This machine's CPU target name: the machine and its relevant ISA flags."""
     flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -61,7 +70,7 @@ def cpu_target() -> Target:
     except OSError:
         pass
     isa = [f for f in _CPU_ISA_FLAGS if f in flags]
-    return Target("cpu", "-".join([platform.machine().lower(), *isa]))
+    return "-".join([platform.machine().lower(), *isa])
 
 
 def cuda_arch(capability: tuple[int, int]) -> str:
@@ -71,10 +80,11 @@ def cuda_arch(capability: tuple[int, int]) -> str:
 
 
 @functools.cache
-def cuda_target(device_index: int) -> Target:
+def cuda_arch_of(device_index: int) -> str:
+    """The architecture of the live CUDA device ``device_index``."""
     import torch
 
-    return Target("cuda", cuda_arch(torch.cuda.get_device_capability(device_index)))
+    return cuda_arch(torch.cuda.get_device_capability(device_index))
 
 
 # Translation units per instantiation. A CUDA "mask" instantiation (config ("mask", 1)) has only
@@ -93,19 +103,9 @@ class Instantiation:
     config: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
-        # One canonical form per artifact: the config sorted, and a CUDA kernel instantiation
-        # always names its tiles (missing ones: the table/derived default for the target's
-        # arch, flashgen/tiles.py; 'any', as in generated/, renders the sm_90a choice).
-        cfg = dict(self.config)
-        if self.target.backend == "cuda" and not cfg.get("mask") and self.head_dim is not None:
-            from . import tiles
-
-            missing = [k for k in tiles.TILE_KEYS if k not in cfg]
-            if missing:
-                arch = "sm_90a" if self.target.arch == "any" else self.target.arch
-                default = tiles.default_choice(self.spec, arch, self.head_dim).config()
-                cfg.update({k: default[k] for k in missing})
-        object.__setattr__(self, "config", tuple(sorted(cfg.items())))
+        # One canonical form per artifact: the config sorted. Its tiles were filled in by the
+        # family before the instantiation was made (flashgen/families): nothing is chosen here.
+        object.__setattr__(self, "config", tuple(sorted(dict(self.config).items())))
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -141,7 +141,7 @@ class Instantiation:
     def _variant_id(self) -> str:
         fields = {
             "fingerprint": self.spec.fingerprint(),
-            "target": [self.target.backend, self.target.arch],
+            "target": [self.target.family, self.target.arch],
             "dtype": self.dtype.value,
             "head_dim": self.head_dim,
             "config": [list(c) for c in self.config],
@@ -153,10 +153,10 @@ class Instantiation:
 
     @property
     def name(self) -> str:
-        """Artifact name: fg_<spec>_<dtype>_hd<d>_<arch>_<hash12>."""
+        """Artifact name: fg_<spec>_<family>_<dtype>_hd<d>_<arch>_<hash12>."""
         hd = f"hd{self.head_dim}" if self.head_dim else "hdany"
         arch = self.target.arch.replace("-", "_")
-        return f"fg_{self.spec.name}_{self.dtype.value}_{hd}_{arch}_{self.key[:12]}"
+        return f"fg_{self.spec.name}_{self.target.family}_{self.dtype.value}_{hd}_{arch}_{self.key[:12]}"
 
     def source_name(self, kind: str) -> str:
         hd = f"_hd{self.head_dim}" if self.head_dim else ""
@@ -178,7 +178,7 @@ class Instantiation:
         cflags, cuda_cflags = compiler_flags(self.target)
         return {
             "fingerprint": self.spec.fingerprint(),
-            "target": [self.target.backend, self.target.arch],
+            "target": [self.target.family, self.target.arch, self.target.device],
             "dtype": self.dtype.value,
             "head_dim": self.head_dim,
             "config": list(self.config),

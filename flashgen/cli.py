@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import ir
+from . import families, ir
 from .errors import FlashgenError
 
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
@@ -108,14 +108,20 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--build", action="store_true",
                     help="compile the CUDA kernels if not cached, for ptxas' register counts")
     ex.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    for cmd in (b, r, be, tu, ex):
+        cmd.add_argument("--family", choices=tuple(families.FAMILIES), default=None,
+                         help="force this kernel family (as FLASHGEN_FAMILY); a call it cannot serve fails "
+                              "(default: the first family that serves each call)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench,
-                "tune": cmd_tune, "explain": cmd_explain}[args.command](args)
+        # --family forces that kernel family for everything the command runs or builds.
+        with families.use_family(getattr(args, "family", None)):
+            return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench,
+                    "tune": cmd_tune, "explain": cmd_explain}[args.command](args)
     except FlashgenError as e:
         print(f"flashgen: {e}", file=sys.stderr)
         return 1
@@ -129,18 +135,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def generated_files(spec_path: Path) -> dict[str, str]:
     """File name → text of everything ``generate`` writes for one spec (its generated/ folder)."""
-    from . import build, frontend
+    from . import families, frontend
     from .ops import spec_dtypes
 
     spec = frontend.parse(spec_path)
     files = {}
-    cpu = build.Target("cpu", "any")
-    for dt in spec_dtypes(spec, "cpu"):
-        files.update(build.Instantiation(spec, cpu, dt, None).sources())
-    cuda = build.Target("cuda", "any")
-    for dt in spec_dtypes(spec, "cuda"):
+    cpu, cuda = families.get("cpu"), families.get("sm80")
+    for dt in spec_dtypes(spec, cpu):
+        files.update(cpu.instantiation(spec, "any", dt, None).sources())
+    for dt in spec_dtypes(spec, cuda):
         for hd in spec.head_dims or (64, 128):
-            files.update(build.Instantiation(spec, cuda, dt, hd).sources())
+            files.update(cuda.instantiation(spec, "any", dt, hd).sources())
     return files
 
 

@@ -10,6 +10,24 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# The process environment as os.environ keeps it (a dict of bytes on POSIX): read directly on
+# the call path, where os.environ.get's key encoding costs a microsecond per variable. Where
+# the platform's os.environ has no such dict, os.environ.get is used.
+_RAW = getattr(os.environ, "_data", None)
+_ENCODE = getattr(os.environ, "encodekey", None)
+_DECODE = getattr(os.environ, "decodevalue", None)
+
+
+def _get(name: str, keys: dict = {}) -> str | None:  # noqa: B006 - a cache of encoded names
+    """os.environ.get(name), fast."""
+    if _RAW is None or _ENCODE is None or _DECODE is None:
+        return os.environ.get(name)
+    key = keys.get(name)
+    if key is None:
+        key = keys[name] = _ENCODE(name)
+    raw = _RAW.get(key)
+    return None if raw is None else _DECODE(raw)
+
 
 def cache_dir() -> Path:
     """FLASHGEN_CACHE_DIR, else ~/.cache/flashgen: root of compiled artifacts and tuning data."""
@@ -36,6 +54,23 @@ def auto_block_mask() -> bool:
     """FLASHGEN_AUTO_BLOCK_MASK=0: on CUDA, do not build block lists per call for masks without a
     closed-form key range (then every tile in range is visited, with the element mask)."""
     return os.environ.get("FLASHGEN_AUTO_BLOCK_MASK", "1") not in ("", "0")
+
+
+def family() -> str | None:
+    """FLASHGEN_FAMILY=<name> (sm80, cpu): run every call on that kernel family, never another
+    (flashgen.families; a call it cannot serve raises NotImplementedError). Unset: the first
+    family that serves the call."""
+    return (_get("FLASHGEN_FAMILY") or "").strip() or None
+
+
+_SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TILE", "FLASHGEN_AUTOTUNE",
+              "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR")
+
+
+def library_selection() -> tuple[str | None, ...]:
+    """The raw values of the variables that change which library serves a call (family, forced
+    tiles, tuning, JIT, ahead-of-time and cache directories): part of the op's library key."""
+    return tuple(_get(name) for name in _SELECTION)
 
 
 def cuda_home() -> str | None:

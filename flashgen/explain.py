@@ -310,7 +310,7 @@ class _Target:
 def _resolve(arch, device, measure: bool) -> _Target:
     """The family and figures: --arch's table entry (the live device's own figures when it is
     that architecture), else the live GPU, else this CPU."""
-    from .build import cpu_target, cuda_target
+    from .build import cpu_arch, cuda_arch_of
 
     dev = None
     if device is not None:
@@ -327,7 +327,7 @@ def _resolve(arch, device, measure: bool) -> _Target:
         live = None
         if torch.cuda.is_available():
             index = dev.index if dev is not None and dev.index is not None else torch.cuda.current_device()
-            if cuda_target(index).arch == norm:
+            if cuda_arch_of(index) == norm:
                 live = index
         if live is None and (measure or (dev is not None and dev.type == "cuda")):
             what = "measure" if measure else "device"
@@ -343,8 +343,8 @@ def _resolve(arch, device, measure: bool) -> _Target:
             raise ValueError("device: CUDA is not available in this torch build or machine (pass --arch to "
                              "explain a GPU from the tables)")
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        return _Target("cuda", cuda_target(index).arch, tiles.device_info(index), index, torch.device("cuda", index))
-    return _Target("cpu", cpu_target().arch, None, None, torch.device("cpu"))
+        return _Target("cuda", cuda_arch_of(index), tiles.device_info(index), index, torch.device("cuda", index))
+    return _Target("cpu", cpu_arch(), None, None, torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- mask geometry
@@ -1074,11 +1074,11 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     fam = target.family
     allowed = op.dtypes(fam)
     if not allowed:
-        from .ops import BACKEND_DTYPES
+        from . import families
 
         what = "arch" if arch is not None else "device" if device is not None else "dtype"
         declared = ", ".join(x.value for x in spec.dtypes or ())
-        family = ", ".join(x.value for x in BACKEND_DTYPES[fam])
+        family = ", ".join(x.value for x in families.of(fam).dtypes)
         raise ValueError(f"{what}: spec '{spec.name}' has no {fam.upper()} dtype: it allows {declared} and the "
                          f"{fam.upper()} kernels run {family} (explain it on the CPU family: no --arch, "
                          "--device cpu)")
@@ -1230,9 +1230,10 @@ def _registers(op, target: _Target, dt, d, choice, listed: bool, build: bool, no
     """(fwd regs, bwd regs, source) from the compiled library in the cache (built first with
     ``build``), or (None, None, '') when it is not there or cannot be read."""
     from . import build as build_mod
+    from . import families
 
-    config = tuple(choice.config().items()) + ((("sparse", 1),) if listed else ())
-    inst = build_mod.Instantiation(op.spec, build_mod.Target("cuda", target.arch), dt, d, config)
+    inst = families.for_arch("cuda", target.arch).instantiation(op.spec, target.arch, dt, d, sparse=listed,
+                                                                tiles=choice.config())
     path = _library_path(inst)
     if path is None and build:
         from .ops import _announce

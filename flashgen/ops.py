@@ -21,36 +21,29 @@ from pathlib import Path
 
 import torch
 
-from . import build, env, ir, philox
+from . import build, env, families, ir, philox
 from . import expr as X
 from .abi import FgBlockLists, FgBwdArgs, FgFwdArgs, status_name
-from .errors import KernelError
+from .errors import KernelError, did_you_mean
 from .frontend import HEAD_DIM_MAX, parse
 from .reference import default_scale
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
 IR_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
 
-# What each backend family can run.
-BACKEND_DTYPES = {
-    "cpu": (ir.DType.FP32, ir.DType.BF16, ir.DType.FP16),
-    "cuda": (ir.DType.FP16, ir.DType.BF16),
-}
-CPU_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+def spec_dtypes(spec: ir.Spec, family: families.Family | str) -> tuple[ir.DType, ...]:
+    """The dtypes ``spec`` may run on ``family`` (a Family, its name or a device type): the
+    family's, narrowed by the spec's ``dtype`` line."""
+    return tuple(d for d in families.of(family).dtypes if spec.dtypes is None or d in spec.dtypes)
 
 
-def spec_dtypes(spec: ir.Spec, backend: str) -> tuple[ir.DType, ...]:
-    """The dtypes ``spec`` may run on ``backend``: the family's, narrowed by a ``dtype`` line."""
-    return tuple(d for d in BACKEND_DTYPES[backend] if spec.dtypes is None or d in spec.dtypes)
-CUDA_HEAD_DIMS = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+# The kernel families (flashgen/families) whose kernels apply dropout; on the others
+# dropout_p > 0 raises NotImplementedError naming dropout_p.
+DROPOUT_BACKENDS = families.with_feature("dropout")
 
-# Backend families whose kernels apply dropout; on the others dropout_p > 0 raises
-# NotImplementedError (check_dropout_backend).
-DROPOUT_BACKENDS = ("cpu", "cuda")
-
-# Backend families whose kernels take packed (varlen) batches (cu_seqlens_q, ...); on the others
-# the op raises NotImplementedError naming cu_seqlens_q (check_varlen_backend).
-VARLEN_BACKENDS = ("cpu", "cuda")
+# The kernel families whose kernels take packed (varlen) batches (cu_seqlens_q, ...); on the
+# others the op raises NotImplementedError naming cu_seqlens_q.
+VARLEN_BACKENDS = families.with_feature("varlen")
 
 FLOAT32_MAX = 3.4028234663852886e38
 
@@ -60,6 +53,20 @@ poison_outputs = False
 
 _registry: dict[str, AttentionOp] = {}
 _registry_lock = threading.Lock()
+
+# The tuning store's generation: part of every library key, bumped by ``invalidate_libraries``
+# (flashgen.tune calls it when it reads or records results), so a new winner is picked up.
+_generation = [0]
+
+# The first-use tuner (FLASHGEN_AUTOTUNE=1): flashgen.tune plugs ``ensure_tuned`` in here, called
+# as first_use_tuner(op, device, dtype, head_dim, seqlen) before a library is chosen.
+first_use_tuner = None
+
+
+def invalidate_libraries() -> None:
+    """Forget which family and library serve which call: families and tile choices are made
+    again at the next call (after a family's declaration or the tuning store changed)."""
+    _generation[0] += 1
 
 
 def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the public name
@@ -97,7 +104,14 @@ class AttentionOp:
         self.name = f"flashgen::{qualname}"
         self._libs: dict[tuple, build.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
-        self._head_dims = {b: self.head_dims(b) for b in BACKEND_DTYPES}
+        self._head_dims = {f: self.head_dims(f) for f in families.FAMILIES}
+        self._dtypes = {f: self.dtypes(f) for f in families.FAMILIES}
+        self._scales: dict[int, float] = {}  # head dim -> the spec's default scale
+        self._plans: dict[tuple, _Plan] = {}  # validated input metadata -> the call's plan
+        self._libraries: dict[tuple, build.LoadedLibrary] = {}  # every key that selects a library
+        self._choices: dict[tuple, families.Choice] = {}
+        self._checked: set[tuple] = set()  # input metadata check_inputs accepted
+        self._impl = None  # the registered forward implementation (set by _register)
         self._params_struct = _params_struct(spec)
         self.grad_params = tuple(p.name for p in X.grad_params(spec))
         # (parameter, dim, position name) for every read like bias[b, h, q, kv]: checked per call.
@@ -206,71 +220,136 @@ class AttentionOp:
             BuildError: the first-use compile failed (message has compiler output and path).
             KernelError: the kernel reported a failure (e.g. a failed CUDA launch).
         """
+        # Only translation here: every check of the call runs once, in the registered op's
+        # implementation (``_register``), which the torch op and the direct path below share.
         dropout_p = _check_dropout_p(dropout_p)
         if dropout_p and not self.spec.dropout:
             raise ValueError(f"dropout_p={dropout_p}: spec '{self.spec.name}' declares no dropout; add a line "
                              "`dropout` to the spec to enable it")
         if dropout_seed is not None:
             dropout_seed = _check_dropout_seed(dropout_seed)
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
+            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
+        values = self._param_values(params)
+        packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+        varlen = {}
+        if packed or max_seqlen_q is not None or max_seqlen_k is not None:
+            varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
+                      "max_seqlen_k": max_seqlen_k}
+        dropout = ()
+        if self.spec.dropout:  # the op's two extra arguments: p and the {seed, offset} tensor
+            dropout = (dropout_p, dropout_state(dropout_seed, q.device) if dropout_p else None)
+        blocks = {}
         if block_mask is not None:
             from .sparsity import BlockMask
 
             if not isinstance(block_mask, BlockMask):
                 raise TypeError(f"block_mask: expected a flashgen.BlockMask (flashgen.block_mask or "
                                 f"BlockMask.from_pattern), got {type(block_mask).__name__}")
-        packed = _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-        if not isinstance(deterministic, bool):
-            raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
-        if not isinstance(return_lse, bool):
-            raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-        self.check_inputs(q, k, v, packed=packed)
-        varlen = {}
-        sizes = None
-        if packed:
-            check_varlen_backend(q.device)
-            if block_mask is not None:  # the block grid counts tiles up to the mask's lengths
+            packed = _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            self.check_inputs(q, k, v, packed=packed)  # the lists are made for these shapes
+            if packed:  # the block grid counts tiles up to the mask's lengths
                 max_seqlen_q = block_mask.seqlen_q if max_seqlen_q is None else max_seqlen_q
                 max_seqlen_k = block_mask.seqlen_k if max_seqlen_k is None else max_seqlen_k
-            _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-            max_seqlen_q, max_seqlen_k = (int(x) if isinstance(x, numbers.Integral) else x
-                                          for x in (max_seqlen_q, max_seqlen_k))
-            varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, "max_seqlen_q": max_seqlen_q,
-                      "max_seqlen_k": max_seqlen_k}
-            # seqlen dims unknown here when derived from the values (checked again in the op)
-            sizes = {"batch": cu_seqlens_q.shape[0] - 1, "heads": q.shape[1], "seqlen_q": max_seqlen_q,
-                     "seqlen_k": max_seqlen_k}
-        if scale is None:
-            try:
-                scale = default_scale(self.spec, q.shape[-1])
-            except ValueError as e:
-                raise ValueError(f"scale: the spec's scale expression fails at head_dim {q.shape[-1]}: {e}") from None
-            if not (0 < scale < FLOAT32_MAX):
-                raise ValueError(f"scale: the spec's scale is {scale!r} at head_dim {q.shape[-1]} "
-                                 "(expected a positive float within fp32 range)")
-        elif isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
-            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
-        values = self.check_params(q, k, params, sizes)
-        dropout = ()
-        if self.spec.dropout:  # the op's two extra arguments: p and the {seed, offset} tensor
-            state = None
-            if dropout_p:
-                check_dropout_backend(q.device)
-                state = dropout_state(dropout_seed, q.device)
-            dropout = (dropout_p, state)
-        blocks = {}
-        if block_mask is not None:
-            blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, varlen.get("max_seqlen_q"),
-                                     varlen.get("max_seqlen_k"),
-                                     grad=torch.is_grad_enabled() and any(
-                                         t.requires_grad for t in (q, k, v, *params.values())
-                                         if isinstance(t, torch.Tensor)), values=values, cu_seqlens_k=cu_seqlens_k)
-            if not varlen:  # the schema's packed-layout arguments come first
-                varlen = {"cu_seqlens_q": None, "cu_seqlens_k": None, "max_seqlen_q": None, "max_seqlen_k": None}
-        out, lse = self.torch_op(q, k, v, float(scale), deterministic, *values, *dropout, **varlen, **blocks)
+                _check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+            sizes = ({"batch": cu_seqlens_q.shape[0] - 1, "heads": q.shape[1], "seqlen_q": max_seqlen_q,
+                      "seqlen_k": max_seqlen_k} if packed else None)
+            checked = self.check_params(q, k, dict(zip((p.name for p in self.spec.params), values, strict=True)),
+                                        sizes)
+            grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                                   for t in (q, k, v, *values))
+            blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad=grad,
+                                     values=checked, cu_seqlens_k=cu_seqlens_k, dropout=bool(dropout_p))
+            # the schema's packed-layout arguments come first
+            varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                      "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
+        if _direct(q, k, v, values):  # the schema's optional arguments, in order
+            tail = ()
+            if varlen or blocks:
+                tail = tuple(varlen.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
+            if blocks:
+                tail += (blocks.get("block_kv"), blocks.get("block_q"), blocks.get("block_dq"), blocks["block_meta"])
+            out, lse = self._impl(q, k, v, scale, deterministic, *values, *dropout, *tail)
+        else:
+            out, lse = self.torch_op(q, k, v, scale, deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
 
+    def scale_for(self, scale: float | None, head_dim: int) -> float:
+        """The softmax scale of a call: ``scale`` checked (a finite float within fp32 range), or
+        the spec's default at ``head_dim`` (1/sqrt(d) unless the spec sets ``scale``)."""
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
+                raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
+            return float(scale)
+        hit = self._scales.get(head_dim)
+        if hit is None:
+            try:
+                hit = default_scale(self.spec, head_dim)
+            except ValueError as e:
+                raise ValueError(f"scale: the spec's scale expression fails at head_dim {head_dim}: {e}") from None
+            if not (0 < hit < FLOAT32_MAX):
+                raise ValueError(f"scale: the spec's scale is {hit!r} at head_dim {head_dim} "
+                                 "(expected a positive float within fp32 range)")
+            self._scales[head_dim] = hit
+        return hit
+
+    def _param_values(self, params: dict) -> list:
+        """The spec's parameters from keyword ``params`` in declaration order; TypeError naming an
+        unknown or missing one (their values are checked in the op)."""
+        spec = self.spec
+        if len(params) == len(spec.params):
+            try:
+                return [params[p.name] for p in spec.params]
+            except KeyError:
+                pass
+        declared = {p.name: p for p in spec.params}
+        for name in params:
+            if name not in declared:
+                hint = did_you_mean(name, declared)
+                what = ("declares " + ", ".join(_describe_param(p) for p in spec.params)
+                        if declared else "declares no parameters")
+                raise TypeError(f"unknown parameter '{name}': spec '{spec.name}' {what}"
+                                + (f" ({hint})" if hint else ""))
+        missing = [p for p in spec.params if p.name not in params]
+        raise TypeError(f"missing parameter(s) of spec '{spec.name}': "
+                        + ", ".join(_describe_param(p) for p in missing))
+
+    def family_for(self, device: torch.device | str = "cpu", dtype=None, head_dim: int = 128, *,
+                   layout: str = "padded", sparse: bool = False, dropout: bool = False,
+                   family: str | None = None) -> families.Choice:
+        """The kernel family a call on ``device`` with ``dtype`` (default the family's first the
+        spec allows) and ``head_dim`` runs on, and why (``Choice.why()``): ``family`` or a forced
+        one (FLASHGEN_FAMILY, ``flashgen.use_family``), else the first family that serves the
+        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0).
+
+        Raises ValueError for an unknown layout or family, NotImplementedError when the forced
+        family, or every family, cannot serve the call (naming what it lacks)."""
+        device = torch.device(device)
+        if layout not in ("padded", "packed"):
+            raise ValueError(f"layout: unknown layout {layout!r} (expected 'padded' or 'packed')")
+        dt = _as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
+        return self._choose(device, dt, head_dim, layout == "packed", sparse, dropout, family)
+
+    def _choose(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
+                dropout: bool, family: str | None = None) -> families.Choice:
+        key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
+               families.forced(), _generation[0])
+        hit = self._choices.get(key)
+        if hit is None:
+            arch = build.cuda_arch_of(_index(device)) if device.type == "cuda" else None
+            feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout)) if on)
+            hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats), family)
+            self._choices[key] = hit
+        return hit
+
     def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                   grad: bool, values=(), cu_seqlens_k=None) -> dict:
+                   grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False) -> dict:
         """The op's block-sparsity arguments for ``block_mask``: its lists for the forward's
         tiles (and, with ``grad``, the backward's), plus their tile sizes. Checks the mask's
         shape and device against the call first, and that a mask made from a spec's mask
@@ -290,25 +369,22 @@ class AttentionOp:
             Nk = k.shape[2]
         block_mask.check(B, Hq, Nq, Nk, q.device)
         bq, bk = block_mask.block_size
-        if q.device.type == "cuda":
-            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed, sparse=True)
-            (fr, fc), (br, bc), (dr, dc) = _lib_tiles(lib, q.device)
-            if not block_mask.full_kept and any(x % t for x, t in ((bq, fr), (bk, fc), (bk, br), (bq, bc), (bq, dr),
-                                                                   (bk, dc))):
-                # A kernel tile that straddled a kept and an empty block could not honour the
-                # pattern inside it (the element mask is the spec's); tiles must nest in blocks.
-                raise ValueError(f"block_mask: a pattern's block size {bq} x {bk} must be a multiple of the CUDA "
-                                 f"kernels' tiles at head_dim {d} (forward {fr} x {fc}, backward {bc} x {br} "
-                                 f"and {dr} x {dc}, queries x keys); block_size=128 fits every default tile")
-        else:  # the CPU family takes a divisor of the block size as its tiles: they nest in blocks
-            fr, fc = _cpu_tile(bq, 256), _cpu_tile(bk, 512)
-            br, bc = fc, fr
-            dr, dc = fr, fc
+        dtype = IR_DTYPE[q.dtype]
+        fam = self._choose(q.device, dtype, d, packed, True, dropout).family
+        lib = self._library(fam, q.device, dtype, d, packed, sparse=True)
+        fr, fc, br, bc, dr, dc = fam.block_tiles(dict(lib.instantiation.config), (bq, bk))
+        if not block_mask.full_kept and any(x % t for x, t in ((bq, fr), (bk, fc), (bk, br), (bq, bc), (bq, dr),
+                                                               (bk, dc))):
+            # A kernel tile that straddled a kept and an empty block could not honour the
+            # pattern inside it (the element mask is the spec's); tiles must nest in blocks.
+            raise ValueError(f"block_mask: a pattern's block size {bq} x {bk} must be a multiple of the {fam.name} "
+                             f"kernels' tiles at head_dim {d} (forward {fr} x {fc}, backward {bc} x {br} "
+                             f"and {dr} x {dc}, queries x keys); block_size=128 fits every default tile")
         out = {"block_kv": block_mask.tile_lists(fr, fc, Nq, Nk),
                "block_meta": [fr, fc, br, bc, dr, dc, int(block_mask.full_kept)]}
         if grad:
             out["block_q"] = block_mask.tile_lists(br, bc, Nq, Nk, transpose=True)
-            if q.device.type == "cuda":
+            if fam.dq_lists:
                 out["block_dq"] = block_mask.tile_lists(dr, dc, Nq, Nk)
         return out
 
@@ -318,7 +394,6 @@ class AttentionOp:
         dropout_p = _check_dropout_p(dropout_p)
         if not dropout_p:
             return
-        check_dropout_backend(q.device)
         if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or state.shape != (2,) \
                 or state.device != q.device:
             raise ValueError(f"dropout_state: expected an int64 tensor of shape (2,) (seed, offset) on {q.device}, "
@@ -415,7 +490,22 @@ class AttentionOp:
 
     def check_inputs(self, q, k, v, *, packed: bool = False) -> None:
         """Validate q, k, v as ``__call__`` documents; raise naming the offending argument.
-        ``packed``: the varlen layout (q [total_q, Hq, d], k and v [total_k, Hkv, d])."""
+        ``packed``: the varlen layout (q [total_q, Hq, d], k and v [total_k, Hkv, d]). Inputs
+        whose metadata (dtype, device, shape, strides) passed once pass again without the checks."""
+        try:
+            key = (packed, q.dtype, q.device, q.shape, q.stride(), k.dtype, k.device, k.shape, k.stride(),
+                   v.dtype, v.device, v.shape, v.stride())
+        except (AttributeError, TypeError):
+            key = None
+        if key is not None and key in self._checked:
+            return
+        self._check_inputs(q, k, v, packed)
+        if key is not None:
+            if len(self._checked) > 4096:
+                self._checked.clear()
+            self._checked.add(key)
+
+    def _check_inputs(self, q, k, v, packed: bool) -> None:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
@@ -433,7 +523,7 @@ class AttentionOp:
             if t.device != q.device:
                 raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
         backend = q.device.type
-        if backend not in BACKEND_DTYPES:
+        if not any(f.device == backend for f in families.FAMILIES.values()):
             raise ValueError(f"q: device type '{backend}' is not supported (expected cpu or cuda)")
         for name, t in (("k", k), ("v", v)):
             if t.dtype != q.dtype:
@@ -454,7 +544,7 @@ class AttentionOp:
         if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
             raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads "
                              "(GQA/MQA need heads_q to be a multiple of heads_kv)")
-        dims = self._head_dims[backend]
+        dims = self.head_dims(backend)
         if d not in dims:
             raise ValueError(f"q: head_dim {d} is not supported by spec '{self.spec.name}' on {backend} "
                              f"(expected one of {_ranges(dims)})")
@@ -467,29 +557,42 @@ class AttentionOp:
                     raise ValueError(f"{name}: sequence length {n} exceeds the kernels' limit of 2^30 = "
                                      f"{X.MAX_SEQLEN} (positions are 32-bit)")
 
-    def head_dims(self, backend: str) -> tuple[int, ...]:
-        """Head dims this spec can run on ``backend`` ('cpu' or 'cuda')."""
-        family = CPU_HEAD_DIMS if backend == "cpu" else CUDA_HEAD_DIMS
-        return tuple(d for d in family if self.spec.head_dims is None or d in self.spec.head_dims)
+    def head_dims(self, family: families.Family | str) -> tuple[int, ...]:
+        """Head dims this spec can run on ``family`` (a kernel family, its name, or a device type
+        'cpu' / 'cuda' for that device's first family)."""
+        fam = families.of(family)
+        hit = self._head_dims.get(fam.name) if hasattr(self, "_head_dims") else None
+        if hit is None:
+            hit = tuple(d for d in fam.head_dims if self.spec.head_dims is None or d in self.spec.head_dims)
+        return hit
 
-    def dtypes(self, backend: str) -> tuple[ir.DType, ...]:
-        return spec_dtypes(self.spec, backend)
+    def dtypes(self, family: families.Family | str) -> tuple[ir.DType, ...]:
+        """The dtypes this spec can run on ``family`` (as ``head_dims`` takes it)."""
+        fam = families.of(family)
+        hit = self._dtypes.get(fam.name) if hasattr(self, "_dtypes") else None
+        return hit if hit is not None else spec_dtypes(self.spec, fam)
 
     # ------------------------------------------------------------ build
 
     def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int,
-                      packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> build.Instantiation:
+                      packed: bool = False, sparse: bool = False, seqlen: int | None = None, *,
+                      family: families.Family | str | None = None) -> build.Instantiation:
         """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
-        the packed (varlen) layout with ``packed`` (CUDA builds the two apart, so padded calls
-        never pay for varlen code; the CPU family takes both at run time). On CUDA its tiles are
+        the packed (varlen) layout with ``packed``, on ``family`` (default: the family the call
+        would run on). Families with ``split_layouts`` build the layouts apart, so padded calls
+        never pay for varlen code; the CPU family takes both at run time. On sm80 its tiles are
         ``flashgen.tiles.choose``'s for max(seqlen_q, seqlen_k) = ``seqlen`` (tuned winners vary
         with it; None: the longest tuned length)."""
         device = torch.device(device)
-        if device.type == "cpu":  # the CPU family takes head_dim and the layout at run time
-            return build.Instantiation(self.spec, build.cpu_target(), dtype, None)
-        return build.Instantiation(self.spec, build.cuda_target(_index(device)), dtype, head_dim,
-                                   tuple(self.tiles(device, dtype, head_dim, seqlen).config().items())
-                                   + ((("varlen", 1),) if packed else ()) + ((("sparse", 1),) if sparse else ()))
+        fam = (families.of(family) if family is not None
+               else self._choose(device, dtype, head_dim, packed, sparse, False).family)
+        if fam.device != device.type:
+            raise ValueError(f"family: {fam.name} runs on {fam.device}, not {device.type}")
+        target = fam.device_target(_index(device) if device.type == "cuda" else None)
+        if fam.runtime_head_dim:
+            return fam.instantiation(self.spec, target.arch, dtype, None)
+        return fam.instantiation(self.spec, target.arch, dtype, head_dim, packed=packed, sparse=sparse,
+                                 tiles=self.tiles(device, dtype, head_dim, seqlen).config())
 
     def tiles(self, device: torch.device | str | None = "cuda", dtype=ir.DType.BF16, head_dim: int = 128,
               seqlen: int | None = None, *, arch: str | None = None):
@@ -527,59 +630,77 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine; pass arch= "
                              "(e.g. 'sm_90a') for the tables' and derived tiles")
         index = _index(device)
-        return tiles.choose(self.spec, build.cuda_target(index).arch, dt, head_dim, seqlen, device_index=index,
+        return tiles.choose(self.spec, build.cuda_arch_of(index), dt, head_dim, seqlen, device_index=index,
                             fingerprint=self.fingerprint)
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
-              layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,)) -> list[build.Instantiation]:
+              layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,),
+              family: str | None = None) -> list[build.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
             device: 'cpu' or a CUDA device.
             dtypes: torch or flashgen dtypes (default: every dtype the spec allows there).
-            head_dims: default every allowed head dim on CUDA among (64, 128); ignored on CPU,
-                whose kernels take the head dim at run time.
+            head_dims: default every allowed head dim among (64, 128); ignored by families whose
+                kernels take the head dim at run time (cpu).
             jobs: instantiations compiled at once (default: all of them).
-            layouts: "padded" and/or "packed" (varlen batches: cu_seqlens_q, ...); on CUDA each
-                is its own instantiation, built at its first use unless built here. Ignored on
-                CPU, whose kernels take both.
+            layouts: "padded" and/or "packed" (varlen batches: cu_seqlens_q, ...); on families
+                that build them apart (sm80) each is its own instantiation, built at its first use
+                unless built here. Ignored on cpu, whose kernels take both.
             sparse: False and/or True: the dense kernels and/or the block-sparse ones (calls with
-                block_mask=), each its own instantiation on CUDA. Ignored on CPU.
+                block_mask=), each its own instantiation on sm80. Ignored on cpu.
+            family: the kernel family to build for (flashgen/families: 'sm80', 'cpu'); default
+                the forced one (FLASHGEN_FAMILY, flashgen.use_family), else the first family
+                that runs on ``device``. Calls then run on it while it is forced, or while it
+                is the first family that serves them.
 
         Returns the instantiations, now loaded in this process.
+
+        Raises ValueError naming the argument (an unknown family, or one that does not run on
+        ``device``; dtypes or head dims the spec does not allow there).
         """
         device = torch.device(device)
-        if device.type not in BACKEND_DTYPES:
+        if not any(f.device == device.type for f in families.FAMILIES.values()):
             raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: CUDA is not available in this torch build or machine")
-        dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(device.type))
+        index = _index(device) if device.type == "cuda" else None
+        arch = build.cuda_arch_of(index) if index is not None else None
+        if family is not None:
+            fam = families.get(family)
+            if fam.device != device.type or fam.arch_reason(arch):
+                raise ValueError(f"family: {fam.name} does not run on {device}"
+                                 + (f" ({fam.arch_reason(arch)})" if fam.device == device.type else
+                                    f" (it runs on {fam.device} tensors)"))
+        else:
+            fam = families.for_arch(device.type, arch)
+        name = fam.name
+        dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
         for dt in dts:
-            if dt not in self.dtypes(device.type):
-                raise ValueError(f"dtypes: {dt.value} is not supported by spec '{self.spec.name}' on {device.type}")
+            if dt not in self.dtypes(fam):
+                raise ValueError(f"dtypes: {dt.value} is not supported by spec '{self.spec.name}' on {name}")
         if head_dims is not None:
             for hd in head_dims:
-                if hd not in self.head_dims(device.type):
+                if hd not in self.head_dims(fam):
                     raise ValueError(f"head_dims: {hd} is not supported by spec '{self.spec.name}' on "
-                                     f"{device.type} (expected one of {_ranges(self.head_dims(device.type))})")
-        if device.type == "cpu":
+                                     f"{name} (expected one of {_ranges(self.head_dims(fam))})")
+        if fam.runtime_head_dim:
             hds: list[int] = [8]
         else:
-            hds = list(head_dims) if head_dims is not None else [d for d in (64, 128) if d in self.head_dims("cuda")]
+            hds = list(head_dims) if head_dims is not None else [d for d in (64, 128) if d in self.head_dims(fam)]
         layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
         for lay in layouts:
             if lay not in ("padded", "packed"):
                 raise ValueError(f"layouts: unknown layout {lay!r} (expected 'padded' and/or 'packed')")
-        packs = sorted({lay == "packed" for lay in layouts}) if device.type == "cuda" else [False]
+        packs = sorted({lay == "packed" for lay in layouts}) if fam.split_layouts else [False]
         sparse = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
         if not all(isinstance(x, bool) for x in sparse):
             raise TypeError(f"sparse: expected bools, got {sparse!r}")
-        sps = sorted(set(sparse)) if device.type == "cuda" else [False]
-        if device.type == "cuda":  # the default tiles, and those tuned at each stored length
+        sps = sorted(set(sparse)) if fam.split_layouts else [False]
+        if index is not None:  # the default tiles, and those tuned at each stored length
             from . import tune
 
-            index = _index(device)
             lens = {dt: {hd: [None, *sorted({n for kind in ("fwd", "bwd")
                                              for n in tune.tuned_seqlens(self.fingerprint, index, dt, hd, kind)})]
                          for hd in hds} for dt in dts}
@@ -591,29 +712,25 @@ class AttentionOp:
                 for pk in packs:
                     for sp in sps:
                         for n in lens[dt][hd] if not sp else [None]:
-                            inst = self.instantiation(device, dt, hd, pk, sp, n)
-                            bucket = (tune.bucket(self.fingerprint, index, dt, hd, n) if device.type == "cuda"
-                                      else (None, None))
-                            todo.setdefault(inst, []).append((dt, hd, pk, sp, bucket))
+                            todo.setdefault(self.instantiation(device, dt, hd, pk, sp, n, family=fam), []).append(
+                                (dt, hd, pk, sp, n))
         insts = list(todo)
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            for dt, hd, pk, sp, bucket in todo[inst]:
-                self._remember(device, dt, None if device.type == "cpu" else hd, lib, pk, sp, bucket)
+            for dt, hd, pk, sp, n in todo[inst]:
+                self._remember(fam, device, dt, hd, pk, sp, n, lib)
         return insts
 
-    def _mask_library(self, device: torch.device) -> build.LoadedLibrary:
-        """The CUDA block classifier of this spec (a small library of its own, built at first use)."""
-        key = (device.type, device.index, "mask")
+    def _mask_library(self, fam: families.Family, device: torch.device) -> build.LoadedLibrary:
+        """The block classifier of this spec on ``fam`` (a small library of its own, built at first
+        use)."""
+        key = ("mask", fam.name, device.index)
         lib = self._libs.get(key)
         if lib is None:
-            index = device.index if device.index is not None else torch.cuda.current_device()
-            inst = build.Instantiation(self.spec, build.cuda_target(index), self.dtypes("cuda")[0], None,
-                                       (("mask", 1),))
-            lib = build.load(inst, announce=_announce)
+            lib = build.load(fam.classifier(self.spec, fam.device_target(_index(device)).arch), announce=_announce)
             with self._libs_lock:
                 self._libs[key] = lib
         return lib
@@ -627,18 +744,19 @@ class AttentionOp:
 
         return self.spec.mask is not None and not codegen.hook_bodies(self.spec)["row_exact"]
 
-    def auto_blocks(self, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
-        """Block lists for a CUDA call without a block_mask, from the classifier at the kernels'
-        own tiles (``kind`` 'fwd' or 'bwd'), or None when not used (see ``auto_sparse``)."""
-        if q.device.type != "cuda" or not self.auto_sparse or not env.auto_block_mask():
+    def auto_blocks(self, fam: families.Family, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
+        """Block lists for a call without a block_mask on a family with a block classifier, at
+        the kernels' own tiles (``kind`` 'fwd' or 'bwd'), or None when not used (see
+        ``auto_sparse``)."""
+        if not fam.block_classifier or not self.auto_sparse or not env.auto_block_mask():
             return None
         from .sparsity import _lists, classify_cuda
 
         B, Hq, _, Nq, Nk, d = _dims(q, k, packed)
         if Nq == 0 or Nk == 0:
             return None
-        lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, sparse=True)
-        (fr, fc), (br, bc), (dr, dc) = _lib_tiles(lib, q.device)
+        lib = self._library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, sparse=True)
+        fr, fc, br, bc, dr, dc = fam.block_tiles(dict(lib.instantiation.config), (0, 0))
         per_b, per_h = self._mask_extents
         block = self.params_block(values)
         cu = {}
@@ -649,10 +767,12 @@ class AttentionOp:
         from .sparsity import mask_has_float
 
         meta = (fr, fc, br, bc, dr, dc, 0 if mask_has_float(self.spec) else 1)  # as flashgen.block_mask
+        mask_lib = self._mask_library(fam, q.device)
         if kind == "fwd":
-            return Blocks(_lists(classify_cuda(self, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None, None, meta)
-        qst = classify_cuda(self, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
-        dq = classify_cuda(self, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
+            return Blocks(_lists(classify_cuda(self, mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
+                          None, meta)
+        qst = classify_cuda(self, mask_lib, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
+        dq = classify_cuda(self, mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
         return Blocks(None, _lists(qst), _lists(dq), meta)
 
     @functools.cached_property
@@ -661,31 +781,46 @@ class AttentionOp:
 
         return mask_extents(self.spec)
 
-    def _remember(self, device, dtype, head_dim, lib, packed: bool = False, sparse: bool = False,
-                  bucket=(None, None)) -> None:
+    def _remember(self, fam: families.Family, device, dtype, head_dim, packed: bool, sparse: bool, seqlen,
+                  lib: build.LoadedLibrary) -> None:
+        """Record ``lib`` as the library of a call with these keys (``op.build`` and first use)."""
         with self._libs_lock:
-            self._libs[(device.type, device.index, dtype, head_dim, packed, sparse, bucket)] = lib
+            self._libraries[self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)] = lib
 
-    def _library(self, device: torch.device, dtype: ir.DType, head_dim: int,
+    def _library_key(self, fam: families.Family, device, dtype, head_dim, packed, sparse, seqlen) -> tuple:
+        """Every key that selects a call's library: the family, device, dtype, head dim (None
+        where the family takes it at run time), layout, sparsity, the call's max(seqlen_q,
+        seqlen_k) where tuned tiles depend on it, the environment that overrides tiles or
+        loading, and the tuning store's generation (bumped when results are read anew)."""
+        if fam.runtime_head_dim:
+            head_dim = None
+        if not fam.split_layouts:
+            packed = sparse = False
+        if sparse or not fam.tuned:
+            seqlen = None
+        return (fam.name, device.index, dtype, head_dim, packed, sparse, seqlen, env.library_selection(),
+                _generation[0])
+
+    def _library(self, fam: families.Family, device: torch.device, dtype: ir.DType, head_dim: int,
                  packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> build.LoadedLibrary:
-        """The loaded library for a call; on CUDA, with the tiles tuned nearest ``seqlen`` (block-
-        sparse calls take the tuned winner of the longest length, seqlen None, so that lists
-        made for one call's tiles serve every length)."""
-        hd = None if device.type == "cpu" else head_dim
-        packed = packed and device.type == "cuda"
-        sparse = sparse and device.type == "cuda"
-        bucket = (None, None)
-        if device.type == "cuda":
-            from . import tune
-
-            seqlen = None if sparse else seqlen
-            if env.autotune() and env.jit():  # tuning compiles candidates: never with JIT off
-                tune.ensure_tuned(self, device, dtype, head_dim, seqlen)
-            bucket = tune.bucket(self.fingerprint, _index(device), dtype, head_dim, seqlen)
-        lib = self._libs.get((device.type, device.index, dtype, hd, packed, sparse, bucket))
-        if lib is None:
-            lib = build.load(self.instantiation(device, dtype, head_dim, packed, sparse, seqlen), announce=_announce)
-            self._remember(device, dtype, hd, lib, packed, sparse, bucket)
+        """The loaded library for a call on ``fam``, looked up under ``_library_key``; on sm80 with
+        the tiles tuned nearest ``seqlen`` (block-sparse calls take the tuned winner of the
+        longest length, seqlen None, so that lists made for one call's tiles serve every
+        length). A miss chooses the tiles, tunes first with FLASHGEN_AUTOTUNE=1, and loads."""
+        key = self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)
+        lib = self._libraries.get(key)
+        if lib is not None:
+            return lib
+        _, _, _, hd, packed, sparse, seqlen, _, _ = key
+        if fam.tuned and first_use_tuner is not None and env.autotune() and env.jit():
+            first_use_tuner(self, device, dtype, head_dim, seqlen)  # tuning compiles: never with JIT off
+            key = self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)
+        inst = self.instantiation(device, dtype, head_dim, packed, sparse, seqlen, family=fam)
+        lib = build.load(inst, announce=_announce)
+        with self._libs_lock:
+            if len(self._libraries) > 4096:
+                self._libraries.clear()
+            self._libraries[key] = lib
         return lib
 
     # ------------------------------------------------------------ kernel call
@@ -693,22 +828,26 @@ class AttentionOp:
     def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
                  dropout_state: torch.Tensor | None = None, *,
                  packed: Packed | None = None, blocks: Blocks | None = None,
-                 lib: build.LoadedLibrary | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lib: build.LoadedLibrary | None = None,
+                 family: families.Family | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """out and lse of one forward launch. ``lib``: run this loaded library instead of the
         call's own (flashgen.tune times candidate tiles this way)."""
         B, Hq, Hkv, Nq, Nk, d = _dims(q, k, packed)
         fill = float("nan") if poison_outputs else None
         # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
         out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
-        lse = torch.empty(_row_shape(B, Hq, Nq, packed, "q"), dtype=torch.float32, device=q.device)
+        lse = q.new_empty(_row_shape(B, Hq, Nq, packed, "q"), dtype=torch.float32)
         if fill is not None:
             lse.fill_(fill)
         if out.numel() == 0:
             return out, lse
-        if q.device.type == "cuda":
-            q, k, v = (_aligned(t) for t in (q, k, v))
+        if q.is_cuda:
+            q, k, v = _aligned(q), _aligned(k), _aligned(v)
         if lib is None:
-            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None, max(Nq, Nk))
+            fam = family or self._choose(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
+                                         bool(dropout_p)).family
+            lib = self._library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
+                                max(Nq, Nk))
         block = self.params_block(values)
         args = FgFwdArgs(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
@@ -716,23 +855,19 @@ class AttentionOp:
             *_strides(q, packed), *_strides(k, packed), *_strides(v, packed), *_strides(out, packed),
             scale, 0, None, ctypes.addressof(block) if block is not None else None,
         )  # fmt: skip
-        _set_dropout(args, dropout_p, dropout_state)
-        _set_varlen(args, packed)
+        if dropout_p:
+            _set_dropout(args, dropout_p, dropout_state)
+        if packed is not None:
+            _set_varlen(args, packed)
         if blocks is not None:
             args.kv_blocks = blocks.fwd()
-        if q.device.type == "cuda":
-            with torch.cuda.device(q.device):
-                args.num_sms = _num_sms(q.device.index)
-                args.stream = torch.cuda.current_stream().cuda_stream
-                status = lib.fwd(ctypes.byref(args))
-        else:
-            status = lib.fwd(ctypes.byref(args))
-        _check(lib, "fwd", status)
+        _check(lib, "fwd", _launch(lib.fwd, args, q))
         return out, lse
 
     def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
                   need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
-                  packed: Packed | None = None, blocks: Blocks | None = None, lib: build.LoadedLibrary | None = None):
+                  packed: Packed | None = None, blocks: Blocks | None = None, lib: build.LoadedLibrary | None = None,
+                  family: families.Family | None = None):
         """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
         the gradients of the float tensor parameters in ``self.grad_params`` (an empty tensor
         for those not in ``need_param_grads``). With dropout, the forward's ``dropout_p`` and
@@ -768,7 +903,10 @@ class AttentionOp:
         dv_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
         dlse = dlse.float().contiguous() if dlse is not None else None
         if lib is None:
-            lib = self._library(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None, max(Nq, Nk))
+            fam = family or self._choose(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
+                                         bool(dropout_p)).family
+            lib = self._library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
+                                max(Nq, Nk))
         if lib.bwd is None:
             raise NotImplementedError(f"{self.name}: the backward pass is not implemented in this version "
                                       "(forward only); call the op under torch.no_grad() or on inputs "
@@ -787,48 +925,8 @@ class AttentionOp:
         _set_varlen(args, packed)
         if blocks is not None:
             args.q_blocks, args.kv_blocks = blocks.bwd()
-        if q.device.type == "cuda":
-            with torch.cuda.device(q.device):
-                args.num_sms = _num_sms(q.device.index)
-                args.stream = torch.cuda.current_stream().cuda_stream
-                status = lib.bwd(ctypes.byref(args))
-        else:
-            status = lib.bwd(ctypes.byref(args))
-        _check(lib, "bwd", status)
+        _check(lib, "bwd", _launch(lib.bwd, args, q))
         return dq, dk, dv, pgrads
-
-
-_TILES: dict = {}
-
-
-def _cpu_tile(block: int, cap: int) -> int:
-    """The largest multiple of 8 that divides ``block`` and is at most ``cap`` (CPU tile size
-    for a block mask's block: tiles then never straddle two blocks)."""
-    return max(t for t in range(8, min(block, cap) + 1, 8) if block % t == 0)
-
-
-def _lib_tiles(lib: build.LoadedLibrary, device: torch.device):
-    """A block-sparse CUDA library's tiles on ``device`` (LoadedLibrary.tiles), cached."""
-    key = (id(lib), device.index)
-    hit = _TILES.get(key)
-    if hit is None:
-        hit = _TILES[key] = lib.tiles(torch.cuda.get_device_capability(device)[0])
-    return hit
-
-
-def check_dropout_backend(device: torch.device) -> None:
-    """Raise NotImplementedError unless the kernels for ``device`` apply dropout (DROPOUT_BACKENDS)."""
-    if device.type not in DROPOUT_BACKENDS:
-        raise NotImplementedError(f"dropout_p: dropout is not implemented for {device.type.upper()} in this "
-                                  f"version (it runs on: {', '.join(DROPOUT_BACKENDS)})")
-
-
-def check_varlen_backend(device: torch.device) -> None:
-    """Raise NotImplementedError naming cu_seqlens_q unless the kernels for ``device`` take packed
-    (varlen) batches (VARLEN_BACKENDS)."""
-    if device.type not in VARLEN_BACKENDS:
-        raise NotImplementedError(f"cu_seqlens_q: packed (varlen) batches are not implemented for "
-                                  f"{device.type.upper()} in this version (they run on: {', '.join(VARLEN_BACKENDS)})")
 
 
 @dataclass(frozen=True)
@@ -900,6 +998,23 @@ def check_blocks(kind: str, block_kv, block_q, block_dq, block_meta, B: int, H: 
             raise ValueError(f"{name}: expected a contiguous int32 tensor [{B}|1, {H}|1, {want[0]}, {want[1]}] on "
                              f"{device} (the block lists for {br} x {bc} tiles), got {_describe_tensor(t)}")
     return Blocks(block_kv, block_q, block_dq, meta)
+
+
+def _direct(q, k, v, values) -> bool:
+    """Whether an eager call may run the op's implementation without the dispatcher: plain
+    tensors, no gradient to record, nothing tracing or intercepting ops (torch.compile, a
+    dispatch or torch-function mode, functorch transforms, the profiler). The implementation is
+    the registered op's own, with its one validation; this only skips torch.library's
+    dispatch, autograd wrapper and schema parsing (tens of microseconds a call)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in values)):
+        return False
+    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
+                or torch.autograd.profiler._is_profiler_enabled
+                or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))
 
 
 def _check_varlen_given(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> bool:
@@ -1092,6 +1207,20 @@ def _as_dtype(d) -> ir.DType:
     raise ValueError(f"dtypes: unknown dtype {d!r} (expected fp16, bf16 or fp32)")
 
 
+def _launch(entry, args, q: torch.Tensor) -> int:
+    """Call a kernel entry point with ``args``: on CUDA, on the current stream of q's device
+    (made current for the launch when another device is), with no host synchronisation."""
+    if not q.is_cuda:
+        return entry(ctypes.byref(args))
+    index = q.get_device()
+    args.num_sms = _num_sms(index)
+    args.stream = torch._C._cuda_getCurrentRawStream(index)
+    if torch._C._cuda_getDevice() == index:
+        return entry(ctypes.byref(args))
+    with torch.cuda.device(index):
+        return entry(ctypes.byref(args))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t, or a contiguous copy when its pointer or strides break the 16-byte vector loads."""
     elems = 16 // t.element_size()
@@ -1156,7 +1285,7 @@ def _register(op: AttentionOp, qualname: str):
     vdecl = (", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
              "SymInt? max_seqlen_k=None, Tensor? block_kv=None, Tensor? block_q=None, Tensor? block_dq=None, "
              "int[] block_meta=[]")
-    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float scale, bool deterministic{pdecl}{ddecl}"
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float? scale, bool deterministic{pdecl}{ddecl}"
                     f"{vdecl}) -> (Tensor, Tensor)")
 
     def varlen_of(rest, start=None) -> tuple:
@@ -1179,23 +1308,34 @@ def _register(op: AttentionOp, qualname: str):
         op.check_inputs(q, k, v, packed=is_packed)  # the raw op (torch.ops.flashgen.*) is callable directly too
         if not is_packed:
             return None
-        check_varlen_backend(q.device)
         return packed_layout(q, k, *varlen)
 
-    def forward(q, k, v, scale, deterministic, *rest):
-        values, dropout = rest[:npar], rest[npar:npar + ndrop]
-        packed = packed_of(q, k, v, varlen_of(rest))
-        B, Hq, _, Nq, Nk, _ = _dims(q, k, packed)
-        blocks = check_blocks("fwd", *blocks_of(rest), B, Hq, Nq, Nk, q.device, q.device.type == "cuda")
-        if not abs(scale) < FLOAT32_MAX:
-            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
+    def checked(kind, q, k, v, scale, values, dropout, varlen, block_lists):
+        """The one validation of a call (the forward's or the backward's): inputs, packed
+        layout, block lists, scale, parameters and dropout, then the family that serves it.
+        Raises naming the argument, before any launch."""
+        packed = packed_of(q, k, v, varlen)
+        B, Hq, _, Nq, Nk, d = _dims(q, k, packed)
+        dtype = IR_DTYPE[q.dtype]
+        p = bool(dropout and dropout[0])
+        fam = op._choose(q.device, dtype, d, packed is not None, bool(block_lists[3]), p).family
+        blocks = check_blocks(kind, *block_lists, B, Hq, Nq, Nk, q.device, fam.dq_lists)
+        scale = op.scale_for(scale, d)
         values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},
                                  packed.sizes(q.shape[1]) if packed is not None else None)
         if dropout:
             op.check_dropout(q, *dropout)
         if blocks is None:
-            blocks = op.auto_blocks("fwd", q, k, values, packed)
-        return op._forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks)
+            blocks = op.auto_blocks(fam, kind, q, k, values, packed)
+        return fam, packed, blocks, scale, values
+
+    def forward(q, k, v, scale, deterministic, *rest):
+        values, dropout = rest[:npar], rest[npar:npar + ndrop]
+        fam, packed, blocks, scale, values = checked("fwd", q, k, v, scale, values, dropout, varlen_of(rest),
+                                                     blocks_of(rest))
+        return op._forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
+
+    op._impl = forward
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
@@ -1271,18 +1411,14 @@ def _register(op: AttentionOp, qualname: str):
         return tuple(result)
 
     _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
-                    f"Tensor? dlse, float scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}{vdecl}) "
+                    f"Tensor? dlse, float? scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}{vdecl}) "
                     "-> (Tensor, Tensor, Tensor, Tensor[])")
 
     def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
         values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
-        varlen = varlen_of(rest, npar + 1 + ndrop)
-        packed = None
-        if any(x is not None for x in varlen):
-            packed = packed_of(q, k, v, varlen)
-        B, Hq, _, Nq, Nk, _ = _dims(q, k, packed)
-        blocks = check_blocks("bwd", *blocks_of(rest, npar + 1 + ndrop), B, Hq, Nq, Nk, q.device,
-                              q.device.type == "cuda")
+        fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout,
+                                                     varlen_of(rest, npar + 1 + ndrop),
+                                                     blocks_of(rest, npar + 1 + ndrop))
         # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
         for name, t in (("out", out), ("dout", dout)):
             if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
@@ -1295,12 +1431,8 @@ def _register(op: AttentionOp, qualname: str):
                 raise ValueError(f"{name}: expected a float32 tensor of shape {what} = {want} on {q.device}, "
                                  f"got {_describe_tensor(t)}")
         lse = lse.contiguous()
-        if dropout:
-            op.check_dropout(q, *dropout)
-        if blocks is None:
-            blocks = op.auto_blocks("bwd", q, k, values, packed)
         return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
-                            packed=packed, blocks=blocks)
+                            packed=packed, blocks=blocks, family=fam)
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)

@@ -366,18 +366,18 @@ def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
     return X.uses(spec.mask, "b"), X.uses(spec.mask, "h")
 
 
-def classify_cuda(op, params_block, batch: int, heads: int, nq: int, nk: int, br: int, bc: int,
+def classify_cuda(op, lib, params_block, batch: int, heads: int, nq: int, nk: int, br: int, bc: int,
                   device: torch.device, cu_seqlens_q: torch.Tensor | None = None,
                   cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
     """Block classes int8 [batch, heads, ⌈nq/br⌉, ⌈nk/bc⌉] of ``op``'s mask by the generated
     classifier kernel (cuda/classify.cuh) on ``device``'s current stream (no host sync).
+    ``lib``: the spec's loaded classifier library (its family's ``classifier``);
     ``params_block``: the op's ctypes Params (``op.params_block``), kept alive by the caller."""
     import ctypes
 
     from .abi import FgClassifyArgs
     from .ops import _check
 
-    lib = op._mask_library(device)
     rows, cols = _cdiv(nq, br), _cdiv(nk, bc)
     out = torch.empty((batch, heads, rows, cols), dtype=torch.int8, device=device)
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
@@ -515,13 +515,14 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     if spec.mask is None:
         return bound(BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
                                seqlen_q, seqlen_k, full_kept=True))
-    if device.type == "cuda":  # the generated classifier kernel
+    fam = op.family_for(device, None, 128, sparse=True).family if device.type != "cpu" else None
+    if fam is not None and fam.block_classifier:  # the generated classifier kernel
         block = op.params_block(values)
         cu = {}
         if packed:
             cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
                   "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
-        st = classify_cuda(op, block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
+        st = classify_cuda(op, op._mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
                            bq, bk, device, **cu)
         return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
     if not packed:

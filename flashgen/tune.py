@@ -444,12 +444,12 @@ class Candidate:
 def candidate_instantiation(spec: ir.Spec, target, dtype: ir.DType, head_dim: int, tile, kind: str, info=None):
     """The build.Instantiation that compiles only ``kind``'s translation unit with ``tile``; the
     other tile keys are the default choice's."""
-    from . import build, tiles
+    from . import families, tiles
 
     cfg = tiles.default_choice(spec, target.arch, head_dim, info).config()
     cfg.update(tile.config())
-    cfg[f"{kind}_only"] = 1
-    return build.Instantiation(spec, target, dtype, head_dim, tuple(cfg.items()))
+    return families.get(target.family).instantiation(spec, target.arch, dtype, head_dim, tiles=cfg,
+                                                     extra={f"{kind}_only": 1})
 
 
 def _roles(tile, refs: dict) -> tuple[str, ...]:
@@ -741,7 +741,9 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
     tokens = tokens or TOKENS
     if reps < 1:
         raise ValueError(f"reps: expected at least 1, got {reps}")
-    target = build.cuda_target(index)
+    from . import families
+
+    target = families.for_arch("cuda", build.cuda_arch_of(index)).device_target(index)
     info = tiles.device_info(index)
     plans: dict[int, dict[str, list[Candidate]]] = {}
     helpers: dict[int, Candidate] = {}  # the default forward, for the backward's out and lse

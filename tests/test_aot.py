@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import aot, build, ir
+from flashgen import aot, build, families, ir
+
+CPU, SM80 = families.get("cpu"), families.get("sm80")
 
 ROOT = Path(__file__).resolve().parent.parent
 # The causal spec's fp32 CPU kernel: other tests compile it too, so this is usually a cache hit.
@@ -107,7 +109,7 @@ def cpu_dir(tmp_path_factory):
 
 
 def fp32_cpu(spec_path=SPEC, dtype=ir.DType.FP32) -> build.Instantiation:
-    return build.Instantiation(flashgen.compile(spec_path).spec, build.cpu_target(), dtype, None)
+    return CPU.instantiation(flashgen.compile(spec_path).spec, build.cpu_arch(), dtype, None)
 
 
 def jit_off(monkeypatch, aot_dirs, cache: Path) -> None:
@@ -120,12 +122,12 @@ def test_directory_layout_and_index(cpu_dir):
     out, entries = cpu_dir
     [entry] = entries
     index = json.loads((out / "index.json").read_text())
-    assert index["format"] == 1 and index["flashgen"] == flashgen.__version__
+    assert index["format"] == aot.FORMAT == 2 and index["flashgen"] == flashgen.__version__
     assert index["torch"] == torch.__version__ and index["python"] == list(sys.version_info[:2])
     assert index["entries"] == [entry]
     inst = fp32_cpu()
     assert entry["variant"] == inst.variant_id() and entry["artifact"] == inst.name
-    assert entry["target"] == ["cpu", build.cpu_target().arch] and entry["dtype"] == "fp32"
+    assert entry["target"] == ["cpu", build.cpu_arch(), "cpu"] and entry["dtype"] == "fp32"
     assert entry["kinds"] == ["fwd", "bwd"] and entry["spec"] == "causal"
     folder = out / entry["artifact"]
     assert {p.name for p in folder.iterdir()} == {"lib.so", "manifest.json", "src"}
@@ -151,7 +153,7 @@ def test_missing_variant_error_names_it(cpu_dir, tmp_path, monkeypatch):
         build.load(inst)
     text = str(e.value)
     assert isinstance(e.value, flashgen.BuildError)
-    assert f"causal: cpu {build.cpu_target().arch}, bf16" in text
+    assert f"causal: cpu {build.cpu_arch()}, bf16" in text
     assert inst.variant_id() in text and str(out) in text
     assert "hold for spec 'causal'" in text and "fp32" in text  # what the directory does have
     assert "flashgen build " in text and f"causal.attn --out {out} --device cpu --dtype bf16" in text
@@ -216,6 +218,20 @@ def test_index_of_other_versions_is_ignored(cpu_dir, tmp_path, monkeypatch, fiel
     assert f"skipped, built for {field}" in str(e.value)
 
 
+def test_index_of_an_older_format_is_ignored_with_a_clear_reason(cpu_dir, tmp_path, monkeypatch):
+    """Format 1 directories (before kernel families were part of every artifact) are skipped,
+    with a message that says to rebuild them."""
+    out, _ = cpu_dir
+    old = copy_dir(out, tmp_path / "old")
+    index = json.loads((old / "index.json").read_text())
+    index["format"] = 1
+    (old / "index.json").write_text(json.dumps(index))
+    jit_off(monkeypatch, [old], tmp_path / "cache")
+    with pytest.warns(aot.AOTWarning, match="index format 1, but this flashgen reads format 2 .*rebuild the "
+                      "directory with `flashgen build --out`"), pytest.raises(aot.NotBuiltError):
+        build.load(fp32_cpu())
+
+
 def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path):
     out, [entry] = cpu_dir
     again = copy_dir(out, tmp_path / "again")
@@ -248,7 +264,7 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
     causal_packed = next(p.inst for p in planned if p.inst.spec.name == "causal" and p.inst.target.arch == "sm_90a"
                          and dict(p.inst.config).get("varlen"))
     text = aot.not_built_message(causal_packed, [], [])
-    assert "causal: cuda sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
+    assert "causal: sm80 sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
     assert "causal.attn --out DIR --arch sm_90a --dtype bf16 --head-dim 64 --layouts packed" in text
     sparse = aot.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True)
     assert {dict(p.inst.config).get("sparse", 0) or 2 * dict(p.inst.config).get("mask", 0) for p in sparse} == {1, 2}
@@ -260,13 +276,13 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
 
 def test_variant_id_is_what_the_artifact_is():
     spec = flashgen.compile(SPEC).spec
-    a = build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64)
-    assert a.variant_id() == build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64,
+    a = SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64)
+    assert a.variant_id() == build.Instantiation(spec, SM80.target("sm_90a"), ir.DType.BF16, 64,
                                                  a.config).variant_id()
-    others = [build.Instantiation(spec, build.Target("cuda", "sm_80"), ir.DType.BF16, 64),
-              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.FP16, 64),
-              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 128),
-              build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64, (("varlen", 1),))]
+    others = [SM80.instantiation(spec, "sm_80", ir.DType.BF16, 64),
+              SM80.instantiation(spec, "sm_90a", ir.DType.FP16, 64),
+              SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 128),
+              SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64, packed=True)]
     assert len({a.variant_id(), *(o.variant_id() for o in others)}) == 5
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import build, ir
+from flashgen import build, families, ir
 from flashgen.errors import BuildError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_corrupt_entry_is_rebuilt(tmp_path, spec_path, damage):
 def test_build_error_shows_compiler_output_and_source(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     spec = flashgen.frontend.parse("attention broken { dtype fp32 }")
-    inst = build.Instantiation(spec, build.cpu_target(), ir.DType.FP32, None)
+    inst = families.get("cpu").instantiation(spec, build.cpu_arch(), ir.DType.FP32, None)
     monkeypatch.setattr(build.Instantiation, "sources", lambda self: {"broken.cpp": "int main( { this is not C++ }\n"})
     with pytest.raises(BuildError) as e:
         build.load(inst)

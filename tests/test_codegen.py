@@ -5,7 +5,7 @@ import shutil
 import pytest
 from conftest import ROOT, SPECS
 
-from flashgen import build, cli, codegen, frontend, ir, paths
+from flashgen import build, cli, codegen, families, frontend, ir, paths
 
 
 @pytest.mark.parametrize("spec", sorted(SPECS.glob("*.attn")), ids=lambda p: p.stem)
@@ -65,7 +65,7 @@ def test_strict_undefined_names_template():
 
 def _inst(text, **kw):
     spec = frontend.parse("t.attn", text=text)
-    return build.Instantiation(spec, build.Target("cpu", "test"), kw.get("dtype", ir.DType.FP32), None)
+    return families.get("cpu").instantiation(spec, "test", kw.get("dtype", ir.DType.FP32), None)
 
 
 def test_key_ignores_spec_formatting():
@@ -123,9 +123,9 @@ def test_key_covers_every_emitter_module(tmp_path, monkeypatch):
 
 
 def test_artifact_names_are_readable():
-    inst = build.Instantiation(frontend.parse("attention causal { mask = causal }"), build.Target("cuda", "sm_90a"),
+    inst = families.get("sm80").instantiation(frontend.parse("attention causal { mask = causal }"), "sm_90a",
                                ir.DType.BF16, 128)
-    assert inst.name.startswith("fg_causal_bf16_hd128_sm_90a_") and len(inst.name.rsplit("_", 1)[1]) == 12
+    assert inst.name.startswith("fg_causal_sm80_bf16_hd128_sm_90a_") and len(inst.name.rsplit("_", 1)[1]) == 12
     assert inst.symbol("fwd") == "fg_causal_fwd_bf16_hd128" and inst.symbol("bwd") == "fg_causal_bwd_bf16_hd128"
 
 
@@ -147,9 +147,9 @@ def test_tile_overrides_reach_the_cuda_entry_points(monkeypatch):
     config = env.cuda_fwd_tile() + env.cuda_bwd_tile()
     assert dict(config) == {"fwd_block_m": 128, "fwd_block_n": 32, "fwd_warps": 4, "bwd_block_m": 64,
                             "bwd_warps": 8, "bwd_warps_d": 1, "bwd_warps_mdq": 2}
-    target = build.Target("cuda", "sm_90a")
-    plain = build.Instantiation(spec, target, ir.DType.BF16, 128)
-    tuned = build.Instantiation(spec, target, ir.DType.BF16, 128, config)
+    sm80 = families.get("sm80")
+    plain = sm80.instantiation(spec, "sm_90a", ir.DType.BF16, 128)
+    tuned = sm80.instantiation(spec, "sm_90a", ir.DType.BF16, 128, tiles=dict(config))
     assert plain.key != tuned.key
     src = tuned.sources()
     fwd = next(v for k, v in src.items() if "fwd" in k)

@@ -280,13 +280,23 @@ def test_errors_name_the_argument(causal_op):
         op.torch_op(q, k, v, 0.25, False, 0.1, None)
 
 
-def test_families_without_dropout_raise_not_implemented(monkeypatch):
-    """The one place that refuses dropout on a kernel family that does not apply it (no CUDA
-    device needed: the check runs before anything touches the device)."""
-    monkeypatch.setattr(ops, "DROPOUT_BACKENDS", ("cpu",))
-    with pytest.raises(NotImplementedError, match="^dropout_p: dropout is not implemented for CUDA in this version"):
-        ops.check_dropout_backend(torch.device("cuda"))
-    ops.check_dropout_backend(torch.device("cpu"))
+def test_families_without_dropout_raise_not_implemented(monkeypatch, request):
+    """A family whose kernels do not apply dropout declines a call with dropout_p > 0, and the
+    op raises NotImplementedError naming dropout_p, before any launch."""
+    from flashgen import families
+
+    assert ops.DROPOUT_BACKENDS == families.with_feature("dropout") and "cpu" in ops.DROPOUT_BACKENDS
+    cpu = families.get("cpu")
+    monkeypatch.setattr(cpu, "features", cpu.features - {"dropout"})
+    ops.invalidate_libraries()
+    request.addfinalizer(ops.invalidate_libraries)
+    op = spec_op("dropout")
+    q, k, v, _ = inputs(1, 2, 1, 40, 16)
+    with pytest.raises(NotImplementedError, match="^dropout_p: dropout is not implemented for CPU in this version"):
+        op(q, k, v, dropout_p=0.1, dropout_seed=1)
+    with pytest.raises(NotImplementedError, match="^dropout_p: dropout is not implemented for CPU"):
+        op.torch_op(q, k, v, 0.25, False, 0.1, flashgen.dropout_state(1))
+    assert op(q, k, v).shape == q.shape  # p = 0 needs no dropout kernels
 
 
 def test_opcheck_and_torch_compile():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import build, cli, ir, reference, tiles, tune
+from flashgen import build, cli, families, ir, reference, tiles, tune
 from flashgen import explain as ex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -225,7 +225,7 @@ def test_registers_from_cached_library(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     op = flashgen.compile(SPECS / "causal.attn")
     choice = tiles.choose(op.spec, "sm_90a", ir.DType.BF16, 64, 1024)
-    inst = build.Instantiation(op.spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64,
+    inst = build.Instantiation(op.spec, families.get("sm80").target("sm_90a"), ir.DType.BF16, 64,
                                tuple(choice.config().items()))
     entry = tmp_path / "cache" / inst.name
     entry.mkdir(parents=True)

@@ -1,6 +1,6 @@
 """Fused dropout on the CUDA family: forward and backward against the float64 reference with the
 regenerated keep mask, the mask itself, reproducibility and CUDA graph capture. Every test skips
-while ops.DROPOUT_BACKENDS lacks "cuda" (the op then refuses dropout on CUDA)."""
+while ops.DROPOUT_BACKENDS lacks "sm80" (the op then refuses dropout on CUDA)."""
 
 import pytest
 import torch
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def cuda_dropout():
-    if "cuda" not in ops.DROPOUT_BACKENDS:
+    if "sm80" not in ops.DROPOUT_BACKENDS:
         pytest.skip("the CUDA kernels do not apply dropout in this version (ops.DROPOUT_BACKENDS)")
 
 

@@ -52,10 +52,12 @@ PACKED = [("causal", "fwd", 72, {"varlen": 1}), ("alibi", "bwd", 128, {"varlen":
 def test_packed_cuda_compiles(spec, kind, head_dim, config, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-    from flashgen import build, frontend, ir
+    from flashgen import families, frontend, ir
 
-    inst = build.Instantiation(frontend.parse(ROOT / "specs" / f"{spec}.attn"), build.Target("cuda", "sm_90a"),
-                               ir.DType("bf16"), head_dim, tuple(config.items()))  # tiles: the sm_90a table's
+    sm80, parsed = families.get("sm80"), frontend.parse(ROOT / "specs" / f"{spec}.attn")
+    inst = (sm80.classifier(parsed, "sm_90a") if "mask" in config else  # tiles: the sm_90a table's
+            sm80.instantiation(parsed, "sm_90a", ir.DType("bf16"), head_dim, packed="varlen" in config,
+                               sparse="sparse" in config))
     text = inst.sources()[inst.source_name(kind)]
     want = ", true, true>(*args)" if len(config) == 2 else ", false, true>(*args)" if "sparse" in config \
         else "launch_classify<" if "mask" in config else ", true>(*args)"

@@ -220,7 +220,7 @@ def test_cpu_pattern_blocks_of_any_size_stay_exact(bs):
     """Block sizes that are not multiples of the CPU's preferred tiles: the tiles become a divisor
     of the block, so a tile never mixes a kept and an empty block (whose inside would otherwise
     see only the spec's mask)."""
-    from flashgen.ops import _cpu_tile
+    from flashgen.families.cpu import divisor_tile as _cpu_tile
 
     assert _cpu_tile(264, 256) == 88 and _cpu_tile(520, 512) == 104 and _cpu_tile(128, 256) == 128
     nq, nk = 2 * bs[0] + 5, 2 * bs[1] + 7

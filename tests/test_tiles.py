@@ -5,7 +5,9 @@ import math
 
 import pytest
 
-from flashgen import build, frontend, ir, tiles
+from flashgen import build, families, frontend, ir, tiles
+
+SM80 = families.get("sm80")
 
 CAUSAL = "attention c { mask = causal }"
 SOFTCAP = "attention s { param cap: float\n mask = causal\n score = cap * tanh(score / cap) }"
@@ -93,15 +95,15 @@ def test_every_cuda_instantiation_names_its_tiles():
     spec = frontend.parse(SOFTCAP)
     for arch, want in (("sm_90a", "FwdTile<128, 64, 4, false>"), ("sm_80", "FwdTile<128, 32, 4, false>"),
                        ("any", "FwdTile<128, 64, 4, false>")):
-        inst = build.Instantiation(spec, build.Target("cuda", arch), ir.DType.BF16, 128)
+        inst = SM80.instantiation(spec, arch, ir.DType.BF16, 128)
         assert set(tiles.TILE_KEYS) <= set(dict(inst.config))
         assert want in inst.sources()[inst.source_name("fwd")]
     # config order does not make a different artifact
-    a = build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64, (("varlen", 1), ("sparse", 1)))
-    b = build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64, (("sparse", 1), ("varlen", 1)))
+    a = SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64, packed=True, sparse=True)
+    b = SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64, sparse=True, packed=True)
     assert a == b and a.key == b.key
     # one-pass candidates compile one translation unit
-    fo = build.Instantiation(spec, build.Target("cuda", "sm_90a"), ir.DType.BF16, 64, (("fwd_only", 1),))
+    fo = SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64, extra={"fwd_only": 1})
     assert fo.kinds == ("fwd",) and list(fo.sources()) == [fo.source_name("fwd")]
 
 

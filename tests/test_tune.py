@@ -14,7 +14,7 @@ import torch
 from conftest import ROOT, SPECS
 
 import flashgen
-from flashgen import build, frontend, ir, tiles, tune
+from flashgen import build, families, frontend, ir, tiles, tune
 from flashgen.errors import BuildError
 
 BF16 = ir.DType.BF16
@@ -99,7 +99,7 @@ def test_candidates_drop_hopeless_register_estimates(alibi):
 
 
 def test_candidate_instantiation_builds_one_pass(causal):
-    target = build.Target("cuda", "sm_90a")
+    target = families.get("sm80").target("sm_90a")
     inst = tune.candidate_instantiation(causal, target, BF16, 64, tiles.FwdTile(64, 96, 4), "fwd")
     cfg = dict(inst.config)
     assert inst.kinds == ("fwd",) and cfg["fwd_only"] == 1
@@ -390,7 +390,7 @@ def test_tune_many_orchestration_without_a_gpu(store, causal_op, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(build, "cuda_target", lambda index: build.Target("cuda", "sm_90a"))
+    monkeypatch.setattr(build, "cuda_arch_of", lambda index: "sm_90a")
     built, insts = [], {}
 
     class FakeLib:

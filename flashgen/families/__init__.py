@@ -1,0 +1,155 @@
+"""Kernel families behind one registry, tried in order: a call runs on the first family that
+serves it (layout, head dim, dtype, features); ``FLASHGEN_FAMILY``, ``op.build(family=...)``,
+the CLI's ``--family`` and ``with flashgen.use_family(...)`` force one, and a forced family
+that cannot serve a call raises NotImplementedError naming what it lacks (never a fallback).
+
+Adding a family: a module here with a ``Family`` subclass and a template/header folder, and one
+entry in ``_ORDER`` (docs/architecture.md, "How to add a kernel family").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from .. import env, ir
+from . import cpu, sm80
+from .base import FEATURES, Call, Family
+
+# The order families are tried in. ('sm90', the Hopper family, goes first once it exists.)
+_ORDER: tuple[Family, ...] = (sm80.FAMILY, cpu.FAMILY)
+FAMILIES: dict[str, Family] = {f.name: f for f in _ORDER}
+
+# The call argument that asks for each feature, and how a message names the feature.
+_FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q", "packed (varlen) batches are"),
+                "sparse": ("block_mask", "block-sparse kernels are"), "backward": ("backward", "the backward pass is")}
+
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashgen_family", default=None)
+
+__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "for_arch", "forced", "get", "of", "use_family",
+           "with_feature"]
+
+
+def get(name: str) -> Family:
+    """The family called ``name``; ValueError listing the families for an unknown name."""
+    fam = FAMILIES.get(name) if isinstance(name, str) else None
+    if fam is None:
+        raise ValueError(f"family: unknown kernel family {name!r} (expected one of {', '.join(FAMILIES)})")
+    return fam
+
+
+def of(what: Family | str) -> Family:
+    """A family from itself, its name, or a device type ('cpu', 'cuda': the first family of the
+    registry's order for that device)."""
+    if isinstance(what, Family):
+        return what
+    if what in FAMILIES:
+        return FAMILIES[what]
+    for fam in _ORDER:
+        if fam.device == what:
+            return fam
+    raise ValueError(f"family: unknown kernel family or device type {what!r} (expected one of "
+                     f"{', '.join(FAMILIES)}, or cpu / cuda)")
+
+
+def with_feature(feature: str) -> tuple[str, ...]:
+    """The names of the families whose kernels have ``feature`` (one of FEATURES)."""
+    return tuple(f.name for f in _ORDER if feature in f.features)
+
+
+def for_arch(device: str, arch: str | None) -> Family:
+    """The first family in the registry's order that runs on ``device`` ('cpu' or 'cuda') and
+    ``arch`` whatever the call (ahead-of-time builds, tuning and explain name a target before
+    any call exists); the forced family when one is forced. ValueError when none does."""
+    name = forced()
+    if name is not None:
+        fam = get(name)
+        if fam.device == device and fam.arch_reason(arch) is None:
+            return fam
+        raise ValueError(f"family: the forced family {name} does not run on {device} {arch or ''}".rstrip())
+    for fam in _ORDER:
+        if fam.device == device and fam.arch_reason(arch) is None:
+            return fam
+    raise ValueError(f"arch: no kernel family runs on {device} {arch or ''}".rstrip())
+
+
+def forced() -> str | None:
+    """The family forced for this thread: ``use_family``'s, else FLASHGEN_FAMILY's, else None."""
+    name = _forced.get()
+    if name is None:
+        name = env.family()
+    return name
+
+
+@contextlib.contextmanager
+def use_family(name: str | None) -> Iterator[Family | None]:
+    """Force the kernel family ``name`` ('sm80', 'cpu') for calls made inside the block (this
+    thread and context); None forces nothing beyond FLASHGEN_FAMILY. A call the forced family
+    cannot serve raises NotImplementedError naming what it lacks. ValueError for an unknown
+    name."""
+    fam = get(name) if name is not None else None
+    token = _forced.set(name)
+    try:
+        yield fam
+    finally:
+        _forced.reset(token)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The family a call runs on, and why: ``tried`` lists (family, what it lacks) for every
+    family tried before it; ``forced`` names where a force came from (None: the registry's order)."""
+
+    family: Family
+    tried: tuple[tuple[str, str], ...]
+    forced: str | None
+
+    def why(self) -> str:
+        if self.forced:
+            return f"{self.family.name} (forced by {self.forced})"
+        skipped = "; ".join(f"{n} {why}" for n, why in self.tried)
+        return f"{self.family.name} (the first family that serves the call" + (f"; {skipped})" if skipped else ")")
+
+
+def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
+    """The family that runs ``call`` of ``spec``: ``family`` when given, else the forced one
+    (``forced()``), else the first of the registry's order that serves it.
+
+    Raises:
+        ValueError: an unknown family name.
+        NotImplementedError: the forced family cannot serve the call (naming what it lacks), or
+            no family serves it.
+    """
+    origin = None
+    if family is not None:
+        origin = "family="
+    else:
+        family = _forced.get()
+        if family is not None:
+            origin = "flashgen.use_family"
+        else:
+            family = env.family()
+            origin = "FLASHGEN_FAMILY" if family is not None else None
+    if family is not None:
+        fam = get(family)
+        why = fam.declines(spec, call)
+        if why:
+            raise NotImplementedError(f"family {fam.name} ({origin}) cannot serve this call of spec "
+                                      f"'{spec.name}': it {why}")
+        return Choice(fam, (), origin)
+    tried = []
+    for fam in _ORDER:
+        why = fam.declines(spec, call)
+        if why is None:
+            return Choice(fam, tuple(tried), None)
+        tried.append((fam.name, why))
+    for fam in _ORDER:  # a family that would serve the call but for a feature: name its argument
+        if call.features and fam.declines(spec, replace(call, features=frozenset())) is None:
+            feature = sorted(call.features - fam.features)[0]
+            arg, what = _FEATURE_ARG[feature]
+            raise NotImplementedError(f"{arg}: {what} not implemented for {call.device.upper()} in this version "
+                                      f"(family {fam.name}; they run on: {', '.join(with_feature(feature)) or 'none'})")
+    raise NotImplementedError(f"no kernel family serves this call of spec '{spec.name}' ("
+                              + "; ".join(f"{n} {w}" for n, w in tried) + ")")

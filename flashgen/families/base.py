@@ -1,0 +1,128 @@
+"""What a kernel family is: the unit a kernel generation plugs into flashgen as.
+
+A family owns its device type and architectures, the dtypes, head dims and features its
+kernels serve, the build target and translation units of an instantiation, its tile config
+(tables, derived defaults, legality) and the block-list tile geometry. The registry
+(flashgen/families/__init__.py) tries the families in order and runs a call on the first one
+that serves it; nothing outside a family tests the device type to decide what runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import build, ir
+
+# What a call may need beyond the forward of the padded layout.
+FEATURES = ("backward", "dropout", "varlen", "sparse")
+
+
+@dataclass(frozen=True)
+class Call:
+    """What selects a family (and, with the tiles, a library) for one call: the device type and
+    architecture (None for a CPU), the dtype, the head dim, and the features it needs (a subset
+    of FEATURES: 'varlen' for the packed layout, 'sparse' for block lists, 'dropout' for
+    dropout_p > 0)."""
+
+    device: str
+    arch: str | None
+    dtype: ir.DType
+    head_dim: int
+    features: frozenset[str] = frozenset()
+
+
+class Family:
+    """A kernel family (subclassed by flashgen/families/cpu.py and sm80.py).
+
+    Attributes:
+        name: the family's name ('sm80', 'cpu'); part of every artifact's name and cache key.
+        device: the torch device type its kernels run on ('cpu' or 'cuda').
+        dtypes: the dtypes its kernels take.
+        head_dims: the head dims its kernels take.
+        features: the FEATURES its kernels have.
+        runtime_head_dim: one library serves every head dim (the CPU family's kernels take it at
+            run time); else one instantiation per head dim.
+        split_layouts: the padded and packed layouts (and dense / block-sparse calls) are built
+            as separate instantiations (CUDA: padded calls never pay for varlen code).
+        dq_lists: the backward has a dq kernel of its own that walks block lists (block_dq).
+        tuned: its tiles are chosen per call length (tuned winners, flashgen.tune).
+        block_classifier: block lists are classified on the device by a generated kernel
+            (``classifier``), per call for masks without a closed-form key range.
+    """
+
+    name: str = ""
+    device: str = ""
+    dtypes: tuple[ir.DType, ...] = ()
+    head_dims: tuple[int, ...] = ()
+    features: frozenset[str] = frozenset()
+    runtime_head_dim: bool = False
+    split_layouts: bool = False
+    dq_lists: bool = False
+    block_classifier: bool = False
+    tuned: bool = False
+
+    def __repr__(self) -> str:
+        return f"<flashgen kernel family {self.name}>"
+
+    # ------------------------------------------------------------ what it serves
+
+    def arch_reason(self, arch: str | None) -> str | None:
+        """None when the family's kernels run on ``arch``, else what it lacks (one phrase)."""
+        return None
+
+    def declines(self, spec: ir.Spec, call: Call) -> str | None:
+        """None when this family serves ``call`` of ``spec``; else what it lacks, as a phrase
+        ("runs on cuda tensors, not cpu", "has no dropout", ...)."""
+        if call.device != self.device:
+            return f"runs on {self.device} tensors, not {call.device}"
+        why = self.arch_reason(call.arch)
+        if why:
+            return why
+        if call.dtype not in self.dtypes:
+            return f"has no {call.dtype.value} kernels (it takes {', '.join(d.value for d in self.dtypes)})"
+        if call.head_dim not in self.head_dims:
+            return f"has no head_dim {call.head_dim} kernels"
+        missing = sorted(call.features - self.features)
+        if missing:
+            return "has no " + ", ".join(_FEATURE_TEXT[f] for f in missing)
+        return None
+
+    # ------------------------------------------------------------ builds
+
+    def target(self, arch: str) -> build.Target:
+        """The build target of this family for ``arch``."""
+        return build.Target(self.name, arch, self.device)
+
+    def device_target(self, index: int | None) -> build.Target:
+        """The build target for the live device ``index`` (None: the CPU)."""
+        raise NotImplementedError
+
+    def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
+               sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:
+        """The full config of an instantiation (sorted (key, value) pairs): ``tiles`` (a config
+        dict, e.g. a tuned or forced choice) completed by the family's defaults for ``arch``."""
+        return ()
+
+    def instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *,
+                      packed: bool = False, sparse: bool = False, tiles: dict | None = None,
+                      extra: dict | None = None) -> build.Instantiation:
+        """The artifact of ``spec`` for (arch, dtype, head_dim, layout), its config filled in
+        here (the build stage below never chooses tiles). ``extra``: further config entries
+        (e.g. the tuner's fwd_only / bwd_only)."""
+        hd = None if self.runtime_head_dim else head_dim
+        cfg = dict(self.config(spec, arch, dtype, hd, packed=packed, sparse=sparse, tiles=tiles))
+        cfg.update(extra or {})
+        return build.Instantiation(spec, self.target(arch), dtype, hd, tuple(sorted(cfg.items())))
+
+    def classifier(self, spec: ir.Spec, arch: str) -> build.Instantiation:
+        """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""
+        raise NotImplementedError(f"family {self.name} has no block classifier")
+
+    def block_tiles(self, config: dict, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+        """The tiles block lists are made for, (forward rows, cols, backward rows, cols, dq rows,
+        cols) in elements, for an instantiation's ``config`` and a block mask's block size."""
+        raise NotImplementedError
+
+
+_FEATURE_TEXT = {"backward": "backward kernels", "dropout": "dropout", "varlen": "packed (varlen) batches",
+                 "sparse": "block-sparse kernels"}

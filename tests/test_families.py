@@ -1,0 +1,97 @@
+"""Kernel families behind one registry: the order they are tried in, what each serves, why a
+call runs where it runs, and forcing one (FLASHGEN_FAMILY, use_family, op.build(family=),
+--family) without ever falling back."""
+
+import pytest
+import torch
+from conftest import SPECS
+
+import flashgen
+from flashgen import build, cli, families, ir, ops
+
+
+@pytest.fixture(scope="module")
+def causal():
+    return flashgen.compile(SPECS / "causal.attn")
+
+
+def test_registry_order_and_features():
+    assert list(families.FAMILIES) == ["sm80", "cpu"]
+    sm80, cpu = families.get("sm80"), families.get("cpu")
+    assert (sm80.device, cpu.device) == ("cuda", "cpu")
+    assert ir.DType.FP32 in cpu.dtypes and ir.DType.FP32 not in sm80.dtypes
+    assert ops.DROPOUT_BACKENDS == ("sm80", "cpu") == ops.VARLEN_BACKENDS
+    with pytest.raises(ValueError, match="family: unknown kernel family 'sm70' .*sm80, cpu"):
+        families.get("sm70")
+    assert families.of("cuda") is sm80 and families.of("cpu") is cpu and families.of(sm80) is sm80
+
+
+def test_family_for_says_which_and_why(causal):
+    choice = causal.family_for("cpu", torch.float32, 64)
+    assert choice.family.name == "cpu" and choice.forced is None
+    assert choice.tried == (("sm80", "runs on cuda tensors, not cpu"),)
+    assert "cpu (the first family that serves the call; sm80 runs on cuda tensors, not cpu)" == choice.why()
+    call = families.Call("cuda", "sm_75", ir.DType.BF16, 64)
+    with pytest.raises(NotImplementedError, match="sm80 needs compute capability 8.0 or newer"):
+        families.choose(causal.spec, call)
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "dropout"}))
+    assert families.choose(causal.spec, call).family.name == "sm80"
+
+
+def test_forced_family_never_falls_back(causal, monkeypatch):
+    q = torch.randn(1, 2, 16, 32)
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
+    with pytest.raises(NotImplementedError, match=r"^family sm80 \(FLASHGEN_FAMILY\) cannot serve this call of spec "
+                       r"'causal': it runs on cuda tensors, not cpu"):
+        causal(q, q, q)
+    with pytest.raises(NotImplementedError, match="family sm80"):  # the raw op goes through the same choice
+        causal.torch_op(q, q, q, None, False)
+    monkeypatch.setenv("FLASHGEN_FAMILY", "cpu")
+    assert causal.family_for("cpu", torch.float32, 32).forced == "FLASHGEN_FAMILY"
+    monkeypatch.setenv("FLASHGEN_FAMILY", "nope")
+    with pytest.raises(ValueError, match="unknown kernel family 'nope'"):
+        causal(q, q, q)
+    monkeypatch.delenv("FLASHGEN_FAMILY")
+    with flashgen.use_family("sm80"):
+        with pytest.raises(NotImplementedError, match=r"family sm80 \(flashgen.use_family\)"):
+            causal(q, q, q)
+        with flashgen.use_family("cpu"):  # the innermost force wins, and is lifted on exit
+            assert torch.isfinite(causal(q, q, q)).all()
+        with pytest.raises(NotImplementedError):
+            causal(q, q, q)
+    out = causal(q, q, q)
+    ref = flashgen.reference.attention(causal.spec, q.double(), q.double(), q.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        with flashgen.use_family("sm90x"):
+            pass
+
+
+def test_build_family_argument(causal):
+    with pytest.raises(ValueError, match=r"^family: sm80 does not run on cpu \(it runs on cuda tensors\)"):
+        causal.build("cpu", family="sm80")
+    with pytest.raises(ValueError, match="unknown kernel family"):
+        causal.build("cpu", family="gpu")
+    insts = causal.build("cpu", [torch.float32], family="cpu")
+    assert [i.target.family for i in insts] == ["cpu"]
+
+
+def test_family_is_in_artifact_names_and_keys(causal):
+    cpu = families.get("cpu")
+    inst = cpu.instantiation(causal.spec, "test", ir.DType.FP32, None)
+    assert inst.name.startswith("fg_causal_cpu_fp32_hdany_test_")
+    other = build.Instantiation(causal.spec, build.Target("cpu2", "test", "cpu"), ir.DType.FP32, None)
+    assert other.key != inst.key and other.variant_id() != inst.variant_id()
+    sm80 = families.get("sm80").instantiation(causal.spec, "sm_90a", ir.DType.BF16, 64)
+    assert sm80.name.startswith("fg_causal_sm80_bf16_hd64_sm_90a_")
+    assert dict(sm80.config)["fwd_block_m"] > 0  # the family filled its tiles in
+
+
+def test_cli_family_option(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path))
+    spec = str(SPECS / "causal.attn")
+    code = cli.main(["run", spec, "--batch", "1", "--heads", "2", "--seqlen", "64", "--head-dim", "32", "--dtype",
+                     "fp32", "--reps", "1", "--family", "sm80"])
+    assert code == 2 and "family sm80 (flashgen.use_family) cannot serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["run", spec, "--family", "sm70"])
