@@ -165,7 +165,7 @@ def _open(inst: build.Instantiation, path: Path, sha256) -> tuple[build.LoadedLi
         if path in _bad:
             return None, _bad[path]
         try:
-            ok = build._sha256(path) == sha256
+            ok = build.sha256_of(path) == sha256
             why = "" if ok else "its lib.so does not match the index's sha256 (modified or damaged)"
         except OSError as e:
             why = f"its lib.so does not read ({e.strerror or e})"
@@ -391,7 +391,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
     cache key and compiles nothing. Raises SpecError for a bad spec, ValueError / TypeError for
     bad arguments (naming them)."""
     from . import tiles
-    from .ops import _as_dtype, _ranges
+    from .ops import as_dtype, ranges_text
 
     ops = [_as_op(s) for s in ([specs] if isinstance(specs, str | Path) else specs)]
     if not ops:
@@ -405,7 +405,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
     sparse = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
     if not all(isinstance(x, bool) for x in sparse):
         raise TypeError(f"sparse: expected bools, got {sparse!r}")
-    want_dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else None
+    want_dts = [as_dtype(d) for d in dtypes] if dtypes is not None else None
     want_hds = list(head_dims) if head_dims is not None else None
     out: dict[build.Instantiation, Planned] = {}
 
@@ -433,7 +433,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                 for hd in want_hds:
                     if hd not in allowed:
                         raise ValueError(f"head_dims: {hd} is not supported by spec '{spec.name}' on cuda "
-                                         f"(expected one of {_ranges(allowed)})")
+                                         f"(expected one of {ranges_text(allowed)})")
                 hds = want_hds
             else:
                 hds = [d for d in (64, 128) if d in allowed] or list(allowed)
@@ -457,7 +457,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                                 inst = fam.instantiation(spec, arch, dt, hd, packed=pk, sparse=sp, tiles=ch.config())
                                 add(Planned(op, inst, index,
                                             (ch.fwd_origin, ch.bwd_origin), ch.tuned_seqlen))
-            if True in sps:  # the block classifier (one per spec and arch, as ops._mask_library)
+            if True in sps:  # the block classifier (one per spec and arch, as ops.mask_library)
                 add(Planned(op, fam.classifier(spec, arch), index))
     return list(out.values())
 
@@ -494,10 +494,10 @@ def _copy_artifact(src: Path, out: Path, name: str) -> tuple[Path, str]:
     BuildError when the copy does not verify against the entry's manifest."""
     dest = out / name
     if dest.exists() and os.path.samefile(src, dest):
-        return dest, build._sha256(dest / "lib.so")
+        return dest, build.sha256_of(dest / "lib.so")
     tmp = out / f".{name}-{uuid.uuid4().hex[:8]}.tmp"
     shutil.copytree(src, tmp)
-    sha = build._sha256(tmp / "lib.so")
+    sha = build.sha256_of(tmp / "lib.so")
     try:
         manifest = json.loads((tmp / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -608,7 +608,7 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=jobs or max(1, min(len(planned), os.cpu_count() or 1))) as pool:
-        libs = list(pool.map(lambda p: build._load_cached(p.inst, announce), planned))
+        libs = list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
     import filelock
 
     with filelock.FileLock(str(out / ".index.lock")):

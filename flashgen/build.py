@@ -268,14 +268,14 @@ def compiler_flags(target: Target) -> tuple[list[str], list[str]]:
 # ---------------------------------------------------------------- cache entries
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _entry_ok(entry: Path, key: str) -> bool:
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
-        return manifest["key"] == key and manifest["sha256"] == _sha256(entry / "lib.so")
+        return manifest["key"] == key and manifest["sha256"] == sha256_of(entry / "lib.so")
     except (OSError, KeyError, ValueError):
         return False
 
@@ -348,10 +348,10 @@ def load(inst: Instantiation, *, announce: Callable[[str], None] | None = None) 
             return lib
         if not env.jit():
             raise aot.NotBuiltError(aot.not_built_message(inst, dirs, notes))
-    return _load_cached(inst, announce)
+    return load_cached(inst, announce)
 
 
-def _load_cached(inst: Instantiation, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
+def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
     """``load`` without the ahead-of-time directories: this process, the cache, or a build."""
     root = env.cache_dir()
     # Per cache root: a library this process loaded from another root (the cache directory
@@ -441,7 +441,7 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
     shutil.copytree(work / "src", publish / "src")
     manifest = {
         "key": inst.key,
-        "sha256": _sha256(publish / "lib.so"),
+        "sha256": sha256_of(publish / "lib.so"),
         "fields": inst._key_fields(),
         "build_seconds": round(seconds, 2),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

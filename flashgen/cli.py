@@ -230,7 +230,7 @@ def _build_cache(args, console, torch, build_mod, fg_compile) -> int:
 def _build_aot(args, console) -> int:
     """``build --out DIR`` (an ahead-of-time directory) or ``build --arch ...`` (into the cache)."""
     from . import aot, build
-    from .ops import _announce
+    from .ops import announce
 
     dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
     sparse = (False, True) if args.sparse else (False,)
@@ -243,12 +243,12 @@ def _build_aot(args, console) -> int:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=len(planned) or 1) as pool:
-                list(pool.map(lambda p: build._load_cached(p.inst, _announce), planned))
+                list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
             rows = [(p.inst.spec.name, p.inst.name, aot.describe_instantiation(p.inst)) for p in planned]
         else:
             entries = aot.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
                                     dtypes=dtypes, head_dims=args.head_dim, layouts=args.layouts, sparse=sparse,
-                                    announce=_announce)
+                                    announce=announce)
             rows = [(e["spec"], e["artifact"], aot.describe(e["spec"], e["target"], e["dtype"], e["head_dim"],
                                                             e["config"])) for e in entries]
     dt = time.perf_counter() - t0

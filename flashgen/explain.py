@@ -216,12 +216,12 @@ def _as_op(op_or_spec):
     return fg_compile(op_or_spec)
 
 
-def _as_dtype(dtype) -> ir.DType:
-    """ops._as_dtype, with the error naming explain's argument."""
-    from .ops import _as_dtype as as_dtype
+def as_dtype(dtype) -> ir.DType:
+    """ops.as_dtype, with the error naming explain's argument."""
+    from . import ops
 
     try:
-        return as_dtype(dtype)
+        return ops.as_dtype(dtype)
     except ValueError:
         raise ValueError(f"dtype: expected fp16, bf16 or fp32, got {dtype!r}") from None
 
@@ -422,7 +422,7 @@ def _row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict)
         if X.type_of(e.lhs, scope) != X.INT or X.type_of(e.rhs, scope) != X.INT:
             raise _NoClosedForm
         op = X._NEG_CMP[e.op] if negate else e.op
-        lhs, rhs = X._linear_in_kv(e.lhs), X._linear_in_kv(e.rhs)
+        lhs, rhs = X.linear_in_kv(e.lhs), X.linear_in_kv(e.rhs)
         if lhs is None or rhs is None:
             raise _NoClosedForm
         c = lhs[0] - rhs[0]
@@ -1069,7 +1069,7 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     _check_sizes(nq, nk, head_dim, batch, heads, hkv)
     if measure and (isinstance(reps, bool) or not isinstance(reps, int) or reps < 1):
         raise ValueError(f"reps: {reps!r} is out of range (expected an int ≥ 1)")
-    dt = None if dtype is None else _as_dtype(dtype)
+    dt = None if dtype is None else as_dtype(dtype)
     target = _resolve(arch, device, measure)
     fam = target.family
     allowed = op.dtypes(fam)
@@ -1088,10 +1088,10 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
         raise ValueError(f"dtype: {dt.value} is not supported by spec '{spec.name}' on {fam.upper()} "
                          f"(expected one of {', '.join(x.value for x in allowed)})")
     if head_dim not in op.head_dims(fam):
-        from .ops import _ranges
+        from .ops import ranges_text
 
         raise ValueError(f"head_dim: {head_dim} is not supported by spec '{spec.name}' on {fam.upper()} "
-                         f"(expected one of {_ranges(op.head_dims(fam))})")
+                         f"(expected one of {ranges_text(op.head_dims(fam))})")
     given = _given_params(spec, params)
     values = _spec_params(spec, given, batch, heads, nq, nk)
     e = ELEMENT_BYTES[dt]
@@ -1236,10 +1236,10 @@ def _registers(op, target: _Target, dt, d, choice, listed: bool, build: bool, no
                                                                 tiles=choice.config())
     path = _library_path(inst)
     if path is None and build:
-        from .ops import _announce
+        from .ops import announce
 
         try:
-            build_mod.load(inst, announce=_announce)
+            build_mod.load(inst, announce=announce)
         except (OSError, build_mod.BuildError):
             pass  # built but not loadable here (no GPU of that arch): the entry may still exist
         path = _library_path(inst)

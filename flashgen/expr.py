@@ -588,17 +588,17 @@ def monotonicity(e: ir.Expr) -> Mono | None:
     return None
 
 
-def _linear_in_kv(e: ir.Expr):
+def linear_in_kv(e: ir.Expr):
     """(c, rest) with e == c·kv + rest and rest free of kv (rest None means 0), or None."""
     if not uses(e, "kv"):
         return 0, e
     if isinstance(e, ir.Name) and e.id == "kv":
         return 1, None
     if isinstance(e, ir.Unary) and e.op == "-":
-        r = _linear_in_kv(e.operand)
+        r = linear_in_kv(e.operand)
         return None if r is None else (-r[0], _neg(r[1]))
     if isinstance(e, ir.BinOp) and e.op in "+-":
-        a, b = _linear_in_kv(e.lhs), _linear_in_kv(e.rhs)
+        a, b = linear_in_kv(e.lhs), linear_in_kv(e.rhs)
         if a is None or b is None:
             return None
         if e.op == "+":
@@ -608,7 +608,7 @@ def _linear_in_kv(e: ir.Expr):
     if isinstance(e, ir.BinOp) and e.op == "*":
         for lin, k in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
             if isinstance(k, ir.Num) and isinstance(k.value, int):
-                r = _linear_in_kv(lin)
+                r = linear_in_kv(lin)
                 if r is not None:
                     return r[0] * k.value, (ir.BinOp("*", r[1], k) if r[1] else None)
     return None
@@ -684,7 +684,7 @@ def key_range(spec: ir.Spec) -> KeyRange:
         if type_of(e.lhs, plain.scope) != INT or type_of(e.rhs, plain.scope) != INT:
             return _UNBOUNDED
         op = _NEG_CMP[e.op] if negate else e.op
-        lhs, rhs = _linear_in_kv(e.lhs), _linear_in_kv(e.rhs)
+        lhs, rhs = linear_in_kv(e.lhs), linear_in_kv(e.rhs)
         if lhs is None or rhs is None:
             return _UNBOUNDED
         c = lhs[0] - rhs[0]

@@ -25,7 +25,7 @@ from . import build, env, families, ir, philox
 from . import expr as X
 from .abi import FgBlockLists, FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError, did_you_mean
-from .frontend import HEAD_DIM_MAX, parse
+from .frontend import parse
 from .reference import default_scale
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
@@ -107,7 +107,6 @@ class AttentionOp:
         self._head_dims = {f: self.head_dims(f) for f in families.FAMILIES}
         self._dtypes = {f: self.dtypes(f) for f in families.FAMILIES}
         self._scales: dict[int, float] = {}  # head dim -> the spec's default scale
-        self._plans: dict[tuple, _Plan] = {}  # validated input metadata -> the call's plan
         self._libraries: dict[tuple, build.LoadedLibrary] = {}  # every key that selects a library
         self._choices: dict[tuple, families.Choice] = {}
         self._checked: set[tuple] = set()  # input metadata check_inputs accepted
@@ -333,7 +332,7 @@ class AttentionOp:
         device = torch.device(device)
         if layout not in ("padded", "packed"):
             raise ValueError(f"layout: unknown layout {layout!r} (expected 'padded' or 'packed')")
-        dt = _as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
+        dt = as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
         return self._choose(device, dt, head_dim, layout == "packed", sparse, dropout, family)
 
     def _choose(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
@@ -449,13 +448,13 @@ class AttentionOp:
                     raise ValueError(f"{p.name}: expected {len(p.shape)} dims {_shape_text(p)}, "
                                      f"got shape {tuple(value.shape)}")
                 for d, dim in enumerate(p.shape):
-                    size = _eval_dim(dim.size, ints)
+                    size = eval_dim(dim.size, ints)
                     if size is None:  # a max_seqlen still to be derived from cu_seqlens
                         continue
                     if size < 1:
                         hint = ("; in a packed batch whose sequences are all empty, pass max_seqlen_q / "
                                 "max_seqlen_k >= 1" if sizes is not None else "")
-                        raise ValueError(f"{p.name}: dim {d} = {_dim_text(dim.size)} is {size} for these inputs "
+                        raise ValueError(f"{p.name}: dim {d} = {dim_text(dim.size)} is {size} for these inputs "
                                          f"and parameters (must be at least 1{hint})")
                     got = value.shape[d]
                     if got != size and not (dim.broadcast and got == 1):
@@ -547,7 +546,7 @@ class AttentionOp:
         dims = self.head_dims(backend)
         if d not in dims:
             raise ValueError(f"q: head_dim {d} is not supported by spec '{self.spec.name}' on {backend} "
-                             f"(expected one of {_ranges(dims)})")
+                             f"(expected one of {ranges_text(dims)})")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.stride(-1) != 1:
                 raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
@@ -612,13 +611,13 @@ class AttentionOp:
         device, a dtype or head dim the spec does not allow on CUDA, or a malformed arch."""
         from . import tiles
 
-        dt = _as_dtype(dtype)
+        dt = as_dtype(dtype)
         if dt not in self.dtypes("cuda"):
             raise ValueError(f"dtype: {dt.value} is not supported by spec '{self.spec.name}' on cuda (expected one "
                              f"of {', '.join(d.value for d in self.dtypes('cuda')) or 'none'})")
         if head_dim not in self.head_dims("cuda"):
             raise ValueError(f"head_dim: {head_dim} is not supported by spec '{self.spec.name}' on cuda (expected "
-                             f"one of {_ranges(self.head_dims('cuda'))})")
+                             f"one of {ranges_text(self.head_dims('cuda'))})")
         if arch is not None:
             return tiles.choose(self.spec, tiles.normalize_arch(arch), dt, head_dim, seqlen,
                                 fingerprint=self.fingerprint)
@@ -676,7 +675,7 @@ class AttentionOp:
         else:
             fam = families.for_arch(device.type, arch)
         name = fam.name
-        dts = [_as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
+        dts = [as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
         for dt in dts:
             if dt not in self.dtypes(fam):
                 raise ValueError(f"dtypes: {dt.value} is not supported by spec '{self.spec.name}' on {name}")
@@ -684,7 +683,7 @@ class AttentionOp:
             for hd in head_dims:
                 if hd not in self.head_dims(fam):
                     raise ValueError(f"head_dims: {hd} is not supported by spec '{self.spec.name}' on "
-                                     f"{name} (expected one of {_ranges(self.head_dims(fam))})")
+                                     f"{name} (expected one of {ranges_text(self.head_dims(fam))})")
         if fam.runtime_head_dim:
             hds: list[int] = [8]
         else:
@@ -718,19 +717,19 @@ class AttentionOp:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
-            libs = list(pool.map(lambda i: build.load(i, announce=_announce), insts))
+            libs = list(pool.map(lambda i: build.load(i, announce=announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
             for dt, hd, pk, sp, n in todo[inst]:
                 self._remember(fam, device, dt, hd, pk, sp, n, lib)
         return insts
 
-    def _mask_library(self, fam: families.Family, device: torch.device) -> build.LoadedLibrary:
+    def mask_library(self, fam: families.Family, device: torch.device) -> build.LoadedLibrary:
         """The block classifier of this spec on ``fam`` (a small library of its own, built at first
         use)."""
         key = ("mask", fam.name, device.index)
         lib = self._libs.get(key)
         if lib is None:
-            lib = build.load(fam.classifier(self.spec, fam.device_target(_index(device)).arch), announce=_announce)
+            lib = build.load(fam.classifier(self.spec, fam.device_target(_index(device)).arch), announce=announce)
             with self._libs_lock:
                 self._libs[key] = lib
         return lib
@@ -750,7 +749,7 @@ class AttentionOp:
         ``auto_sparse``)."""
         if not fam.block_classifier or not self.auto_sparse or not env.auto_block_mask():
             return None
-        from .sparsity import _lists, classify_cuda
+        from .sparsity import lists_of, classify_cuda
 
         B, Hq, _, Nq, Nk, d = _dims(q, k, packed)
         if Nq == 0 or Nk == 0:
@@ -767,13 +766,13 @@ class AttentionOp:
         from .sparsity import mask_has_float
 
         meta = (fr, fc, br, bc, dr, dc, 0 if mask_has_float(self.spec) else 1)  # as flashgen.block_mask
-        mask_lib = self._mask_library(fam, q.device)
+        mask_lib = self.mask_library(fam, q.device)
         if kind == "fwd":
-            return Blocks(_lists(classify_cuda(self, mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
+            return Blocks(lists_of(classify_cuda(self, mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
                           None, meta)
         qst = classify_cuda(self, mask_lib, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
         dq = classify_cuda(self, mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
-        return Blocks(None, _lists(qst), _lists(dq), meta)
+        return Blocks(None, lists_of(qst), lists_of(dq), meta)
 
     @functools.cached_property
     def _mask_extents(self) -> tuple[bool, bool]:
@@ -816,7 +815,7 @@ class AttentionOp:
             first_use_tuner(self, device, dtype, head_dim, seqlen)  # tuning compiles: never with JIT off
             key = self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)
         inst = self.instantiation(device, dtype, head_dim, packed, sparse, seqlen, family=fam)
-        lib = build.load(inst, announce=_announce)
+        lib = build.load(inst, announce=announce)
         with self._libs_lock:
             if len(self._libraries) > 4096:
                 self._libraries.clear()
@@ -825,7 +824,7 @@ class AttentionOp:
 
     # ------------------------------------------------------------ kernel call
 
-    def _forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
+    def launch_forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
                  dropout_state: torch.Tensor | None = None, *,
                  packed: Packed | None = None, blocks: Blocks | None = None,
                  lib: build.LoadedLibrary | None = None,
@@ -861,10 +860,10 @@ class AttentionOp:
             _set_varlen(args, packed)
         if blocks is not None:
             args.kv_blocks = blocks.fwd()
-        _check(lib, "fwd", _launch(lib.fwd, args, q))
+        check_status(lib, "fwd", _launch(lib.fwd, args, q))
         return out, lse
 
-    def _backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
+    def launch_backward(self, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
                   need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
                   packed: Packed | None = None, blocks: Blocks | None = None, lib: build.LoadedLibrary | None = None,
                   family: families.Family | None = None):
@@ -925,7 +924,7 @@ class AttentionOp:
         _set_varlen(args, packed)
         if blocks is not None:
             args.q_blocks, args.kv_blocks = blocks.bwd()
-        _check(lib, "bwd", _launch(lib.bwd, args, q))
+        check_status(lib, "bwd", _launch(lib.bwd, args, q))
         return dq, dk, dv, pgrads
 
 
@@ -1179,7 +1178,7 @@ def _set_dropout(args, dropout_p: float, state: torch.Tensor | None) -> None:
         args.dropout_scale = 1.0 / (1.0 - dropout_p)
 
 
-def _check(lib: build.LoadedLibrary, kind: str, status: int) -> None:
+def check_status(lib: build.LoadedLibrary, kind: str, status: int) -> None:
     if status:
         detail = lib.error(kind)
         # the artifact's folder name (inst.name), read from its path: no cache key is computed
@@ -1194,7 +1193,7 @@ def _dense_rows(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-def _as_dtype(d) -> ir.DType:
+def as_dtype(d) -> ir.DType:
     """An ir.DType from a flashgen, torch or spelled ('bf16', 'float16', ...) dtype."""
     from .frontend import DTYPE_NAMES
 
@@ -1243,12 +1242,12 @@ def _num_sms(index: int) -> int:
     return _sms[index]
 
 
-def _announce(message: str) -> None:
+def announce(message: str) -> None:
     if not env.quiet():
         print(f"flashgen: {message}", file=sys.stderr, flush=True)
 
 
-def _ranges(dims: tuple[int, ...]) -> str:
+def ranges_text(dims: tuple[int, ...]) -> str:
     if len(dims) > 4 and all(b - a == 8 for a, b in zip(dims, dims[1:], strict=False)):
         return f"multiples of 8 from {dims[0]} to {dims[-1]}"
     return ", ".join(map(str, dims)) or "none"
@@ -1333,7 +1332,7 @@ def _register(op: AttentionOp, qualname: str):
         values, dropout = rest[:npar], rest[npar:npar + ndrop]
         fam, packed, blocks, scale, values = checked("fwd", q, k, v, scale, values, dropout, varlen_of(rest),
                                                      blocks_of(rest))
-        return op._forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
+        return op.launch_forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
 
     op._impl = forward
 
@@ -1431,7 +1430,7 @@ def _register(op: AttentionOp, qualname: str):
                 raise ValueError(f"{name}: expected a float32 tensor of shape {what} = {want} on {q.device}, "
                                  f"got {_describe_tensor(t)}")
         lse = lse.contiguous()
-        return op._backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
+        return op.launch_backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
                             packed=packed, blocks=blocks, family=fam)
 
     for key in ("CPU", "CUDA"):
@@ -1457,37 +1456,37 @@ def _describe_param(p: ir.Param) -> str:
     return f"{p.name}: {p.kind}" if not p.is_tensor else f"{p.name}: {p.dtype}{_shape_text(p)}"
 
 
-def _dim_text(e: ir.Expr) -> str:
+def dim_text(e: ir.Expr) -> str:
     if isinstance(e, ir.Num):
         return str(e.value)
     if isinstance(e, ir.Name):
         return e.id
     if isinstance(e, ir.Unary):
-        return f"-{_dim_text(e.operand)}"
-    return f"({_dim_text(e.lhs)} {e.op} {_dim_text(e.rhs)})"
+        return f"-{dim_text(e.operand)}"
+    return f"({dim_text(e.lhs)} {e.op} {dim_text(e.rhs)})"
 
 
 def _shape_text(p: ir.Param) -> str:
-    return "[" + ", ".join(_dim_text(d.size) + ("|1" if d.broadcast else "") for d in p.shape) + "]"
+    return "[" + ", ".join(dim_text(d.size) + ("|1" if d.broadcast else "") for d in p.shape) + "]"
 
 
 def _shape_values(p: ir.Param, ints: dict) -> str:
-    sizes = (_eval_dim(d.size, ints) for d in p.shape)
+    sizes = (eval_dim(d.size, ints) for d in p.shape)
     # None: a packed batch's max_seqlen, derived from cu_seqlens later (named, not a number)
-    return "[" + ", ".join(f"max_{_dim_text(d.size)}" if x is None else str(x)
+    return "[" + ", ".join(f"max_{dim_text(d.size)}" if x is None else str(x)
                            for d, x in zip(p.shape, sizes, strict=True)) + "]"
 
 
-def _eval_dim(e: ir.Expr, ints: dict) -> int | None:
+def eval_dim(e: ir.Expr, ints: dict) -> int | None:
     """The size of a parameter dim; None when it uses a size not known yet (ints[name] None)."""
     if isinstance(e, ir.Num):
         return int(e.value)
     if isinstance(e, ir.Name):
         return None if ints[e.id] is None else int(ints[e.id])
     if isinstance(e, ir.Unary):
-        x = _eval_dim(e.operand, ints)
+        x = eval_dim(e.operand, ints)
         return None if x is None else -x
-    a, b = _eval_dim(e.lhs, ints), _eval_dim(e.rhs, ints)
+    a, b = eval_dim(e.lhs, ints), eval_dim(e.rhs, ints)
     if a is None or b is None:
         return None
     return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0}[e.op]

@@ -18,9 +18,9 @@ _TORCH = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": 
 
 def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:
     """The full shape of tensor parameter ``p`` given batch/heads/seqlen_q/seqlen_k/int params."""
-    from .ops import _eval_dim
+    from .ops import eval_dim
 
-    return tuple(_eval_dim(d.size, sizes) for d in p.shape)
+    return tuple(eval_dim(d.size, sizes) for d in p.shape)
 
 
 def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device="cpu",

@@ -257,7 +257,7 @@ class BlockMask:
         if transpose:  # keys become rows
             st, bq, bk, seqlen_q, seqlen_k = st.transpose(-1, -2), bk, bq, seqlen_k, seqlen_q
         tiles = _retile(st, bq, bk, seqlen_q, seqlen_k, block_r, block_c)
-        lists = _lists(tiles)
+        lists = lists_of(tiles)
         self._cache[key] = lists
         return lists
 
@@ -339,7 +339,7 @@ def _retile(st: torch.Tensor, bq: int, bk: int, nq: int, nk: int, tr: int, tc: i
     return torch.where(nonempty == 0, EMPTY, torch.where(full == area, FULL, PARTIAL)).to(torch.int8)
 
 
-def _lists(tiles: torch.Tensor) -> torch.Tensor:
+def lists_of(tiles: torch.Tensor) -> torch.Tensor:
     """Per tile row: [n_partial, n_full, partial tile indices (descending), full ones
     (descending), unused], int32."""
     n = tiles.shape[-1]
@@ -376,7 +376,7 @@ def classify_cuda(op, lib, params_block, batch: int, heads: int, nq: int, nk: in
     import ctypes
 
     from .abi import FgClassifyArgs
-    from .ops import _check
+    from .ops import check_status
 
     rows, cols = _cdiv(nq, br), _cdiv(nk, bc)
     out = torch.empty((batch, heads, rows, cols), dtype=torch.int8, device=device)
@@ -386,7 +386,7 @@ def classify_cuda(op, lib, params_block, batch: int, heads: int, nq: int, nk: in
     with torch.cuda.device(device):
         args.stream = torch.cuda.current_stream().cuda_stream
         status = lib.classify(ctypes.byref(args))
-    _check(lib, "mask", status)
+    check_status(lib, "mask", status)
     return out
 
 
@@ -420,7 +420,7 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
 
     Raises TypeError / ValueError naming the argument.
     """
-    from .ops import AttentionOp, _dim_text
+    from .ops import AttentionOp, dim_text
 
     import numbers
 
@@ -461,7 +461,7 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     for p in spec.params:
         if p.is_tensor and p.name in tensors:
             for i, d in enumerate(p.shape):
-                name = _dim_text(d.size)
+                name = dim_text(d.size)
                 if name in ("batch", "heads") and i < tensors[p.name].dim() and \
                         (not d.broadcast or tensors[p.name].shape[i] > 1):
                     inferred[name] = tensors[p.name].shape[i]
@@ -522,7 +522,7 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
         if packed:
             cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
                   "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
-        st = classify_cuda(op, op._mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
+        st = classify_cuda(op, op.mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
                            bq, bk, device, **cu)
         return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
     if not packed:

@@ -549,7 +549,7 @@ def _workload(op, device, dtype: ir.DType, head_dim: int, seqlen: int, kind: str
     if kind == "bwd":
         for s in sets:
             s["dout"] = torch.randn(B, H, N, d, device=device, dtype=tdt, generator=gen)
-            s["out"], s["lse"] = op._forward(s["q"], s["k"], s["v"], scale, values, lib=fwd_lib)
+            s["out"], s["lse"] = op.launch_forward(s["q"], s["k"], s["v"], scale, values, lib=fwd_lib)
     try:
         pairs = reference.visible_pairs(op.spec, N, N, batch=B, heads=H, **params)
         flops = 4.0 * B * H * d * pairs * (2.5 if kind == "bwd" else 1.0)
@@ -563,12 +563,12 @@ def _runner(op, w: _Workload, kind: str, lib):
     if kind == "fwd":
         def fwd(i: int):
             s = w.sets[i]
-            return op._forward(s["q"], s["k"], s["v"], w.scale, w.values, lib=lib)
+            return op.launch_forward(s["q"], s["k"], s["v"], w.scale, w.values, lib=lib)
         return fwd
 
     def bwd(i: int):
         s = w.sets[i]
-        return op._backward(s["q"], s["k"], s["v"], s["out"], s["lse"], s["dout"], None, w.scale, False, w.values,
+        return op.launch_backward(s["q"], s["k"], s["v"], s["out"], s["lse"], s["dout"], None, w.scale, False, w.values,
                             lib=lib)[:3]
     return bwd
 
@@ -712,7 +712,7 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
     import torch
 
     from . import build, tiles
-    from .ops import AttentionOp, _as_dtype
+    from .ops import AttentionOp, as_dtype
     from .ops import compile as fg_compile
 
     if not isinstance(op, AttentionOp):
@@ -724,7 +724,7 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
         raise ValueError("device: CUDA is not available in this torch build or machine (tuning needs a GPU)")
     index = device.index if device.index is not None else torch.cuda.current_device()
     device = torch.device("cuda", index)
-    dtype = _as_dtype(dtype)
+    dtype = as_dtype(dtype)
     if dtype not in op.dtypes("cuda"):
         raise ValueError(f"dtype: {dtype.value} is not supported by spec '{op.spec.name}' on cuda "
                          f"(expected one of {', '.join(d.value for d in op.dtypes('cuda'))})")

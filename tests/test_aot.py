@@ -41,7 +41,7 @@ def forbidden(*a, **k):
 ce.load = ce.load_inline = ce._jit_compile = forbidden
 jinja2.Environment.get_template = forbidden
 codegen.render = codegen.render_instantiation = forbidden
-build._build_and_publish = build._load_cached = forbidden
+build._build_and_publish = build.load_cached = forbidden
 build.Instantiation._key_fields = forbidden  # the cache key (it may run nvcc --version)
 subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = forbidden
 for name in ("system", "popen", "fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
@@ -131,7 +131,7 @@ def test_directory_layout_and_index(cpu_dir):
     assert entry["kinds"] == ["fwd", "bwd"] and entry["spec"] == "causal"
     folder = out / entry["artifact"]
     assert {p.name for p in folder.iterdir()} == {"lib.so", "manifest.json", "src"}
-    assert build._sha256(folder / "lib.so") == entry["sha256"]
+    assert build.sha256_of(folder / "lib.so") == entry["sha256"]
     assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.old"))
 
 
@@ -242,7 +242,7 @@ def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path
     written = aot.build_dir([SPEC], again, device="cpu", dtypes=["fp32"])
     entries = json.loads((again / "index.json").read_text())["entries"]
     assert written == [entry] and sorted(e["variant"] for e in entries) == sorted(["0" * 64, entry["variant"]])
-    assert build._sha256(again / entry["artifact"] / "lib.so") == entry["sha256"]
+    assert build.sha256_of(again / entry["artifact"] / "lib.so") == entry["sha256"]
 
 
 def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):

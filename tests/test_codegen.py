@@ -139,7 +139,7 @@ def test_abi_version_matches_header():
 def test_tile_overrides_reach_the_cuda_entry_points(monkeypatch):
     """FLASHGEN_CUDA_FWD_TILE / FLASHGEN_CUDA_BWD_TILE become the instantiation's config (its own
     cache key) and the rendered entry points launch exactly that tile; malformed values raise."""
-    from flashgen import build, env
+    from flashgen import env
 
     spec = frontend.parse("attention c { mask = causal }")
     monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "128x32x4")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from flashgen import build, families, frontend, ir, tiles
+from flashgen import families, frontend, ir, tiles
 
 SM80 = families.get("sm80")
 
