@@ -1,14 +1,14 @@
 """Ahead-of-time kernel directories: ``flashgen build SPEC... --out DIR`` writes them, a process
 with ``FLASHGEN_AOT_DIR=DIR`` loads from them with no Jinja, no compiler and no tuning.
 
-A directory holds one folder per instantiation, named like its cache entry (``lib.so``,
+Writing one is flashgen/tools/aot_build.py's (``plan``, ``build_dir``). A directory holds one folder per instantiation, named like its cache entry (``lib.so``,
 ``manifest.json`` and the rendered ``src/`` for review, copied from the build cache), and
 ``index.json``::
 
-    {"format": 1, "flashgen": <version>, "abi": <ABI_VERSION>, "torch": <torch.__version__>,
+    {"format": 2, "flashgen": <version>, "abi": <ABI_VERSION>, "torch": <torch.__version__>,
      "python": [major, minor],
      "entries": [{"variant": <Instantiation.variant_id()>, "artifact": <folder>, "sha256": <lib.so>,
-                  "spec": <name>, "fingerprint": <spec fingerprint>, "target": [backend, arch],
+                  "spec": <name>, "fingerprint": <spec fingerprint>, "target": [family, arch, device],
                   "dtype": ..., "head_dim": ..., "config": {...}, "kinds": [...], ...}, ...]}
 
 CUDA builds made on a machine with a GPU of the target architecture use that GPU's tuned tiles
@@ -17,7 +17,7 @@ untuned default, and the spec's entries of the tuning file are copied to
 ``DIR/tuning/<gpu>.json``, which flashgen.tune reads before the cache's, so calls choose the tiles
 the directory holds. Without such a GPU (``--arch``) nvcc cross-compiles the table/derived tiles.
 
-Lookup (``find``, called by flashgen.build.load before the cache): an index is read once per
+Lookup (``find``, called by flashgen/runtime/loader.py before the cache): an index is read once per
 process and used only when its torch, Python, ABI and flashgen versions are the running
 process's (otherwise it is skipped with a one-time warning); an artifact is used only when its
 ``lib.so`` matches the index's sha256. With JIT disabled (``FLASHGEN_JIT=0``) a variant that no
@@ -29,19 +29,19 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import sys
 import threading
-import uuid
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, build, env, families
+import torch
+
+from . import build, env, tiles
 from .abi import ABI_VERSION
-from .errors import BuildError, NotBuiltError  # noqa: F401 (raised by build.load through this module)
-from .paths import write_json_atomic
+from .errors import NotBuiltError  # noqa: F401 - raised for this module's lookups (runtime/loader.py)
+from .version import __version__
 
 FORMAT = 2  # 2: the kernel family is part of every artifact (its name, key and index entry)
 INDEX = "index.json"
@@ -71,8 +71,6 @@ _warned: set[str] = set()
 def runtime() -> dict:
     """What an index must record to be used by this process: format, flashgen, ABI, torch and
     Python versions."""
-    import torch
-
     return {"format": FORMAT, "flashgen": __version__, "abi": ABI_VERSION, "torch": torch.__version__,
             "python": list(sys.version_info[:2])}
 
@@ -85,7 +83,7 @@ def _warn_once(message: str) -> None:
     warnings.warn(message, AOTWarning, stacklevel=4)
 
 
-def _mismatch(data) -> str | None:
+def mismatch(data) -> str | None:
     """Why an index does not serve this process, or None."""
     if not isinstance(data, dict):
         return f"{INDEX} is not a JSON object"
@@ -118,7 +116,7 @@ def _read_dir(path: Path) -> _Dir:
         return _Dir(path, {}, f"no {INDEX} (not written by `flashgen build --out`)")
     except (OSError, ValueError) as e:
         return _Dir(path, {}, f"{INDEX} does not read: {e}")
-    problem = _mismatch(data)
+    problem = mismatch(data)
     if problem:
         return _Dir(path, {}, problem)
     entries = {e["variant"]: e for e in data["entries"]
@@ -148,7 +146,7 @@ def reload() -> None:
         _warned.clear()
 
 
-def _forget(path: Path) -> None:
+def forget(path: Path) -> None:
     key = Path(os.path.abspath(path))
     with _lock:
         _dirs.pop(key, None)
@@ -207,8 +205,6 @@ def find(inst: build.Instantiation, dirs: Iterable[Path] | None = None) -> tuple
 
 
 def _tiles_text(config: dict) -> str:
-    from . import tiles
-
     if not all(k in config for k in tiles.TILE_KEYS):
         return ""
     f, b, q = tiles.from_config(config)
@@ -258,8 +254,6 @@ def build_command(inst: build.Instantiation, out: str | Path = "DIR") -> str:
 
 def _tiles_note(inst: build.Instantiation) -> str | None:
     """Why a CUDA variant's tiles may not come from a plain ``--arch`` build, or None."""
-    from . import tiles
-
     cfg = dict(inst.config)
     if inst.target.backend != "cuda" or inst.head_dim is None or cfg.get("mask"):
         return None
@@ -311,316 +305,3 @@ def not_built_message(inst: build.Instantiation, dirs: list[Path], notes: list[s
     lines.append(f"  build it with: {build_command(inst, out)}")
     lines.append("  or unset FLASHGEN_JIT to compile it on first use")
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------- planning a build
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One instantiation of a build: the spec's op, the instantiation, the CUDA device whose
-    tuning it follows (None: no such GPU here, or CPU), and where its tiles came from."""
-
-    op: object  # flashgen.ops.AttentionOp
-    inst: build.Instantiation
-    device_index: int | None = None
-    origin: tuple[str, str] | None = None
-    tuned_seqlen: tuple[int | None, int | None] | None = None
-
-
-def _gpus() -> dict[str, int]:
-    """Architecture -> index of the first local CUDA device of it."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    out: dict[str, int] = {}
-    for i in range(torch.cuda.device_count()):
-        out.setdefault(build.cuda_arch(torch.cuda.get_device_capability(i)), i)
-    return out
-
-
-def targets(device=None, arches: Iterable[str] = ()) -> list[tuple[str, str, int | None]]:
-    """(backend, arch, CUDA device index or None) to build for. ``arches``: CUDA architectures
-    (sm_80, sm_90a, ...; a local GPU of that architecture lends its tuning); ``device``: 'cpu'
-    adds the CPU, 'cuda[:N]' that GPU's architecture (or, with ``arches``, the GPU to prefer for
-    its own architecture). Neither: the CPU. ValueError for an unknown architecture or device,
-    or a CUDA device on a machine without one."""
-    import torch
-
-    from . import tiles
-
-    arches = [arches] if isinstance(arches, str) else list(arches or ())
-    out: list[tuple[str, str, int | None]] = []
-    gpus: dict[str, int] | None = None
-    if device is not None:
-        dev = torch.device(device)
-        if dev.type == "cpu":
-            out.append(("cpu", build.cpu_arch(), None))
-        elif dev.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device: {device}: CUDA is not available here (use --arch to build for an "
-                                 "architecture without its GPU)")
-            index = dev.index if dev.index is not None else torch.cuda.current_device()
-            arch = build.cuda_arch_of(index)
-            gpus = {arch: index} | {a: i for a, i in _gpus().items() if a != arch}
-            if not arches:
-                out.append(("cuda", arch, index))
-        else:
-            raise ValueError(f"device: '{dev.type}' is not supported (expected cpu or cuda)")
-    if arches:
-        gpus = _gpus() if gpus is None else gpus
-        for a in arches:
-            arch = tiles.normalize_arch(a)
-            out.append(("cuda", arch, gpus.get(arch)))
-    if not out:
-        out.append(("cpu", build.cpu_arch(), None))
-    return list(dict.fromkeys(out))
-
-
-def _as_op(spec):
-    from .ops import AttentionOp, compile
-
-    return spec if isinstance(spec, AttentionOp) else compile(spec)
-
-
-def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: Iterable | None = None,
-         head_dims: Iterable[int] | None = None, layouts: Iterable[str] = ("padded",),
-         sparse: Iterable[bool] | bool = (False,)) -> list[Planned]:
-    """The instantiations ``build_dir`` compiles (see there for the arguments); computes no
-    cache key and compiles nothing. Raises SpecError for a bad spec, ValueError / TypeError for
-    bad arguments (naming them)."""
-    from . import tiles
-    from .ops import as_dtype, ranges_text
-
-    ops = [_as_op(s) for s in ([specs] if isinstance(specs, str | Path) else specs)]
-    if not ops:
-        raise ValueError("specs: none given")
-    tgts = targets(device, arches)
-    layouts = (layouts,) if isinstance(layouts, str) else tuple(layouts)
-    for lay in layouts:
-        if lay not in ("padded", "packed"):
-            raise ValueError(f"layouts: unknown layout {lay!r} (expected 'padded' and/or 'packed')")
-    packs = sorted({lay == "packed" for lay in layouts}) or [False]
-    sparse = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
-    if not all(isinstance(x, bool) for x in sparse):
-        raise TypeError(f"sparse: expected bools, got {sparse!r}")
-    want_dts = [as_dtype(d) for d in dtypes] if dtypes is not None else None
-    want_hds = list(head_dims) if head_dims is not None else None
-    out: dict[build.Instantiation, Planned] = {}
-
-    def add(p: Planned) -> None:
-        out.setdefault(p.inst, p)
-
-    for op in ops:
-        spec = op.spec
-        for backend, arch, index in tgts:
-            dts = want_dts if want_dts is not None else list(op.dtypes(backend))
-            if not dts:
-                raise ValueError(f"spec '{spec.name}' allows no dtype on {backend} (its dtype line: "
-                                 f"{', '.join(d.value for d in spec.dtypes or ())})")
-            for dt in dts:
-                if dt not in op.dtypes(backend):
-                    raise ValueError(f"dtypes: {dt.value} is not supported by spec '{spec.name}' on {backend} "
-                                     f"(it allows {', '.join(d.value for d in op.dtypes(backend)) or 'none'})")
-            fam = families.for_arch(backend, arch)
-            if fam.runtime_head_dim:
-                for dt in dts:
-                    add(Planned(op, fam.instantiation(spec, arch, dt, None)))
-                continue
-            allowed = op.head_dims("cuda")
-            if want_hds is not None:
-                for hd in want_hds:
-                    if hd not in allowed:
-                        raise ValueError(f"head_dims: {hd} is not supported by spec '{spec.name}' on cuda "
-                                         f"(expected one of {ranges_text(allowed)})")
-                hds = want_hds
-            else:
-                hds = [d for d in (64, 128) if d in allowed] or list(allowed)
-            sps = sorted(set(sparse) | ({True} if op.auto_sparse else set()))
-            for dt in dts:
-                for hd in hds:
-                    lens: list[int | None] = [None]
-                    if index is not None:
-                        from . import tune
-
-                        lens += sorted({n for kind in ("fwd", "bwd")
-                                        for n in tune.tuned_seqlens(op.fingerprint, index, dt, hd, kind)})
-                    for pk in packs:
-                        for sp in sps:
-                            choices = [tiles.choose(spec, arch, dt, hd, n, device_index=index,
-                                                    fingerprint=op.fingerprint) for n in (lens if not sp else [None])]
-                            if index is not None and len(lens) > 1:  # a GPU whose tuning does not apply
-                                choices.append(tiles.choose(spec, arch, dt, hd, None, device_index=index,
-                                                            use_tuned=False))
-                            for ch in choices:
-                                inst = fam.instantiation(spec, arch, dt, hd, packed=pk, sparse=sp, tiles=ch.config())
-                                add(Planned(op, inst, index,
-                                            (ch.fwd_origin, ch.bwd_origin), ch.tuned_seqlen))
-            if True in sps:  # the block classifier (one per spec and arch, as ops.mask_library)
-                add(Planned(op, fam.classifier(spec, arch), index))
-    return list(out.values())
-
-
-# ---------------------------------------------------------------- writing a directory
-
-
-def _entry(p: Planned, artifact: Path, sha256: str) -> dict:
-    inst = p.inst
-    cfg = dict(inst.config)
-    e = {
-        "variant": inst.variant_id(),
-        "artifact": artifact.name,
-        "sha256": sha256,
-        "spec": inst.spec.name,
-        "fingerprint": inst.spec.fingerprint(),
-        "target": [inst.target.family, inst.target.arch, inst.target.device],
-        "dtype": inst.dtype.value,
-        "head_dim": inst.head_dim,
-        "config": cfg,
-        "kinds": list(inst.kinds),
-        "key": inst.key,
-    }
-    if inst.target.backend == "cuda":
-        e["cuda"] = build.cuda_version()
-        if p.origin is not None:
-            e["tiles_origin"] = list(p.origin)
-            e["tuned_seqlen"] = list(p.tuned_seqlen or (None, None))
-    return e
-
-
-def _copy_artifact(src: Path, out: Path, name: str) -> tuple[Path, str]:
-    """Copy the cache entry ``src`` to ``out/name`` (replacing it) by one rename; (path, sha256).
-    BuildError when the copy does not verify against the entry's manifest."""
-    dest = out / name
-    if dest.exists() and os.path.samefile(src, dest):
-        return dest, build.sha256_of(dest / "lib.so")
-    tmp = out / f".{name}-{uuid.uuid4().hex[:8]}.tmp"
-    shutil.copytree(src, tmp)
-    sha = build.sha256_of(tmp / "lib.so")
-    try:
-        manifest = json.loads((tmp / "manifest.json").read_text())
-    except (OSError, ValueError):
-        manifest = {}
-    if manifest.get("sha256") != sha:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise BuildError(f"{src}: lib.so does not match its manifest; it changed while being copied")
-    if dest.exists():
-        old = out / f".{name}-{uuid.uuid4().hex[:8]}.old"
-        dest.rename(old)
-        tmp.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(dest)
-    return dest, sha
-
-
-def _update_index(out: Path, new: list[dict]) -> dict:
-    path = out / INDEX
-    entries: dict[str, dict] = {}
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            data = None
-        problem = _mismatch(data)
-        if problem:
-            warnings.warn(f"flashgen: {path}: {problem}; starting a new index (its old entries are dropped)",
-                          AOTWarning, stacklevel=3)
-        else:
-            entries = {e["variant"]: e for e in data["entries"] if isinstance(e, dict) and "variant" in e}
-    for e in new:
-        entries[e["variant"]] = e
-    ordered = sorted(entries.values(), key=lambda e: (e.get("spec", ""), e.get("target", []), e.get("dtype", ""),
-                                                      e.get("head_dim") or 0, e.get("artifact", "")))
-    data = runtime() | {"entries": ordered}
-    write_json_atomic(path, data)
-    return data
-
-
-def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
-    """Copy the tuned winners of the built (spec, dtype, head dim)s of each local GPU into
-    ``out/tuning/`` (merged with what is there under the same metadata)."""
-    from . import tune
-
-    keys: dict[int, set[str]] = {}
-    for p in planned:
-        inst = p.inst
-        if p.device_index is None or inst.head_dim is None:
-            continue
-        for kind in ("fwd", "bwd"):
-            keys.setdefault(p.device_index, set()).add(tune.entry_key(p.op.fingerprint, inst.dtype, inst.head_dim,
-                                                                      kind))
-    written = []
-    for index, want in sorted(keys.items()):
-        stored = tune._load(index)
-        picked = {k: {str(n): r for n, r in sorted(stored[k].items())} for k in sorted(want) if stored.get(k)}
-        if not picked:
-            continue
-        meta = tune.meta(index)
-        path = out / "tuning" / tune.store_path(index).name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        merged = tune._read(path, meta) if path.exists() else {}
-        for k, per_n in picked.items():
-            merged.setdefault(k, {}).update(per_n)
-        write_json_atomic(path, {"meta": meta, "entries": merged})
-        written.append(path)
-    return written
-
-
-def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable[str] = (),
-              dtypes: Iterable | None = None, head_dims: Iterable[int] | None = None,
-              layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] | bool = (False,),
-              jobs: int | None = None, announce: Callable[[str], None] | None = None) -> list[dict]:
-    """Compile the kernels of ``specs`` into the ahead-of-time directory ``out`` and add them to
-    its ``index.json`` (an existing directory keeps its other entries; a variant built again
-    replaces its entry).
-
-    Args:
-        specs: spec paths, spec texts, ``ir.Spec``s or ``AttentionOp``s.
-        out: the directory (created if missing).
-        device: 'cpu' and/or (without ``arches``) 'cuda[:N]' for that GPU's architecture.
-        arches: CUDA architectures (sm_80, sm_90a, ...) to build for, present or not; where a
-            local GPU has the architecture, its tuned tiles apply and its tuning entries are
-            copied to ``out/tuning/``. Neither device nor arches: the CPU.
-        dtypes: default every dtype the spec allows on each backend.
-        head_dims: CUDA head dims (default those of 64 and 128 the spec allows); ignored on CPU.
-        layouts: 'padded' and/or 'packed' (CUDA; the CPU kernels take both).
-        sparse: False and/or True: dense and/or block-sparse CUDA kernels; True adds the block
-            classifier. Specs whose mask makes CUDA calls build block lists per call
-            (``AttentionOp.auto_sparse``) always get the block-sparse kernels and the classifier.
-        jobs: instantiations compiled at once (default: one per CPU core, at most all).
-        announce: called with a message before each compile (a cache miss).
-
-    Compiles through the build cache (FLASHGEN_CACHE_DIR) whatever FLASHGEN_JIT says, then
-    copies each entry. Returns the index entries written.
-
-    Raises:
-        SpecError: a spec does not parse or validate.
-        ValueError / TypeError: bad arguments (naming them).
-        BuildError: a compile failed.
-    """
-    planned = plan(specs, device=device, arches=arches, dtypes=dtypes, head_dims=head_dims, layouts=layouts,
-                   sparse=sparse)
-    out = Path(out)
-    build.check_toolchain(p.inst.target for p in planned)  # before DIR is created
-    out.mkdir(parents=True, exist_ok=True)
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=jobs or max(1, min(len(planned), os.cpu_count() or 1))) as pool:
-        libs = list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
-    import filelock
-
-    with filelock.FileLock(str(out / ".index.lock")):
-        entries = []
-        for p, lib in zip(planned, libs, strict=True):
-            artifact, sha = _copy_artifact(lib.path.parent, out, p.inst.name)
-            entries.append(_entry(p, artifact, sha))
-        _copy_tuning(out, planned)
-        _update_index(out, entries)
-    _forget(out)
-    if any(p.device_index is not None for p in planned):
-        from . import tune
-
-        tune.reload()
-    return entries

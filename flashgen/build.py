@@ -26,7 +26,8 @@ from pathlib import Path
 
 import filelock
 
-from . import __version__, codegen, env, imports, ir
+from . import codegen, env, imports, ir
+from .version import __version__
 from .abi import ABI_VERSION
 from .errors import BuildError
 from .paths import include_dir, templates_dir
@@ -325,34 +326,15 @@ _loaded: dict[tuple[str, str], LoadedLibrary] = {}
 _loaded_lock = threading.Lock()
 
 
-def load(inst: Instantiation, *, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
-    """The loaded library for ``inst``: from an ahead-of-time directory (FLASHGEN_AOT_DIR,
-    flashgen.aot), this process, the cache, or a fresh build.
+def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
+    """The loaded library for ``inst`` from this process or the cache, or a fresh build (the
+    ahead-of-time directories come first in flashgen/runtime/loader.py's ``load``).
 
-    ``announce`` is called with a message before a compile starts (a cache miss). With JIT
-    disabled (FLASHGEN_JIT=0) only the ahead-of-time directories are searched: nothing is
-    rendered or compiled and the cache is not touched.
+    ``announce`` is called with a message before a compile starts (a cache miss).
 
     Raises:
         BuildError: the compiler failed.
-        flashgen.aot.NotBuiltError (a BuildError): JIT is disabled and no ahead-of-time
-            directory holds ``inst``; the message names the variant and the command that
-            builds it.
     """
-    dirs = env.aot_dirs()
-    if dirs or not env.jit():
-        from . import aot
-
-        lib, notes = aot.find(inst, dirs) if dirs else (None, [])
-        if lib is not None:
-            return lib
-        if not env.jit():
-            raise aot.NotBuiltError(aot.not_built_message(inst, dirs, notes))
-    return load_cached(inst, announce)
-
-
-def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = None) -> LoadedLibrary:
-    """``load`` without the ahead-of-time directories: this process, the cache, or a build."""
     root = env.cache_dir()
     # Per cache root: a library this process loaded from another root (the cache directory
     # changed) is not in this one, and "built into the cache" must mean this cache.

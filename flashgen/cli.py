@@ -10,6 +10,7 @@ from pathlib import Path
 
 from . import families, ir
 from .errors import FlashgenError
+from .tools import generate
 
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
 
@@ -133,47 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------- generate
 
 
-def generated_files(spec_path: Path) -> dict[str, str]:
-    """File name → text of everything ``generate`` writes for one spec (its generated/ folder)."""
-    from . import families, frontend
-    from .ops import spec_dtypes
-
-    spec = frontend.parse(spec_path)
-    files = {}
-    cpu, cuda = families.get("cpu"), families.get("sm80")
-    for dt in spec_dtypes(spec, cpu):
-        files.update(cpu.instantiation(spec, "any", dt, None).sources())
-    for dt in spec_dtypes(spec, cuda):
-        for hd in spec.head_dims or (64, 128):
-            files.update(cuda.instantiation(spec, "any", dt, hd).sources())
-    return files
-
-
-def generate(spec_paths: list[Path], out_root: Path) -> list[Path]:
-    """Render each spec into ``out_root/<spec name>/``; writes only files that changed and removes
-    files no longer generated. Returns the paths written."""
-    from . import frontend
-
-    written = []
-    for sp in spec_paths:
-        name = frontend.parse(sp).name
-        folder = out_root / name
-        folder.mkdir(parents=True, exist_ok=True)
-        files = generated_files(sp)
-        for fname, text in files.items():
-            path = folder / fname
-            if not path.exists() or path.read_text() != text:
-                path.write_text(text)
-                written.append(path)
-        for stale in folder.iterdir():
-            if stale.name not in files and stale.is_file():
-                stale.unlink()
-                written.append(stale)
-    return written
-
-
 def cmd_generate(args) -> int:
-    written = generate(args.specs, args.out)
+    written = generate.generate(args.specs, args.out)
     for p in written:
         print(f"wrote {p}")
     print(f"{len(written)} file(s) changed under {args.out}")
@@ -231,6 +193,7 @@ def _build_aot(args, console) -> int:
     """``build --out DIR`` (an ahead-of-time directory) or ``build --arch ...`` (into the cache)."""
     from . import aot, build
     from .ops import announce
+    from .tools import aot_build
 
     dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
     sparse = (False, True) if args.sparse else (False,)
@@ -238,7 +201,7 @@ def _build_aot(args, console) -> int:
     t0 = time.perf_counter()
     with console.status(f"building {len(args.specs)} spec(s) into {where} …"):
         if args.out is None:  # --arch without --out: into the cache
-            planned = aot.plan(args.specs, device=args.device, arches=args.arch or (), dtypes=dtypes,
+            planned = aot_build.plan(args.specs, device=args.device, arches=args.arch or (), dtypes=dtypes,
                                head_dims=args.head_dim, layouts=args.layouts, sparse=sparse)
             from concurrent.futures import ThreadPoolExecutor
 
@@ -246,7 +209,7 @@ def _build_aot(args, console) -> int:
                 list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
             rows = [(p.inst.spec.name, p.inst.name, aot.describe_instantiation(p.inst)) for p in planned]
         else:
-            entries = aot.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
+            entries = aot_build.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
                                     dtypes=dtypes, head_dims=args.head_dim, layouts=args.layouts, sparse=sparse,
                                     announce=announce)
             rows = [(e["spec"], e["artifact"], aot.describe(e["spec"], e["target"], e["dtype"], e["head_dim"],

@@ -10,7 +10,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import __version__, expr, ir
+from . import expr, ir
+from .version import __version__
 from .paths import templates_dir
 
 # Element type spelled per family (tables, not if-chains).

@@ -12,14 +12,13 @@ from __future__ import annotations
 import torch
 
 from . import ir
+from .runtime.checks import eval_dim
 
 _TORCH = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
 
 
 def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:
     """The full shape of tensor parameter ``p`` given batch/heads/seqlen_q/seqlen_k/int params."""
-    from .ops import eval_dim
-
     return tuple(eval_dim(d.size, sizes) for d in p.shape)
 
 

@@ -7,7 +7,7 @@ blocks. A ``BlockMask`` classifies every pair of a [batch|1, heads|1, ⌈seqlen_
 element kept), and holds the compact per-row lists the kernels walk, as FlexAttention's
 ``create_block_mask`` does:
 
-- ``flashgen.block_mask(op, seqlen_q, seqlen_k, ...)`` classifies the spec's own mask (evaluated
+- ``flashgen.block_mask(op, seqlen_q, seqlen_k, ...)`` (flashgen/runtime/masks.py) classifies the spec's own mask (evaluated
   on the device in row chunks, never as an N×N tensor; ``full`` blocks then let the kernels skip
   the mask arithmetic);
 - ``BlockMask.from_pattern(pattern, block_size=128)`` takes a user's bool block pattern, which is
@@ -23,17 +23,19 @@ mask, so repeated calls with one ``BlockMask`` do no extra work and never synchr
 from __future__ import annotations
 
 import functools
+import numbers
+import weakref
+
 import torch
 
+from . import expr as X
 from . import ir
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 MAX_BLOCK = 4096  # block sizes: positive multiples of 8 up to this
 
 
-def _check_block_size(block_size) -> tuple[int, int]:
-    import numbers
-
+def check_block_size(block_size) -> tuple[int, int]:
     is_int = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
     bs = (block_size, block_size) if is_int(block_size) \
         else tuple(block_size) if isinstance(block_size, tuple | list) else None
@@ -46,7 +48,7 @@ def _check_block_size(block_size) -> tuple[int, int]:
     return bs
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -80,7 +82,7 @@ class BlockMask:
             raise ValueError("state: expected an integer tensor [batch|1, heads|1, query blocks, key blocks]")
         if state.numel() and not bool(((state >= EMPTY) & (state <= FULL)).all()):
             raise ValueError("state: values must be 0 (empty), 1 (partial) or 2 (full)")
-        self.block_size = _check_block_size(block_size)
+        self.block_size = check_block_size(block_size)
         self._state = state.to(torch.int8).contiguous()
         self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
         self.full_kept = bool(full_kept)
@@ -192,7 +194,7 @@ class BlockMask:
         """Raise ValueError (naming ``block_mask``) unless this mask fits a call of these sizes."""
         B, H, nq, nk = self.shape
         bq, bk = self.block_size
-        want = (_cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk))
+        want = (cdiv(seqlen_q, bq), cdiv(seqlen_k, bk))
         if (nq, nk) != want:
             raise ValueError(f"block_mask: {nq} x {nk} blocks of {bq} x {bk}, but seqlen_q = {seqlen_q} and "
                              f"seqlen_k = {seqlen_k} need {want[0]} x {want[1]}")
@@ -206,6 +208,14 @@ class BlockMask:
                              f"called with {seqlen_q}, {seqlen_k}")
         if self.device != device:
             raise ValueError(f"block_mask: on {self.device} but q is on {device} (use block_mask.to(device))")
+
+    def bind(self, fingerprint: str, values, cu_seqlens_q, cu_seqlens_k, depends: tuple[bool, bool]) -> None:
+        """Record what ``flashgen.block_mask`` made this mask from (checked by ``check_binding``):
+        the spec's fingerprint, the parameter values (tensors by identity), the packed layout's
+        cu_seqlens, and whether the mask uses (b, h)."""
+        pv = [_identity(v) if isinstance(v, torch.Tensor) else v for v in values]
+        self._binding = (fingerprint, pv, (_identity(cu_seqlens_q), _identity(cu_seqlens_k)))
+        self._depends = depends
 
     def check_binding(self, spec: ir.Spec, fingerprint: str, values, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
         """Raise ValueError (naming ``block_mask``) when this mask was made by
@@ -266,8 +276,6 @@ def _identity(t) -> tuple | None:
     """What check_binding compares a tensor by: a weak reference to the object itself (so a new
     tensor at a freed tensor's address is not taken for it), its shape, strides and in-place
     version (None for inference tensors, which have no version counter)."""
-    import weakref
-
     if not isinstance(t, torch.Tensor):
         return None
     try:
@@ -291,8 +299,6 @@ def _same(have: tuple | None, now) -> bool:
 @functools.cache
 def mask_names(spec: ir.Spec) -> frozenset[str]:
     """Names the spec's mask reads (positions and parameters); cached (every bound call asks)."""
-    from . import expr as X
-
     return frozenset(n.id for n in X.walk(spec.mask) if isinstance(n, ir.Name)) if spec.mask is not None \
         else frozenset()
 
@@ -301,8 +307,6 @@ def mask_names(spec: ir.Spec) -> frozenset[str]:
 def mask_has_float(spec: ir.Spec) -> bool:
     """Whether the mask computes with floats somewhere (its rounding may then differ between the
     CPU's torch classification and the kernels' own arithmetic at a block's boundary)."""
-    from . import expr as X
-
     if spec.mask is None:
         return False
     scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
@@ -322,7 +326,7 @@ def _retile(st: torch.Tensor, bq: int, bk: int, nq: int, nk: int, tr: int, tc: i
     dev = st.device
 
     def ranges(n, b, t):
-        lo = torch.arange(0, _cdiv(n, t), device=dev) * t
+        lo = torch.arange(0, cdiv(n, t), device=dev) * t
         hi = torch.clamp(lo + t, max=n)
         return lo // b, (hi + b - 1) // b
 
@@ -359,213 +363,6 @@ def lists_of(tiles: torch.Tensor) -> torch.Tensor:
 def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
     """Whether the spec's mask depends on the batch index b and on the query head h (a tensor
     parameter can only vary with them through an index that names them)."""
-    from . import expr as X
-
     if spec.mask is None:
         return False, False
     return X.uses(spec.mask, "b"), X.uses(spec.mask, "h")
-
-
-def classify_cuda(op, lib, params_block, batch: int, heads: int, nq: int, nk: int, br: int, bc: int,
-                  device: torch.device, cu_seqlens_q: torch.Tensor | None = None,
-                  cu_seqlens_k: torch.Tensor | None = None) -> torch.Tensor:
-    """Block classes int8 [batch, heads, ⌈nq/br⌉, ⌈nk/bc⌉] of ``op``'s mask by the generated
-    classifier kernel (cuda/classify.cuh) on ``device``'s current stream (no host sync).
-    ``lib``: the spec's loaded classifier library (its family's ``classifier``);
-    ``params_block``: the op's ctypes Params (``op.params_block``), kept alive by the caller."""
-    import ctypes
-
-    from .abi import FgClassifyArgs
-    from .ops import check_status
-
-    rows, cols = _cdiv(nq, br), _cdiv(nk, bc)
-    out = torch.empty((batch, heads, rows, cols), dtype=torch.int8, device=device)
-    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-    args = FgClassifyArgs(out.data_ptr(), batch, heads, nq, nk, br, bc, rows, cols, ptr(cu_seqlens_q),
-                          ptr(cu_seqlens_k), ctypes.addressof(params_block) if params_block is not None else None)
-    with torch.cuda.device(device):
-        args.stream = torch.cuda.current_stream().cuda_stream
-        status = lib.classify(ctypes.byref(args))
-    check_status(lib, "mask", status)
-    return out
-
-
-# ------------------------------------------------------------ from a spec's mask
-
-_CHUNK_ELEMS = 1 << 25  # mask elements evaluated at once
-
-
-def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads: int | None = None, *,
-               block_size=128, device=None, cu_seqlens_q: torch.Tensor | None = None,
-               cu_seqlens_k: torch.Tensor | None = None, **params) -> BlockMask:
-    """The block mask of ``op``'s own mask (FlexAttention's ``create_block_mask``).
-
-    Args:
-        op: a ``flashgen.compile``d op (or its spec).
-        seqlen_q, seqlen_k: the call's lengths (packed layout: max_seqlen_q / max_seqlen_k).
-        batch, heads: the call's batch size and query heads; None: 1 unless a tensor parameter
-            has a ``batch`` / ``heads`` dim, whose size is then used. The mask gets a dim of 1
-            where the mask does not depend on b / h.
-        block_size: an int or (query, key) pair, multiples of 8 (default 128).
-        device: where to build it; default the tensor parameters' device, else cpu.
-        cu_seqlens_q, cu_seqlens_k: for the packed (varlen) layout: each sequence's blocks are
-            classified with its own lengths (its cu_seqlens values are read on the host once).
-        **params: the spec's parameters, as the call will pass them (the mask must be built
-            with the same values the call uses: a full block skips the element mask).
-
-    Returns a BlockMask with ``full_kept`` True. On CUDA a generated kernel classifies the blocks
-    (cuda/classify.cuh: closed-form key ranges first, then keep() on the blocks they leave open;
-    built once per spec, a few seconds); on the CPU the mask is evaluated in chunks of query rows
-    (memory O(chunk × seqlen_k), never seqlen_q × seqlen_k at once).
-
-    Raises TypeError / ValueError naming the argument.
-    """
-    from .ops import AttentionOp, dim_text
-
-    import numbers
-
-    from . import expr as X
-
-    spec = op.spec if isinstance(op, AttentionOp) else op
-    if not isinstance(spec, ir.Spec):
-        raise TypeError(f"op: expected a flashgen op (flashgen.compile), got {type(op).__name__}")
-    if isinstance(block_size, numbers.Integral) and not isinstance(block_size, bool):
-        block_size = int(block_size)
-    elif isinstance(block_size, tuple | list):
-        block_size = tuple(int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
-                           for x in block_size)
-    bq, bk = _check_block_size(block_size)
-
-    def as_int(name, v, lo, hi, optional=False):
-        if v is None and optional:
-            return None
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-        if not lo <= int(v) <= hi:
-            raise ValueError(f"{name}: {int(v)} is out of range (expected {lo} <= {name} <= {hi})")
-        return int(v)
-
-    seqlen_q = as_int("seqlen_q", seqlen_q, 0, X.MAX_SEQLEN)
-    seqlen_k = as_int("seqlen_k", seqlen_k, 0, X.MAX_SEQLEN)
-    batch = as_int("batch", batch, 1, 2**31 - 1, optional=True)
-    heads = as_int("heads", heads, 1, 2**31 - 1, optional=True)
-    tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
-    if device is None:
-        device = next((t.device for t in tensors.values()), torch.device("cpu"))
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: CUDA is not available in this torch build or machine")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
-    inferred = {}  # batch / heads from a tensor parameter's (non-broadcast) dim of that name
-    for p in spec.params:
-        if p.is_tensor and p.name in tensors:
-            for i, d in enumerate(p.shape):
-                name = dim_text(d.size)
-                if name in ("batch", "heads") and i < tensors[p.name].dim() and \
-                        (not d.broadcast or tensors[p.name].shape[i] > 1):
-                    inferred[name] = tensors[p.name].shape[i]
-    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if packed:
-        for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name}: expected an int32 tensor [batch + 1], got {type(t).__name__}")
-            if t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] < 2:
-                raise ValueError(f"{name}: expected an int32 tensor [batch + 1] (at least 2 entries), got "
-                                 f"{t.dtype} {tuple(t.shape)}")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError("cu_seqlens_k: expected as many entries as cu_seqlens_q")
-        cq, ck = (t.to("cpu", torch.int64) for t in (cu_seqlens_q, cu_seqlens_k))
-        lens_q, lens_k = (cq[1:] - cq[:-1]).tolist(), (ck[1:] - ck[:-1]).tolist()
-        for name, cu, lens, limit, lname in (("cu_seqlens_q", cq, lens_q, seqlen_q, "seqlen_q"),
-                                             ("cu_seqlens_k", ck, lens_k, seqlen_k, "seqlen_k")):
-            if int(cu[0]) != 0 or min(lens) < 0:
-                raise ValueError(f"{name}: expected non-decreasing boundaries starting at 0")
-            if max(lens) > limit:
-                raise ValueError(f"{lname}: {limit} is less than the longest sequence in {name} ({max(lens)}); pass "
-                                 "the call's max_seqlen")
-        if batch is not None and batch != len(lens_q):
-            raise ValueError(f"batch: {batch}, but cu_seqlens_q holds {len(lens_q)} sequences")
-        batch = len(lens_q)
-    per_b, per_h = mask_extents(spec)
-    for name, v, per in (("batch", batch, per_b), ("heads", heads, per_h)):
-        if v is None and per and name not in inferred:
-            raise ValueError(f"{name}: the mask of spec '{spec.name}' depends on {'b' if name == 'batch' else 'h'}: "
-                             f"pass {name}= (the call's {'batch size' if name == 'batch' else 'query heads'})")
-    batch = batch if batch is not None else inferred.get("batch", 1)
-    heads = heads if heads is not None else inferred.get("heads", 1)
-    if not isinstance(op, AttentionOp):
-        from .ops import compile as _compile
-
-        op = _compile(spec)
-    def bound(bm: BlockMask) -> BlockMask:
-        pv = [_identity(v) if isinstance(v, torch.Tensor) else v for v in values]
-        bm._binding = (spec.fingerprint(), pv, (_identity(cu_seqlens_q), _identity(cu_seqlens_k)) if packed
-                       else (None, None))
-        bm._depends = (per_b or packed, per_h)
-        if mask_has_float(spec):
-            bm.full_kept = False  # the classifier's rounding may differ from the kernels': keep their mask
-        return bm
-
-    dummy_q = torch.empty((batch, heads, 0, 8), device=device)
-    sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
-    values = op.check_params(dummy_q, dummy_q, params, sizes)
-    pvals = {p.name: v for p, v in zip(spec.params, values, strict=True)}
-    nqb, nkb = _cdiv(seqlen_q, bq), _cdiv(seqlen_k, bk)
-    if spec.mask is None:
-        return bound(BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
-                               seqlen_q, seqlen_k, full_kept=True))
-    fam = op.family_for(device, None, 128, sparse=True).family if device.type != "cpu" else None
-    if fam is not None and fam.block_classifier:  # the generated classifier kernel
-        block = op.params_block(values)
-        cu = {}
-        if packed:
-            cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
-                  "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
-        st = classify_cuda(op, op.mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
-                           bq, bk, device, **cu)
-        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
-    if not packed:
-        st = _classify(spec, pvals, batch, heads, seqlen_q, seqlen_k, bq, bk, device, 0)
-        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
-    parts = []
-    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
-        st = _classify(spec, pvals, 1, heads, lq, lk, bq, bk, device, b)
-        parts.append(torch.nn.functional.pad(st, (0, nkb - st.shape[-1], 0, nqb - st.shape[-2])))
-    hmax = max(p.shape[1] for p in parts)
-    return bound(BlockMask(torch.cat([p.expand(1, hmax, nqb, nkb) for p in parts]), (bq, bk), seqlen_q, seqlen_k,
-                           full_kept=True))
-
-
-def _classify(spec: ir.Spec, params: dict, batch: int, heads: int, nq: int, nk: int, bq: int, bk: int,
-              device: torch.device, batch_offset: int) -> torch.Tensor:
-    """int8 [B|1, H|1, ⌈nq/bq⌉, ⌈nk/bk⌉] classification of the spec's mask (in-bounds elements
-    only: the kernels bound-check the edges themselves), evaluated in chunks of query blocks."""
-    from .reference import evaluate, positions
-
-    nqb, nkb = _cdiv(nq, bq), _cdiv(nk, bk)
-    if nqb == 0 or nkb == 0:
-        return torch.zeros((1, 1, nqb, nkb), dtype=torch.int8, device=device)
-    rows = bq * max(1, _CHUNK_ELEMS // (batch * heads * nkb * bk * bq))
-    out = []
-    pos = positions(batch, heads, nq, nk, device, batch_offset)
-    for r0 in range(0, nq, rows):
-        r1 = min(r0 + rows, nq)
-        env = pos | {"q": pos["q"][:, :, r0:r1]}
-        m = evaluate(spec.mask, spec, env, params, torch.float32)
-        m = torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, r1 - r0, nk)))
-        B, H = m.shape[:2]
-        n_rows = _cdiv(r1 - r0, bq)
-        pad = (0, nkb * bk - nk, 0, n_rows * bq - (r1 - r0))
-        # out-of-bounds elements count neither for "any kept" nor against "all kept"
-        anyk = torch.nn.functional.pad(m.to(torch.uint8), pad, value=0).view(B, H, n_rows, bq, nkb, bk)
-        allk = torch.nn.functional.pad(m.to(torch.uint8), pad, value=1).view(B, H, n_rows, bq, nkb, bk)
-        a = anyk.amax(dim=(3, 5)) > 0
-        f = allk.amin(dim=(3, 5)) > 0
-        out.append(torch.where(f, FULL, torch.where(a, PARTIAL, EMPTY)).to(torch.int8))
-    shapes = {o.shape[:2] for o in out}
-    if len(shapes) > 1:
-        B, H = max(s[0] for s in shapes), max(s[1] for s in shapes)
-        out = [o.expand(B, H, *o.shape[2:]) for o in out]
-    return torch.cat(out, dim=2).contiguous()
-

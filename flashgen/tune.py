@@ -31,7 +31,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, env, ir
+from . import env, ir
+from .runtime import loader
+from .version import __version__
 from .paths import write_json_atomic
 
 _lock = threading.Lock()
@@ -461,12 +463,11 @@ def _compile(cands: list[Candidate], jobs: int | None, progress) -> float:
     pruned. Returns the wall time (s)."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
-    from . import build
 
     def one(c: Candidate) -> Candidate:
         t0 = time.perf_counter()
         try:
-            c.lib = build.load(c.inst)
+            c.lib = loader.load(c.inst)
         except Exception as e:  # noqa: BLE001 - BuildError, or no compiler (FLASHGEN_JIT=0): infinite
             c.error = f"build failed: {(str(e).splitlines() or [type(e).__name__])[0][:200]}"
             return c
@@ -604,7 +605,7 @@ def _time_kind(op, w: _Workload, cands: list[Candidate], device, reps: int, prog
     """Milliseconds of each candidate on workload ``w`` (inf: failed, wrong or pruned)."""
     import torch
 
-    from . import ops
+    from .runtime import launch
 
     ref = None
     default = next((c for c in cands if "default" in c.roles), None)
@@ -623,11 +624,11 @@ def _time_kind(op, w: _Workload, cands: list[Candidate], device, reps: int, prog
                     if bad is not None:
                         raise ValueError(bad)
                 del got
-                old, ops.poison_outputs = ops.poison_outputs, False  # timing: no NaN fill pass
+                old, launch.poison_outputs = launch.poison_outputs, False  # timing: no NaN fill pass
                 try:
                     ms = _time_calls(fn, len(w.sets), device, warmup=max(2, len(w.sets)), reps=reps)
                 finally:
-                    ops.poison_outputs = old
+                    launch.poison_outputs = old
             except torch.cuda.OutOfMemoryError:
                 c.error = "out of GPU memory"
                 torch.cuda.empty_cache()
@@ -835,7 +836,6 @@ def _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress) -> None:
     """Compile (or load) the instantiations calls at the tuned lengths will use, in parallel."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from . import build
 
     insts = list(dict.fromkeys(op.instantiation(device, dtype, hd, seqlen=n) for hd in head_dims for n in seqlens))
     _report(progress, "prebuild", 0, len(insts), "")
@@ -843,7 +843,7 @@ def _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress) -> None:
 
     def one(inst):
         try:
-            build.load(inst)
+            loader.load(inst)
         finally:
             done[0] += 1
             _report(progress, "prebuild", done[0], len(insts), inst.name)

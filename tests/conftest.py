@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import ops
+from flashgen.runtime import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -23,10 +23,10 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def poison_outputs():
     """Every kernel output starts as NaN, so an element the kernel does not write shows."""
-    old = ops.poison_outputs
-    ops.poison_outputs = True
+    old = launch.poison_outputs
+    launch.poison_outputs = True
     yield
-    ops.poison_outputs = old
+    launch.poison_outputs = old
 
 
 @pytest.fixture(scope="session")

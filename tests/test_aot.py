@@ -15,6 +15,8 @@ import torch
 
 import flashgen
 from flashgen import aot, build, families, ir
+from flashgen.runtime import loader
+from flashgen.tools import aot_build
 
 CPU, SM80 = families.get("cpu"), families.get("sm80")
 
@@ -104,7 +106,7 @@ def _fresh_lookup():
 def cpu_dir(tmp_path_factory):
     """An AOT directory with the causal spec's fp32 CPU kernel (compiled once, or a cache hit)."""
     out = tmp_path_factory.mktemp("aot") / "kernels"
-    entries = aot.build_dir([SPEC], out, device="cpu", dtypes=["fp32"])
+    entries = aot_build.build_dir([SPEC], out, device="cpu", dtypes=["fp32"])
     return out, entries
 
 
@@ -150,7 +152,7 @@ def test_missing_variant_error_names_it(cpu_dir, tmp_path, monkeypatch):
     jit_off(monkeypatch, [out], tmp_path / "cache")
     inst = fp32_cpu(dtype=ir.DType.BF16)
     with pytest.raises(aot.NotBuiltError) as e:
-        build.load(inst)
+        loader.load(inst)
     text = str(e.value)
     assert isinstance(e.value, flashgen.BuildError)
     assert f"causal: cpu {build.cpu_arch()}, bf16" in text
@@ -165,7 +167,7 @@ def test_jit_disabled_without_any_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_JIT", "0")
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(aot.NotBuiltError, match="FLASHGEN_AOT_DIR is not set"):
-        build.load(fp32_cpu())
+        loader.load(fp32_cpu())
     assert not (tmp_path / "cache").exists()
 
 
@@ -175,7 +177,7 @@ def test_found_in_directory_without_a_cache_key(cpu_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_AOT_DIR", str(out))
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(build.Instantiation, "_key_fields", lambda self: pytest.fail("cache key computed"))
-    lib = build.load(fp32_cpu())
+    lib = loader.load(fp32_cpu())
     assert lib.path.parent.parent == out and lib.fwd is not None and lib.bwd is not None
     assert not (tmp_path / "cache").exists()
 
@@ -194,13 +196,13 @@ def test_tampered_library_is_not_loaded(cpu_dir, tmp_path, monkeypatch):
     lib.write_bytes(bytes(data))
     jit_off(monkeypatch, [bad], tmp_path / "cache")
     with pytest.warns(aot.AOTWarning, match="sha256"), pytest.raises(aot.NotBuiltError) as e:
-        build.load(fp32_cpu())
+        loader.load(fp32_cpu())
     assert "does not match the index's sha256" in str(e.value) and entry["artifact"] in str(e.value)
     # A second directory with a good copy is used instead.
     aot.reload()
     jit_off(monkeypatch, [bad, out], tmp_path / "cache")
     with pytest.warns(aot.AOTWarning):
-        assert build.load(fp32_cpu()).path.parent.parent == out
+        assert loader.load(fp32_cpu()).path.parent.parent == out
 
 
 @pytest.mark.parametrize("field, value", [("torch", "0.0.1"), ("flashgen", "0.0.0"), ("python", [2, 7]),
@@ -214,7 +216,7 @@ def test_index_of_other_versions_is_ignored(cpu_dir, tmp_path, monkeypatch, fiel
     jit_off(monkeypatch, [other], tmp_path / "cache")
     with pytest.warns(aot.AOTWarning, match=f"ignoring ahead-of-time directory .*built for {field}"), \
             pytest.raises(aot.NotBuiltError) as e:
-        build.load(fp32_cpu())
+        loader.load(fp32_cpu())
     assert f"skipped, built for {field}" in str(e.value)
 
 
@@ -229,7 +231,7 @@ def test_index_of_an_older_format_is_ignored_with_a_clear_reason(cpu_dir, tmp_pa
     jit_off(monkeypatch, [old], tmp_path / "cache")
     with pytest.warns(aot.AOTWarning, match="index format 1, but this flashgen reads format 2 .*rebuild the "
                       "directory with `flashgen build --out`"), pytest.raises(aot.NotBuiltError):
-        build.load(fp32_cpu())
+        loader.load(fp32_cpu())
 
 
 def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path):
@@ -239,7 +241,7 @@ def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path
     other = dict(entry, variant="0" * 64, spec="other", fingerprint="f" * 64)
     index["entries"].append(other)
     (again / "index.json").write_text(json.dumps(index))
-    written = aot.build_dir([SPEC], again, device="cpu", dtypes=["fp32"])
+    written = aot_build.build_dir([SPEC], again, device="cpu", dtypes=["fp32"])
     entries = json.loads((again / "index.json").read_text())["entries"]
     assert written == [entry] and sorted(e["variant"] for e in entries) == sorted(["0" * 64, entry["variant"]])
     assert build.sha256_of(again / entry["artifact"] / "lib.so") == entry["sha256"]
@@ -250,8 +252,8 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
     block lists brings its block-sparse kernels and the block classifier along."""
     monkeypatch.setattr(build, "cuda_version", lambda: pytest.fail("toolkit version asked for"))
     monkeypatch.setattr(build, "generator_hash", lambda *a: pytest.fail("generator hash asked for"))
-    monkeypatch.setattr(aot, "_gpus", dict)
-    planned = aot.plan([ROOT / "specs" / "document.attn", SPEC], arches=["sm_80", "90"], dtypes=["bf16"],
+    monkeypatch.setattr(aot_build, "_gpus", dict)
+    planned = aot_build.plan([ROOT / "specs" / "document.attn", SPEC], arches=["sm_80", "90"], dtypes=["bf16"],
                        head_dims=[64], layouts=["padded", "packed"])
     got = {(p.inst.spec.name, p.inst.target.arch, dict(p.inst.config).get("varlen", 0),
             dict(p.inst.config).get("sparse", 0), dict(p.inst.config).get("mask", 0)) for p in planned}
@@ -266,12 +268,12 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
     text = aot.not_built_message(causal_packed, [], [])
     assert "causal: sm80 sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
     assert "causal.attn --out DIR --arch sm_90a --dtype bf16 --head-dim 64 --layouts packed" in text
-    sparse = aot.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True)
+    sparse = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True)
     assert {dict(p.inst.config).get("sparse", 0) or 2 * dict(p.inst.config).get("mask", 0) for p in sparse} == {1, 2}
     with pytest.raises(ValueError, match="sm_70"):
-        aot.plan([SPEC], arches=["sm_70"])
+        aot_build.plan([SPEC], arches=["sm_70"])
     with pytest.raises(ValueError, match="fp32 is not supported"):
-        aot.plan([SPEC], arches=["sm_90a"], dtypes=["fp32"])
+        aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["fp32"])
 
 
 def test_variant_id_is_what_the_artifact_is():
@@ -304,7 +306,7 @@ def test_build_command_writes_a_directory(cpu_dir, tmp_path):
 @pytest.mark.gpu
 def test_cuda_directory_runs_with_jit_disabled(tmp_path):
     out = tmp_path / "kernels"
-    entries = aot.build_dir([SPEC], out, device="cuda", dtypes=["bf16"], head_dims=[64])
+    entries = aot_build.build_dir([SPEC], out, device="cuda", dtypes=["bf16"], head_dims=[64])
     assert entries and all(e["target"][0] == "cuda" and e["head_dim"] == 64 for e in entries)
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cuda", dtype="bfloat16", seqlen=300,
                        head_dim=64, missing={"dtype": "bfloat16", "head_dim": 128})
@@ -319,7 +321,7 @@ def test_cuda_directory_with_per_call_block_lists(tmp_path):
     spec = ROOT / "specs" / "document.attn"
     assert flashgen.compile(spec).auto_sparse
     out = tmp_path / "kernels"
-    entries = aot.build_dir([spec], out, device="cuda", dtypes=["bf16"], head_dims=[64])
+    entries = aot_build.build_dir([spec], out, device="cuda", dtypes=["bf16"], head_dims=[64])
     assert any(e["config"].get("mask") for e in entries) and any(e["config"].get("sparse") for e in entries)
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(spec), device="cuda", dtype="bfloat16", seqlen=300,
                        head_dim=64, params=["document_id"], missing={"dtype": "float16", "head_dim": 64})

@@ -13,6 +13,7 @@ import torch
 
 import flashgen
 from flashgen import build, families, ir
+from flashgen.runtime import loader
 from flashgen.errors import BuildError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,7 +126,7 @@ def test_build_error_shows_compiler_output_and_source(tmp_path, monkeypatch):
     inst = families.get("cpu").instantiation(spec, build.cpu_arch(), ir.DType.FP32, None)
     monkeypatch.setattr(build.Instantiation, "sources", lambda self: {"broken.cpp": "int main( { this is not C++ }\n"})
     with pytest.raises(BuildError) as e:
-        build.load(inst)
+        loader.load(inst)
     text = str(e.value)
     assert f"failed to build {inst.name}" in text
     source = Path(text.split("generated sources: ")[1].splitlines()[0]) / "broken.cpp"

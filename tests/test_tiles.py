@@ -143,11 +143,11 @@ def test_cuda_builds_need_a_cuda_torch(tmp_path, monkeypatch):
     written (not cpp_extension's CUDA_HOME message)."""
     import torch
 
-    from flashgen import aot
+    from flashgen.tools import aot_build
     from flashgen.errors import BuildError
 
     monkeypatch.setattr(torch.version, "cuda", None)
     out = tmp_path / "aot"
     with pytest.raises(BuildError, match="CPU-only"):
-        aot.build_dir([frontend.parse(CAUSAL)], out, arches=["sm_90a"], dtypes=["bf16"], head_dims=[64])
+        aot_build.build_dir([frontend.parse(CAUSAL)], out, arches=["sm_90a"], dtypes=["bf16"], head_dims=[64])
     assert not out.exists()

@@ -15,6 +15,7 @@ from conftest import ROOT, SPECS
 
 import flashgen
 from flashgen import build, families, frontend, ir, tiles, tune
+from flashgen.runtime import loader
 from flashgen.errors import BuildError
 
 BF16 = ir.DType.BF16
@@ -429,7 +430,7 @@ def test_tune_many_orchestration_without_a_gpu(store, causal_op, monkeypatch):
         fn.ms = (fwd_ms if kind == "fwd" else bwd_ms).get(tile, 3.0)
         return fn
 
-    monkeypatch.setattr(build, "load", load)
+    monkeypatch.setattr(loader, "load", load)
     monkeypatch.setattr(tune, "resource_usage", resources)
     monkeypatch.setattr(tune, "_workload", workload)
     monkeypatch.setattr(tune, "_runner", runner)

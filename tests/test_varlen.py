@@ -12,7 +12,7 @@ import torch
 from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, alibi_slopes, op
 from varlen_cases import cu_seqlens, inputs, run_case
 
-from flashgen import ops, reference
+from flashgen import families, ops, reference
 
 # Kernels these tests run, as other test modules build them too (the CPU family takes the head
 # dim at run time, so one build per (spec, dtype) serves every head dim): no extra compile in CI.
@@ -309,7 +309,7 @@ def test_kernel_refuses_inconsistent_metadata():
 
     c = op("causal")
     q, k, v, cq, ck = _meta_inputs()
-    lib = c._library(q.device, ir.DType.FP32, 32)
+    lib = c.library(families.get("cpu"), q.device, ir.DType.FP32, 32)
     out, lse = torch.empty_like(q), torch.empty(2, 8)
     bad = torch.tensor([0, 6, 8], dtype=torch.int32)  # sequence 0 longer than max_seqlen_q = 5
     args = FgFwdArgs(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), 2, 2, 1, 5, 6, 32,

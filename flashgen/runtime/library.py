@@ -1,0 +1,214 @@
+"""torch.library registration of one spec's op: schema, the real implementation (the call's
+one validation, then the launch), the fake implementation for torch.compile, and autograd
+through a backward op of its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import (
+    IR_DTYPE,
+    Packed,
+    check_blocks,
+    check_varlen_given,
+    describe_tensor,
+    dims,
+    packed_layout,
+)
+
+# Every spec's op lives in the "flashgen" namespace; the Library object must outlive the ops.
+_LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
+
+
+def register(op, qualname: str):
+    """Define ``flashgen::<qualname>`` with CPU/CUDA kernels, a fake implementation and autograd.
+
+    Schema: ``(q, k, v, scale, deterministic, *params)`` → ``(out, lse)``, the spec's parameters
+    in declaration order (int, float or Tensor), then, for a spec that declares ``dropout``,
+    ``float dropout_p, Tensor? dropout_state`` (int64 [2] {seed, offset}; None when p is 0), then
+    the packed layout's ``Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt?
+    max_seqlen_q=None, SymInt? max_seqlen_k=None`` (None: padded; a None max_seqlen is derived).
+    The backward is an op of its own, ``<qualname>_bwd``, returning dq, dk, dv and a list with
+    one gradient per float tensor parameter that enters the score (empty where not requested);
+    it takes the forward's dropout and packed-layout arguments last and regenerates the same
+    mask.
+
+    Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
+    imports torch._dynamo at the first call (seconds), which would dominate a cached load.
+    """
+    name = f"flashgen::{qualname}"
+    spec = op.spec
+    # SymInt: under torch.compile a new int value (a window) does not recompile once dynamic.
+    schema_type = {"int": "SymInt", "float": "float", "tensor": "Tensor"}
+    pdecl = "".join(f", {schema_type[p.kind]} {p.name}" for p in spec.params)
+    npar = len(spec.params)
+    ddecl = ", float dropout_p, Tensor? dropout_state" if spec.dropout else ""
+    ndrop = 2 if spec.dropout else 0
+    vdecl = (", Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
+             "SymInt? max_seqlen_k=None, Tensor? block_kv=None, Tensor? block_q=None, Tensor? block_dq=None, "
+             "int[] block_meta=[]")
+    _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float? scale, bool deterministic{pdecl}{ddecl}"
+                    f"{vdecl}) -> (Tensor, Tensor)")
+
+    def varlen_of(rest, start=None) -> tuple:
+        """The four packed-layout arguments after the spec's (None when left out)."""
+        start = npar + ndrop if start is None else start
+        tail = tuple(rest[start:start + 4])
+        return tail + (None,) * (4 - len(tail))
+
+    def blocks_of(rest, start=None) -> tuple:
+        """The block-sparsity arguments after the packed layout's: block_kv, block_q, block_dq,
+        block_meta (None / [] when left out)."""
+        start = (npar + ndrop if start is None else start) + 4
+        tail = tuple(rest[start:start + 4])
+        tail = tail + (None,) * (3 - len(tail[:3]))
+        return tail[:3] + (tail[3] if len(tail) > 3 and tail[3] is not None else [],)
+
+    def packed_of(q, k, v, varlen) -> Packed | None:
+        """The validated packed layout of a raw call (None: padded); checks q, k, v too."""
+        is_packed = check_varlen_given(*varlen)
+        op.check_inputs(q, k, v, packed=is_packed)  # the raw op (torch.ops.flashgen.*) is callable directly too
+        if not is_packed:
+            return None
+        return packed_layout(q, k, *varlen)
+
+    def checked(kind, q, k, v, scale, values, dropout, varlen, block_lists):
+        """The one validation of a call (the forward's or the backward's): inputs, packed
+        layout, block lists, scale, parameters and dropout, then the family that serves it.
+        Raises naming the argument, before any launch."""
+        packed = packed_of(q, k, v, varlen)
+        B, Hq, _, Nq, Nk, d = dims(q, k, packed)
+        dtype = IR_DTYPE[q.dtype]
+        p = bool(dropout and dropout[0])
+        fam = op.choose_family(q.device, dtype, d, packed is not None, bool(block_lists[3]), p).family
+        blocks = check_blocks(kind, *block_lists, B, Hq, Nq, Nk, q.device, fam.dq_lists)
+        scale = op.scale_for(scale, d)
+        values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},
+                                 packed.sizes(q.shape[1]) if packed is not None else None)
+        if dropout:
+            op.check_dropout(q, *dropout)
+        if blocks is None:
+            blocks = op.auto_blocks(fam, kind, q, k, values, packed)
+        return fam, packed, blocks, scale, values
+
+    def forward(q, k, v, scale, deterministic, *rest):
+        values, dropout = rest[:npar], rest[npar:npar + ndrop]
+        fam, packed, blocks, scale, values = checked("fwd", q, k, v, scale, values, dropout, varlen_of(rest),
+                                                     blocks_of(rest))
+        return op.launch_forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
+
+    op.implementation = forward
+
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(qualname, forward, key)
+
+    def fake(q, k, v, scale, deterministic, *rest):
+        if varlen_of(rest)[0] is not None:  # packed: out [total_q, Hq, d], lse [Hq, total_q]
+            return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        B, Hq, Nq, _d = q.shape
+        return torch.empty_like(q), q.new_empty((B, Hq, Nq), dtype=torch.float32)
+
+    torch.library.register_fake(name, fake, lib=_LIBRARY)
+    grad_index = [i for i, p in enumerate(spec.params) if p.name in op.grad_params]
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, scale, deterministic, *rest = inputs
+        values, dropout = rest[:npar], rest[npar:npar + ndrop]
+        cu_q, cu_k, max_q, max_k = varlen_of(rest)
+        _, block_q, block_dq, block_meta = blocks_of(rest)
+        ctx.block_meta = list(block_meta)
+        if block_meta and block_q is None:
+            raise ValueError("block_q: the backward of a block-sparse call needs its lists (pass block_q, and "
+                             "block_dq on CUDA, or call through the op with block_mask=)")
+        out, lse = output
+        tensors = [x for x in values if isinstance(x, torch.Tensor)]
+        # The dropout state (not its mask) is all the backward needs to regenerate the mask.
+        ctx.dropout_p = dropout[0] if dropout else 0.0
+        ctx.max_seqlens = (max_q, max_k)
+        ctx.ninputs = len(inputs)
+        ctx.save_for_backward(q, k, v, out, lse, dropout[1] if dropout else None, cu_q, cu_k, block_q, block_dq,
+                              *tensors)
+        ctx.scalars = [None if isinstance(x, torch.Tensor) else x for x in values]
+        ctx.scale = scale
+        ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+
+    def backward(ctx, grad_out, grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True: the backward kernels are not differentiable
+            raise NotImplementedError(f"{op.name}: double backward (create_graph=True) is not supported: the "
+                                      "backward kernels have no derivative of their own")
+        q, k, v, out, lse, dropout_state, cu_q, cu_k, block_q, block_dq, *tensors = ctx.saved_tensors
+        dropout = (ctx.dropout_p, dropout_state) if ndrop else ()
+        varlen = {} if cu_q is None and cu_k is None else {
+            "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k, "max_seqlen_q": ctx.max_seqlens[0],
+            "max_seqlen_k": ctx.max_seqlens[1]}
+        if ctx.block_meta:
+            varlen.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=ctx.max_seqlens[0],
+                          max_seqlen_k=ctx.max_seqlens[1], block_kv=None, block_q=block_q, block_dq=block_dq,
+                          block_meta=ctx.block_meta)
+        it = iter(tensors)
+        values = [next(it) if x is None else x for x in ctx.scalars]
+        need = ctx.needs_input_grad
+        need_params = [bool(need[5 + i]) for i in grad_index]
+        if any(need_params) and ctx.deterministic:
+            names = ", ".join(p for p, n in zip(op.grad_params, need_params, strict=True) if n)
+            msg = (f"{op.name}: gradients of parameter(s) {names} are summed with fp32 atomics and are "
+                   "not bitwise repeatable; deterministic mode was requested (deterministic=True or "
+                   "torch.use_deterministic_algorithms(True))")
+            if torch.is_deterministic_algorithms_warn_only_enabled():
+                import warnings
+
+                warnings.warn(msg, stacklevel=2)
+            else:
+                raise RuntimeError(msg + "; detach those parameters or turn deterministic mode off")
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, pgrads = getattr(torch.ops.flashgen, qualname + "_bwd")(
+            q, k, v, out, lse, grad_out, grad_lse, ctx.scale, ctx.deterministic, *values, need_params, *dropout,
+            **varlen)
+        result = [dq if need[0] else None, dk if need[1] else None, dv if need[2] else None, None, None]
+        result += [None] * (ctx.ninputs - 5)
+        for i, g, n in zip(grad_index, pgrads, need_params, strict=True):
+            if n:
+                result[5 + i] = g
+        return tuple(result)
+
+    _LIBRARY.define(f"{qualname}_bwd(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+                    f"Tensor? dlse, float? scale, bool deterministic{pdecl}, bool[] need_param_grads{ddecl}{vdecl}) "
+                    "-> (Tensor, Tensor, Tensor, Tensor[])")
+
+    def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
+        values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
+        fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout,
+                                                     varlen_of(rest, npar + 1 + ndrop),
+                                                     blocks_of(rest, npar + 1 + ndrop))
+        # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
+        for name, t in (("out", out), ("dout", dout)):
+            if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (like q), "
+                                 f"got {describe_tensor(t)}")
+        want, what = ((q.shape[1], q.shape[0]), "[heads, total_q]") if packed is not None else \
+            (tuple(q.shape[:3]), "[batch, heads, seqlen_q]")
+        for name, t in (("lse", lse), ("dlse", dlse)):
+            if t is not None and (tuple(t.shape) != want or t.dtype != torch.float32 or t.device != q.device):
+                raise ValueError(f"{name}: expected a float32 tensor of shape {what} = {want} on {q.device}, "
+                                 f"got {describe_tensor(t)}")
+        lse = lse.contiguous()
+        return op.launch_backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
+                            packed=packed, blocks=blocks, family=fam)
+
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(qualname + "_bwd", backward_impl, key)
+
+    def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
+        values, need_params = rest[:npar], rest[npar]
+        by_name = {p.name: x for p, x in zip(spec.params, values, strict=True)}
+        pgrads = [by_name[n].new_empty(by_name[n].shape, dtype=torch.float32) if need
+                  else q.new_empty(0, dtype=torch.float32) for n, need in zip(op.grad_params, need_params,
+                                                                                strict=True)]
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), pgrads
+
+    torch.library.register_fake(name + "_bwd", backward_fake, lib=_LIBRARY)
+    torch.library.register_autograd(name, backward, setup_context=setup_context, lib=_LIBRARY)
+    return getattr(torch.ops.flashgen, qualname).default
+

@@ -1,0 +1,46 @@
+"""Golden renders: ``flashgen generate specs/*.attn`` writes every spec's rendered translation
+units (the CPU family's per dtype, sm80's at head dims 64 and 128 or the spec's own) into
+``generated/<spec>/``, so a template change shows up as a reviewable diff; tests/test_codegen.py
+fails when they are stale.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import families, frontend
+from ..runtime.checks import spec_dtypes
+
+
+def generated_files(spec_path: Path) -> dict[str, str]:
+    """File name → text of everything ``generate`` writes for one spec (its generated/ folder)."""
+    spec = frontend.parse(spec_path)
+    files = {}
+    cpu, cuda = families.get("cpu"), families.get("sm80")
+    for dt in spec_dtypes(spec, cpu):
+        files.update(cpu.instantiation(spec, "any", dt, None).sources())
+    for dt in spec_dtypes(spec, cuda):
+        for hd in spec.head_dims or (64, 128):
+            files.update(cuda.instantiation(spec, "any", dt, hd).sources())
+    return files
+
+
+def generate(spec_paths: list[Path], out_root: Path) -> list[Path]:
+    """Render each spec into ``out_root/<spec name>/``; writes only files that changed and removes
+    files no longer generated. Returns the paths written."""
+    written = []
+    for sp in spec_paths:
+        name = frontend.parse(sp).name
+        folder = out_root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        files = generated_files(sp)
+        for fname, text in files.items():
+            path = folder / fname
+            if not path.exists() or path.read_text() != text:
+                path.write_text(text)
+                written.append(path)
+        for stale in folder.iterdir():
+            if stale.name not in files and stale.is_file():
+                stale.unlink()
+                written.append(stale)
+    return written
