@@ -6,9 +6,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+import flashgen
 from flashgen import check
 
 pytestmark = pytest.mark.gpu
+
+# The kernel family these tests run on (the only CUDA family in this version); every case asserts it.
+FAMILY = "sm80"
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SEQLENS = [1, 7, 64, 127, 128, 129]
@@ -35,6 +39,7 @@ def make(b, hq, hkv, nq, nk, d, dtype, transposed, gen):
 
 
 def check_case(op, q, k, v, **kw):
+    assert op.family_for(q.device, q.dtype, q.shape[-1]).family.name == FAMILY
     out, lse = op(q, k, v, return_lse=True, **kw)
     cmp = check.compare(op.spec, q, k, v, out, lse, scale=kw.get("scale"))
     assert cmp.ok, f"{op.name} q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}: {cmp}"
@@ -317,3 +322,16 @@ def test_fwd_bwd_peak_memory_is_linear(ops):
         del q, k, v, dout
     ratios = [per_token[n] / per_token[4096] for n in per_token]
     assert max(ratios) < 1.25 and min(ratios) > 0.8, per_token
+
+
+def test_family_choice_and_forcing_on_cuda(ops):
+    """CUDA calls run on sm80; forcing the cpu family with CUDA tensors raises, naming why."""
+    op = ops["causal"]
+    choice = op.family_for("cuda", torch.bfloat16, 128, layout="packed", sparse=True, dropout=True)
+    assert choice.family.name == FAMILY and choice.tried == ()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = make(1, 2, 2, 100, 100, 64, torch.bfloat16, False, gen)
+    with flashgen.use_family("cpu"), pytest.raises(NotImplementedError, match="runs on cpu tensors, not cuda"):
+        op(q, k, v)
+    with flashgen.use_family(FAMILY):
+        check_case(op, q, k, v)

@@ -7,7 +7,8 @@ from sparsity_cases import run_case
 from variant_cases import alibi_slopes, op
 
 import flashgen
-from flashgen import reference, sparsity
+from flashgen import reference
+from flashgen.runtime import masks
 
 # ------------------------------------------------------------------ BlockMask itself
 
@@ -54,7 +55,7 @@ def test_block_mask_chunks_rows_without_an_n_by_n_tensor(monkeypatch):
     """Evaluated in row chunks: a tiny chunk budget gives the same classes."""
     fop = op("sliding_window")
     a = flashgen.block_mask(fop, 500, 500, block_size=32, window=50)
-    monkeypatch.setattr(sparsity, "_CHUNK_ELEMS", 1)
+    monkeypatch.setattr(masks, "_CHUNK_ELEMS", 1)
     b = flashgen.block_mask(fop, 500, 500, block_size=32, window=50)
     assert torch.equal(a.to_dense(), b.to_dense())
 

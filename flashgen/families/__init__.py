@@ -10,7 +10,6 @@ entry in ``_ORDER`` (docs/architecture.md, "How to add a kernel family").
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -26,7 +25,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _ORDER}
 _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q", "packed (varlen) batches are"),
                 "sparse": ("block_mask", "block-sparse kernels are"), "backward": ("backward", "the backward pass is")}
 
-_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashgen_family", default=None)
+# The families forced by ``use_family`` blocks, innermost last: process-wide, like
+# torch.nn.attention.sdpa_kernel's backend choice (and readable while torch.compile traces).
+_forced: list[str | None] = []
 
 __all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "for_arch", "forced", "get", "of", "use_family",
            "with_feature"]
@@ -76,8 +77,8 @@ def for_arch(device: str, arch: str | None) -> Family:
 
 
 def forced() -> str | None:
-    """The family forced for this thread: ``use_family``'s, else FLASHGEN_FAMILY's, else None."""
-    name = _forced.get()
+    """The family forced now: the innermost ``use_family``'s, else FLASHGEN_FAMILY's, else None."""
+    name = _forced[-1] if _forced else None
     if name is None:
         name = env.family()
     return name
@@ -85,16 +86,17 @@ def forced() -> str | None:
 
 @contextlib.contextmanager
 def use_family(name: str | None) -> Iterator[Family | None]:
-    """Force the kernel family ``name`` ('sm80', 'cpu') for calls made inside the block (this
-    thread and context); None forces nothing beyond FLASHGEN_FAMILY. A call the forced family
+    """Force the kernel family ``name`` ('sm80', 'cpu') for calls made inside the block (in the
+    whole process, as torch.nn.attention.sdpa_kernel does; blocks nest, the innermost wins);
+    None forces nothing beyond FLASHGEN_FAMILY. A call the forced family
     cannot serve raises NotImplementedError naming what it lacks. ValueError for an unknown
     name."""
     fam = get(name) if name is not None else None
-    token = _forced.set(name)
+    _forced.append(name)
     try:
         yield fam
     finally:
-        _forced.reset(token)
+        _forced.pop()
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
     if family is not None:
         origin = "family="
     else:
-        family = _forced.get()
+        family = _forced[-1] if _forced else None
         if family is not None:
             origin = "flashgen.use_family"
         else:

@@ -118,9 +118,11 @@ class Family:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""
         raise NotImplementedError(f"family {self.name} has no block classifier")
 
-    def block_tiles(self, config: dict, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+    def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         """The tiles block lists are made for, (forward rows, cols, backward rows, cols, dq rows,
-        cols) in elements, for an instantiation's ``config`` and a block mask's block size."""
+        cols) in elements, for a block mask's block size and the call's instantiation, whose
+        config ``config()`` returns (called only by families whose tiles are in the config: it
+        may load the library)."""
         raise NotImplementedError
 
 

@@ -25,7 +25,7 @@ class CpuFamily(Family):
     def device_target(self, index: int | None) -> build.Target:
         return self.target(build.cpu_arch())
 
-    def block_tiles(self, config: dict, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+    def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         # The kernels take a divisor of the block size as their tiles, so tiles nest in blocks.
         bq, bk = block_size
         fr, fc = divisor_tile(bq, 256), divisor_tile(bk, 512)

@@ -51,8 +51,8 @@ class Sm80Family(Family):
         CUDA): a small library of its own."""
         return build.Instantiation(spec, self.target(arch), self.dtypes[0], None, (("mask", 1),))
 
-    def block_tiles(self, config: dict, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
-        fwd, bwd, dq = tile_rules.from_config(config)
+    def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+        fwd, bwd, dq = tile_rules.from_config(config())
         return fwd.block_m, fwd.block_n, bwd.block_n, bwd.block_m, dq.block_m, dq.block_n
 
 

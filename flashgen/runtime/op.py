@@ -376,8 +376,8 @@ class AttentionOp:
         bq, bk = block_mask.block_size
         dtype = IR_DTYPE[q.dtype]
         fam = self.choose_family(q.device, dtype, d, packed, True, dropout).family
-        lib = self.library(fam, q.device, dtype, d, packed, sparse=True)
-        fr, fc, br, bc, dr, dc = fam.block_tiles(dict(lib.instantiation.config), (bq, bk))
+        fr, fc, br, bc, dr, dc = fam.block_tiles(
+            lambda: dict(self.library(fam, q.device, dtype, d, packed, sparse=True).instantiation.config), (bq, bk))
         if not block_mask.full_kept and any(x % t for x, t in ((bq, fr), (bk, fc), (bk, br), (bq, bc), (bq, dr),
                                                                (bk, dc))):
             # A kernel tile that straddled a kept and an empty block could not honour the
@@ -602,7 +602,7 @@ class AttentionOp:
         if Nq == 0 or Nk == 0:
             return None
         lib = self.library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, sparse=True)
-        fr, fc, br, bc, dr, dc = fam.block_tiles(dict(lib.instantiation.config), (0, 0))
+        fr, fc, br, bc, dr, dc = fam.block_tiles(lambda: dict(lib.instantiation.config), (0, 0))
         per_b, per_h = self._mask_extents
         block = self.params_block(values)
         cu = {}
