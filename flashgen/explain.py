@@ -109,7 +109,7 @@ from pathlib import Path
 
 import torch
 
-from . import ir, tiles
+from . import expr, ir, reference, tiles
 
 ELEMENT_BYTES = {ir.DType.FP16: 2, ir.DType.BF16: 2, ir.DType.FP32: 4}
 LSE_BYTES = 4  # fp32 LSE and D per row
@@ -368,82 +368,27 @@ class _Geometry:
     blocks: dict = field(default_factory=dict)
 
 
-def _row_exact(spec: ir.Spec) -> bool:
-    from . import codegen
-
-    return spec.mask is None or bool(codegen.hook_bodies(spec)["row_exact"])
-
-
-class _NoClosedForm(Exception):
-    """The mask's per-row key range is not available in closed form."""
-
-
-def _row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict) -> tuple:
-    """Per query row, the key range [lo, hi) int64 [bp, hp, Nq] the mask keeps (None: unbounded
-    on that side), by the interval reasoning of flashgen.expr.key_range applied to a single row
-    (q_lo = q, q_hi = q + 1) and evaluated in PyTorch. Exact when key_range(spec).exact (the
-    caller's condition): the row keeps exactly [lo, hi) ∩ [0, Nk). Raises _NoClosedForm for a
-    structure key_range leaves unbounded."""
-    from . import expr as X
-    from . import reference
-
-    ar = lambda n: torch.arange(n, dtype=torch.int64)
+def row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict):
+    """Per query row, the key range [lo, hi) int64 [bp, hp, Nq] of the mask, from the symbolic
+    range flashgen.expr.key_range derives (the one the kernels print as C++), evaluated here
+    over every row at once with flashgen.reference.evaluate and the call's parameter values;
+    None when the mask has no closed form (``key_range(spec).exact`` is false). The row keeps
+    exactly [lo, hi) ∩ [0, Nk)."""
+    rng = expr.key_range(spec)
+    if not rng.exact:
+        return None
+    ar = lambda n: torch.arange(n, dtype=torch.int64)  # noqa: E731
     env = {"b": ar(bp).view(-1, 1, 1), "h": ar(hp).view(1, -1, 1), "q": ar(nq).view(1, 1, -1),
            "seqlen_q": nq, "seqlen_k": nk}
-    scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
     shape = (bp, hp, nq)
 
-    def val(e):
+    def val(e: ir.Expr | None, default: int) -> torch.Tensor:
         if e is None:
-            return 0
-        return torch.broadcast_to(torch.as_tensor(reference.evaluate(e, spec, env, params, torch.float64)), shape)
+            return torch.full(shape, default, dtype=torch.int64)
+        out = torch.as_tensor(reference.evaluate(e, spec, env, params, torch.float64)).to(torch.int64)
+        return torch.broadcast_to(out, shape)
 
-    def both(a, b, fn, none_wins: bool):
-        if a is None or b is None:
-            return None if none_wins else (b if a is None else a)
-        return fn(a, b)
-
-    def go(e: ir.Expr, negate: bool):
-        if isinstance(e, ir.Unary) and e.op == "not":
-            return go(e.operand, not negate)
-        if isinstance(e, ir.BinOp) and e.op in ("and", "or"):
-            (alo, ahi), (blo, bhi) = go(e.lhs, negate), go(e.rhs, negate)
-            if (e.op == "and") != negate:  # intersection
-                return both(alo, blo, torch.maximum, False), both(ahi, bhi, torch.minimum, False)
-            return both(alo, blo, torch.minimum, True), both(ahi, bhi, torch.maximum, True)  # union (exact: an interval)
-        if not X.uses(e, "kv"):
-            if X.uses(e, "q"):
-                raise _NoClosedForm
-            c = val(e).to(torch.bool)
-            c = ~c if negate else c
-            return None, torch.where(c, torch.full(shape, nk, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64))
-        if not (isinstance(e, ir.BinOp) and e.op in X._FLIP_CMP):
-            raise _NoClosedForm
-        if X.type_of(e.lhs, scope) != X.INT or X.type_of(e.rhs, scope) != X.INT:
-            raise _NoClosedForm
-        op = X._NEG_CMP[e.op] if negate else e.op
-        lhs, rhs = X.linear_in_kv(e.lhs), X.linear_in_kv(e.rhs)
-        if lhs is None or rhs is None:
-            raise _NoClosedForm
-        c = lhs[0] - rhs[0]
-        f = (val(rhs[1]) - val(lhs[1])) * torch.ones(shape, dtype=torch.int64)  # c·kv op f
-        if c == -1:
-            op, f = X._FLIP_CMP[op], -f
-        elif c != 1:
-            raise _NoClosedForm
-        if op == "<=":
-            return None, f + 1
-        if op == "<":
-            return None, f
-        if op == ">=":
-            return f, None
-        if op == ">":
-            return f + 1, None
-        if op == "==":
-            return f, f + 1
-        raise _NoClosedForm  # !=
-
-    return go(spec.mask, False)
+    return val(rng.row_lo(), 0), val(rng.row_hi(), nk)
 
 
 def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: dict,
@@ -470,29 +415,24 @@ def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: d
             geo.blocks[(bm, bn)] = _blocks_from_hulls(first, last, nq, nk, bm, bn)
         return geo
 
-    from . import reference
     from .sparsity import mask_extents
 
     per_b, per_h = mask_extents(spec)
     bp, hp = (batch if per_b else 1), (heads if per_h else 1)
     g = bp * hp
-    if _row_exact(spec):
-        try:
-            lo, hi = _row_bounds(spec, nq, nk, bp, hp, params)
-        except _NoClosedForm:
-            pass
-        else:
-            first = (torch.zeros(bp, hp, nq, dtype=torch.int64) if lo is None else lo.clamp(min=0)).reshape(g, nq)
-            last = ((torch.full((bp, hp, nq), nk, dtype=torch.int64) if hi is None else hi.clamp(max=nk)) - 1
-                    ).reshape(g, nq)
-            empty = last < first
-            first = torch.where(empty, torch.full_like(first, nk), first)
-            last = torch.where(empty, torch.full_like(last, -1), last)
-            pairs = int((last - first + 1).clamp(min=0).sum())
-            geo = _Geometry(bp, hp, first, last, pairs, True, "closed form (per-row key range)")
-            for bm, bn in block_tiles:
-                geo.blocks[(bm, bn)] = _blocks_from_hulls(first, last, nq, nk, bm, bn)
-            return geo
+    bounds = row_bounds(spec, nq, nk, bp, hp, params)
+    if bounds is not None:
+        lo, hi = bounds
+        first = lo.clamp(min=0).reshape(g, nq)
+        last = (hi.clamp(max=nk) - 1).reshape(g, nq)
+        empty = last < first
+        first = torch.where(empty, torch.full_like(first, nk), first)
+        last = torch.where(empty, torch.full_like(last, -1), last)
+        pairs = int((last - first + 1).clamp(min=0).sum())
+        geo = _Geometry(bp, hp, first, last, pairs, True, "closed form (per-row key range)")
+        for bm, bn in block_tiles:
+            geo.blocks[(bm, bn)] = _blocks_from_hulls(first, last, nq, nk, bm, bn)
+        return geo
     step = math.lcm(16, *(bm for bm, _ in block_tiles)) if block_tiles else 16
     chunk = max(step, (_CHUNK_ELEMS // max(1, g * nk)) // step * step)
     first = torch.empty(g, nq, dtype=torch.int64)
@@ -517,7 +457,7 @@ def _geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, params: d
             buf[:, :q1 - q0, :nk] = keep
             occ = buf.view(g, rpad // bm, bm, kpad // bn, bn).any(4).any(2)
             out[:, q0 // bm:q0 // bm + rpad // bm] |= occ
-    return _Geometry(bp, hp, first, last, pairs, _row_exact(spec), "mask evaluated", blocks)
+    return _Geometry(bp, hp, first, last, pairs, expr.key_range(spec).exact, "mask evaluated", blocks)
 
 
 def _blocks_from_hulls(first, last, nq, nk, bm, bn) -> torch.Tensor:
