@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from . import families, ir
+from . import flops as flop_count
 from .errors import FlashgenError
 
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
@@ -297,7 +298,7 @@ def parse_params(spec: ir.Spec, items: list[str]) -> dict:
 def cmd_run(args) -> int:
     import torch
 
-    from . import check, reference
+    from . import check
     from .bench import time_fn
     from .ops import TORCH_DTYPE
     from .ops import compile as fg_compile
@@ -343,8 +344,8 @@ def cmd_run(args) -> int:
     print(f"check against float64 reference: {cmp}")
     with torch.no_grad():
         ms = time_fn(lambda: op(q, k, v, **drop, **params), device, reps=args.reps)
-    flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(
-        op.spec, args.seqlen, nk, batch=args.batch, heads=args.heads, **cpu_params)
+    flops = flop_count.call_flops(op.spec, args.seqlen, nk, args.head_dim, batch=args.batch, heads=args.heads,
+                                  **cpu_params)
     print(f"time: {ms:.3f} ms   {flops / ms / 1e6:.1f} GFLOP/s ({flops / ms / 1e9:.2f} TFLOP/s)")
     return 0 if cmp.ok else 1
 

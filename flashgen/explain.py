@@ -110,6 +110,7 @@ from pathlib import Path
 import torch
 
 from . import expr, ir, reference, tiles
+from . import flops as flop_count
 
 ELEMENT_BYTES = {ir.DType.FP16: 2, ir.DType.BF16: 2, ir.DType.FP32: 4}
 LSE_BYTES = 4  # fp32 LSE and D per row
@@ -870,7 +871,7 @@ def _param_terms(tparams: list[_TensorParam], elems: int, all_elems: int, backwa
 
 def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int,
                  tparams: list[_TensorParam] = ()) -> Traffic:
-    flops = 4 * d * pairs_total
+    flops = flop_count.attention_flops(pairs_total, d, "fwd")
     terms = {
         "Q read": e * d * v.fwd_q_rows * scale,
         "K, V reads": 2 * e * d * v.fwd_kv_rows * scale,
@@ -890,7 +891,7 @@ def _fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int,
 
 def _bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: _Visits, scale: int, kv_scale_num: int,
                  kv_scale_den: int, splits: int, tparams: list[_TensorParam] = ()) -> Traffic:
-    flops = 10 * d * pairs_total  # 2.5 × the forward's 4 · d per pair
+    flops = flop_count.attention_flops(pairs_total, d, "bwd")
     rows_q = B * Hq * nq
     rows_k = B * Hkv * nk
     kv_rows = v.bwd_kv_rows * kv_scale_num // kv_scale_den
