@@ -283,6 +283,7 @@ def _spec_params(spec: ir.Spec, given: dict, batch: int, heads: int, nq: int, nk
             shaped[p.name] = torch.empty(shape, dtype=_TORCH[p.dtype], device="meta")
     gen = torch.Generator().manual_seed(0)
     try:
+        expr.check_positive(spec, given)
         return example_params(spec, batch, heads, nq, nk, "cpu", gen, **(given | shaped))
     except (TypeError, ValueError) as e:
         raise ValueError(f"params: {e}") from None

@@ -44,6 +44,7 @@ MASK_BUILTINS = {
     "prefix_lm": 1,         # prefix_lm(n): kv < n or kv <= q + δ
     "document": 1,          # document(ids): ids[b, q] == ids[b, kv]
     "key_padding": 1,       # key_padding(n): kv < n
+    "chunked": 1,           # chunked(n): (q + δ) // n == kv // n, n ≥ 1 (Llama 4's chunked local attention)
 }  # fmt: skip
 
 
@@ -91,12 +92,65 @@ def expand_builtins(e: ir.Expr) -> ir.Expr:
                             ir.Index(ids, (ir.Name("b"), kv), e.span), e.span)
         if e.fn == "key_padding":
             return ir.BinOp("<", kv, args[0], e.span)
+        if e.fn == "chunked":
+            # (q + δ) // n == kv // n, as the interval of chunk (q + δ) // n: for n ≥ 1 the two
+            # agree, and the interval form gives the key range in closed form.
+            (n,) = args
+            _check_chunk_size(n)
+            start = ir.BinOp("*", ir.BinOp("//", _q_plus_delta(), n), n)
+            lo = ir.BinOp(">=", kv, start, e.span)
+            hi = ir.BinOp("<", kv, ir.BinOp("+", start, n), e.span)
+            return ir.BinOp("and", lo, hi, e.span)
     if isinstance(e, ir.Call) and e.fn == "clamp":
         args = tuple(expand_builtins(a) for a in e.args)
         if len(args) != 3:
             raise ExprError(e, f"clamp() takes 3 arguments, got {len(args)}")
         return ir.Call("min", (ir.Call("max", (args[0], args[1]), e.span), args[2]), e.span)
     return _map_children(e, expand_builtins)
+
+
+def _check_chunk_size(n: ir.Expr) -> None:
+    """chunked(n) takes a positive integer literal or the name of an int parameter (whose value
+    the call checks, see ``positive_params``)."""
+    if isinstance(n, ir.Num):
+        if not isinstance(n.value, int) or n.value < 1:
+            raise ExprError(n, f"chunked() needs a positive integer chunk size, got {n.value}")
+        return
+    if isinstance(n, ir.Unary) and n.op == "-" and isinstance(n.operand, ir.Num):
+        raise ExprError(n, f"chunked() needs a positive integer chunk size, got -{n.operand.value}")
+    if not isinstance(n, ir.Name):
+        raise ExprError(n, "chunked() takes a positive integer literal or the name of an int parameter",
+                        expected="chunked(4096) or chunked(NAME) with 'param NAME: int'")
+
+
+def positive_params(e: ir.Expr, scope: Scope) -> tuple[str, ...]:
+    """The int parameters that chunked(...) calls in ``e`` (before built-in expansion) take as
+    their chunk size: each must be ≥ 1 at call time (``check_positive``). Raises ExprError for
+    a chunk size that is not an int literal ≥ 1 or an int parameter."""
+    out: list[str] = []
+    for n in walk(e):
+        if isinstance(n, ir.Call) and n.fn == "chunked" and len(n.args) == 1:
+            (arg,) = n.args
+            _check_chunk_size(arg)
+            if isinstance(arg, ir.Name):
+                p = scope.params.get(arg.id)
+                if p is None:
+                    type_of(arg, scope)  # unknown name: its error, with the nearest name
+                    raise ExprError(arg, f"chunked() needs an int parameter, '{arg.id}' is a built-in name")
+                if p.kind != "int":
+                    raise ExprError(arg, f"chunked() needs an int parameter, '{arg.id}' is "
+                                    f"{'a ' + p.dtype + ' tensor' if p.is_tensor else 'a float'}")
+                if arg.id not in out:
+                    out.append(arg.id)
+    return tuple(out)
+
+
+def check_positive(spec: ir.Spec, values: dict) -> None:
+    """Raise ValueError naming the parameter when an int parameter of ``spec.positive`` (a
+    chunked(n) chunk size) is below 1 in ``values`` ({name: int}; absent names are skipped)."""
+    for name in spec.positive:
+        if name in values and values[name] < 1:
+            raise ValueError(f"{name}: {values[name]} is out of range (chunked({name}) needs a chunk size ≥ 1)")
 
 
 def _map_children(e: ir.Expr, fn: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
