@@ -18,6 +18,7 @@ from . import expr as X
 from . import flops as flop_count
 from . import ir, reference
 from .ops import TORCH_DTYPE, AttentionOp
+from .params import example_params
 
 
 @dataclass
@@ -199,8 +200,6 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
     ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
     forward's, the backward counted as 2.5× as in FlashAttention's benchmarks). Spec parameters
     come from ``params`` where given, else flashgen.params.example_params (per shape)."""
-    from .params import example_params
-
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
     impls = {"flashgen": lambda q, k, v, p: op(q, k, v, dropout_p=dropout_p, **p)}

@@ -105,7 +105,7 @@ def environment():
 
 def render(template: str, **context) -> str:
     """Render one template strictly; an undefined name raises, naming template and line."""
-    import jinja2
+    import jinja2  # lazily, as in environment()
 
     try:
         return environment().get_template(template).render(**context)

@@ -16,8 +16,9 @@ import operator
 import torch
 
 from . import expr as X
-from . import ir
+from . import ir, philox
 from .frontend import evaluate_scale, parse
+from .sparsity import BlockMask
 
 
 def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.dtype, *,
@@ -275,8 +276,6 @@ def _block_keep(block_mask, b: int | None, nq: int, nk: int, device) -> torch.Te
     ``b``: in the packed layout, the sequence (its row of the mask); None: the padded batch."""
     if block_mask is None:
         return None
-    from .sparsity import BlockMask
-
     if not isinstance(block_mask, BlockMask):
         raise TypeError(f"block_mask: expected a flashgen.BlockMask, got {type(block_mask).__name__}")
     bq, bk = block_mask.block_size
@@ -343,8 +342,6 @@ def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_s
 def _dropout_keep(seed: int, offset: int, batch: int, heads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                   device, batch_offset: int = 0) -> torch.Tensor:
     """flashgen.philox.keep_mask for batch elements batch_offset .. batch_offset + batch - 1."""
-    from . import philox
-
     return philox.keep_mask(seed, offset, batch, heads, seqlen_q, seqlen_k, dropout_p, device, batch_offset)
 
 
