@@ -5,7 +5,7 @@ the live GPU, or this CPU) with the figures that come with it, and what a kernel
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -121,4 +121,3 @@ class FamilyPart:
     model: str
     where: str
     l2_rereads: bool = False
-    extra: dict = field(default_factory=dict)
