@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import expr as X
+from . import flops as flop_count
 from . import ir, reference
 from .ops import TORCH_DTYPE, AttentionOp
 from .params import example_params
@@ -211,8 +212,8 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
         gen = torch.Generator(device=device).manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device=device, dtype=tdtype, generator=gen) for _ in range(4))
         pv = example_params(op.spec, B, H, N, N, device, gen, **(params or {}))
-        flops = 4 * B * H * d * reference.visible_pairs(op.spec, N, N, batch=B, heads=H, **pv) * (
-            3.5 if backward else 1.0)
+        flops = flop_count.call_flops(op.spec, N, N, d, batch=B, heads=H, kind="fwd+bwd" if backward else "fwd",
+                                      **pv)
         if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
         for name, fn in impls.items():

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 from . import families, ir
+from . import flops as flop_count
 from .errors import FlashgenError
+from .params import parse_params
 from .tools import generate
 
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
@@ -234,33 +236,12 @@ def _build_aot(args, console) -> int:
 # ---------------------------------------------------------------- run
 
 
-def parse_params(spec: ir.Spec, items: list[str]) -> dict:
-    """``--param name=value`` items → {name: int | float} (a number fills a tensor parameter)."""
-    out: dict = {}
-    declared = {p.name: p for p in spec.params}
-    for item in items:
-        name, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"--param {item}: expected NAME=VALUE")
-        p = declared.get(name)
-        if p is None:
-            names = ", ".join(declared) or "none"
-            raise ValueError(f"--param {item}: spec '{spec.name}' has no parameter '{name}' (it declares: {names})")
-        integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
-        try:
-            out[name] = int(text) if integral else float(text)
-        except ValueError:
-            raise ValueError(f"--param {item}: '{text}' is not {'an int' if integral else 'a number'}") from None
-        limit = 2**31 if p.is_tensor and p.dtype == "i32" else 2**62
-        if integral and not -limit <= out[name] < limit:
-            raise ValueError(f"--param {item}: {out[name]} is out of range for {name} (|value| < {limit})")
-    return out
 
 
 def cmd_run(args) -> int:
     import torch
 
-    from . import check, reference
+    from . import check
     from .bench import time_fn
     from .ops import TORCH_DTYPE
     from .ops import compile as fg_compile
@@ -306,8 +287,8 @@ def cmd_run(args) -> int:
     print(f"check against float64 reference: {cmp}")
     with torch.no_grad():
         ms = time_fn(lambda: op(q, k, v, **drop, **params), device, reps=args.reps)
-    flops = 4 * args.batch * args.heads * args.head_dim * reference.visible_pairs(
-        op.spec, args.seqlen, nk, batch=args.batch, heads=args.heads, **cpu_params)
+    flops = flop_count.call_flops(op.spec, args.seqlen, nk, args.head_dim, batch=args.batch, heads=args.heads,
+                                  **cpu_params)
     print(f"time: {ms:.3f} ms   {flops / ms / 1e6:.1f} GFLOP/s ({flops / ms / 1e9:.2f} TFLOP/s)")
     return 0 if cmp.ok else 1
 

@@ -62,8 +62,8 @@ def hook_bodies(spec: ir.Spec) -> dict[str, str]:
         "has_score_mod": spec.score is not None,
         "has_param_grad": bool(expr.grad_params(spec)),
         "has_dropout": spec.dropout,
-        "kv_lo": f"fg_clamp_kv({rng.lo}, seqlen_k)" if rng.lo else "0",
-        "kv_hi": f"fg_clamp_kv({rng.hi}, seqlen_k)" if rng.hi else "seqlen_k",
+        "kv_lo": f"fg_clamp_kv({expr.tile_bound_cxx(spec, rng.lo, 'lo')}, seqlen_k)" if rng.lo else "0",
+        "kv_hi": f"fg_clamp_kv({expr.tile_bound_cxx(spec, rng.hi, 'hi')}, seqlen_k)" if rng.hi else "seqlen_k",
         "tile_full": rng.full,
         "row_exact": rng.exact,
         "keep": cx(spec.mask) if spec.mask is not None else "true",
@@ -106,7 +106,7 @@ def environment():
 
 def render(template: str, **context) -> str:
     """Render one template strictly; an undefined name raises, naming template and line."""
-    import jinja2
+    import jinja2  # lazily, as in environment()
 
     try:
         return environment().get_template(template).render(**context)

@@ -44,6 +44,7 @@ MASK_BUILTINS = {
     "prefix_lm": 1,         # prefix_lm(n): kv < n or kv <= q + δ
     "document": 1,          # document(ids): ids[b, q] == ids[b, kv]
     "key_padding": 1,       # key_padding(n): kv < n
+    "chunked": 1,           # chunked(n): (q + δ) // n == kv // n, n ≥ 1 (Llama 4's chunked local attention)
 }  # fmt: skip
 
 
@@ -91,12 +92,65 @@ def expand_builtins(e: ir.Expr) -> ir.Expr:
                             ir.Index(ids, (ir.Name("b"), kv), e.span), e.span)
         if e.fn == "key_padding":
             return ir.BinOp("<", kv, args[0], e.span)
+        if e.fn == "chunked":
+            # (q + δ) // n == kv // n, as the interval of chunk (q + δ) // n: for n ≥ 1 the two
+            # agree, and the interval form gives the key range in closed form.
+            (n,) = args
+            _check_chunk_size(n)
+            start = ir.BinOp("*", ir.BinOp("//", _q_plus_delta(), n), n)
+            lo = ir.BinOp(">=", kv, start, e.span)
+            hi = ir.BinOp("<", kv, ir.BinOp("+", start, n), e.span)
+            return ir.BinOp("and", lo, hi, e.span)
     if isinstance(e, ir.Call) and e.fn == "clamp":
         args = tuple(expand_builtins(a) for a in e.args)
         if len(args) != 3:
             raise ExprError(e, f"clamp() takes 3 arguments, got {len(args)}")
         return ir.Call("min", (ir.Call("max", (args[0], args[1]), e.span), args[2]), e.span)
     return _map_children(e, expand_builtins)
+
+
+def _check_chunk_size(n: ir.Expr) -> None:
+    """chunked(n) takes a positive integer literal or the name of an int parameter (whose value
+    the call checks, see ``positive_params``)."""
+    if isinstance(n, ir.Num):
+        if not isinstance(n.value, int) or n.value < 1:
+            raise ExprError(n, f"chunked() needs a positive integer chunk size, got {n.value}")
+        return
+    if isinstance(n, ir.Unary) and n.op == "-" and isinstance(n.operand, ir.Num):
+        raise ExprError(n, f"chunked() needs a positive integer chunk size, got -{n.operand.value}")
+    if not isinstance(n, ir.Name):
+        raise ExprError(n, "chunked() takes a positive integer literal or the name of an int parameter",
+                        expected="chunked(4096) or chunked(NAME) with 'param NAME: int'")
+
+
+def positive_params(e: ir.Expr, scope: Scope) -> tuple[str, ...]:
+    """The int parameters that chunked(...) calls in ``e`` (before built-in expansion) take as
+    their chunk size: each must be ≥ 1 at call time (``check_positive``). Raises ExprError for
+    a chunk size that is not an int literal ≥ 1 or an int parameter."""
+    out: list[str] = []
+    for n in walk(e):
+        if isinstance(n, ir.Call) and n.fn == "chunked" and len(n.args) == 1:
+            (arg,) = n.args
+            _check_chunk_size(arg)
+            if isinstance(arg, ir.Name):
+                p = scope.params.get(arg.id)
+                if p is None:
+                    type_of(arg, scope)  # unknown name: its error, with the nearest name
+                    raise ExprError(arg, f"chunked() needs an int parameter, '{arg.id}' is a built-in name")
+                if p.kind != "int":
+                    raise ExprError(arg, f"chunked() needs an int parameter, '{arg.id}' is "
+                                    f"{'a ' + p.dtype + ' tensor' if p.is_tensor else 'a float'}")
+                if arg.id not in out:
+                    out.append(arg.id)
+    return tuple(out)
+
+
+def check_positive(spec: ir.Spec, values: dict) -> None:
+    """Raise ValueError naming the parameter when an int parameter of ``spec.positive`` (a
+    chunked(n) chunk size) is below 1 in ``values`` ({name: int}; absent names are skipped)."""
+    for name in spec.positive:
+        if name in values and values[name] < 1:
+            raise ValueError(f"{name}: {values[name]} is out of range (chunked({name}) needs a chunk size ≥ 1)")
 
 
 def _map_children(e: ir.Expr, fn: Callable[[ir.Expr], ir.Expr]) -> ir.Expr:
@@ -552,18 +606,22 @@ def _flip(m):
     return {Mono.INC: Mono.DEC, Mono.DEC: Mono.INC}.get(m, m)
 
 
-def monotonicity(e: ir.Expr) -> Mono | None:
-    """How ``e`` (free of kv) varies with q: CONST, INC (non-decreasing), DEC, or None."""
+def monotonicity(e: ir.Expr, positive: frozenset[str] = frozenset()) -> Mono | None:
+    """How ``e`` (free of kv) varies with q: CONST, INC (non-decreasing), DEC, or None.
+    ``positive``: int parameters known to be ≥ 1 (checked at call time), which multiply and
+    floor-divide like a positive literal."""
+    mono = lambda x: monotonicity(x, positive)  # noqa: E731
+    is_pos = lambda x: (isinstance(x, ir.Num) and x.value > 0) or (isinstance(x, ir.Name) and x.id in positive)  # noqa: E731
     if isinstance(e, ir.Num):
         return Mono.CONST
     if isinstance(e, ir.Name):
         return Mono.INC if e.id == "q" else Mono.CONST
     if isinstance(e, ir.Index):
-        return Mono.CONST if all(monotonicity(i) is Mono.CONST for i in e.indices) else None
+        return Mono.CONST if all(mono(i) is Mono.CONST for i in e.indices) else None
     if isinstance(e, ir.Unary):
-        return _flip(monotonicity(e.operand)) if e.op == "-" else None
+        return _flip(mono(e.operand)) if e.op == "-" else None
     if isinstance(e, ir.BinOp):
-        a, b = monotonicity(e.lhs), monotonicity(e.rhs)
+        a, b = mono(e.lhs), mono(e.rhs)
         if e.op == "+":
             return _combine(a, b)
         if e.op == "-":
@@ -572,14 +630,16 @@ def monotonicity(e: ir.Expr) -> Mono | None:
             return Mono.CONST
         if e.op == "*":
             for m, other in ((a, e.rhs), (b, e.lhs)):
+                if is_pos(other):
+                    return m
                 if isinstance(other, ir.Num):
-                    return m if other.value > 0 else (_flip(m) if other.value < 0 else Mono.CONST)
+                    return _flip(m) if other.value < 0 else Mono.CONST
             return None
-        if e.op == "//" and isinstance(e.rhs, ir.Num) and e.rhs.value > 0:
+        if e.op == "//" and is_pos(e.rhs):
             return a
         return None
     if isinstance(e, ir.Call):
-        ms = [monotonicity(x) for x in e.args]
+        ms = [mono(x) for x in e.args]
         if all(m is Mono.CONST for m in ms):
             return Mono.CONST
         if e.fn in ("min", "max"):
@@ -619,33 +679,106 @@ _NEG_CMP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
 
 
 @dataclass(frozen=True)
-class KeyRange:
-    """For a query tile [q_lo, q_hi): kept keys lie in [lo, hi) (None: unbounded on that side);
-    ``full`` is C++ that is true only if every (q, kv) of the tile [q_lo,q_hi)×[kv_lo,kv_hi) is
-    kept. All C++ is fg_int arithmetic. ``exact``: for a single query row (q_lo = q, q_hi =
-    q + 1) the kept keys are exactly [lo, hi) ∩ [0, seqlen_k) — the mask keeps an interval of
-    keys per row (causal, windows, prefix-LM, key padding), so kernels may test the two bounds
-    instead of evaluating the mask per element."""
+class RowBound:
+    """The key bound ``f + offset`` of one query row: ``f`` an int expression free of kv (over
+    q, seqlen_q, seqlen_k, b, h and parameters) that varies with q as ``mono``."""
 
-    lo: str | None
-    hi: str | None
+    f: ir.Expr
+    offset: int
+    mono: Mono
+
+
+@dataclass(frozen=True)
+class SwitchBound:
+    """``seqlen_k`` where ``cond`` holds, else 0 (``cond`` free of q and kv: a whole row, or a
+    whole (batch, head), is kept or not)."""
+
+    cond: ir.Expr
+
+
+@dataclass(frozen=True)
+class JoinBound:
+    """The ``op`` ('max' or 'min') of two bounds (an intersection or a union of key ranges)."""
+
+    op: str
+    a: Bound
+    b: Bound
+
+
+Bound = RowBound | SwitchBound | JoinBound
+
+
+def bound_expr(bound: Bound) -> ir.Expr:
+    """The bound as an int expression tree for one query row (``q`` the row), to evaluate with
+    flashgen.reference.evaluate: max/min for joins, where(cond, seqlen_k, 0) for a switch."""
+    if isinstance(bound, RowBound):
+        return bound.f if not bound.offset else ir.BinOp("+", bound.f, ir.Num(bound.offset))
+    if isinstance(bound, SwitchBound):
+        return ir.Call("where", (bound.cond, ir.Name("seqlen_k"), ir.Num(0)))
+    return ir.Call(bound.op, (bound_expr(bound.a), bound_expr(bound.b)))
+
+
+def tile_bound_cxx(spec: ir.Spec, bound: Bound, side: str) -> str:
+    """C++ (fg_int) of ``bound`` over the query tile [q_lo, q_hi): with ``side`` 'lo' a value at
+    most the bound of every row of the tile, with 'hi' at least it (each row bound taken at the
+    tile end where its monotonicity puts the extreme; joins of extremes bound the extreme of a
+    join, so the result is sound for the tile)."""
+    at_hi = Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
+    at_lo = Cxx(spec, {"q": "(fg_int)q_lo"})
+
+    def go(b: Bound) -> str:
+        if isinstance(b, RowBound):
+            lowest = side == "lo"
+            # the tile's smallest value of f sits at q_lo when f increases with q, at q_hi - 1 when
+            # it decreases; its largest at the other end
+            at = (at_hi if b.mono is Mono.DEC else at_lo) if lowest else (at_lo if b.mono is Mono.DEC else at_hi)
+            code = at(b.f)
+            return f"({code} + {b.offset})" if b.offset else code
+        if isinstance(b, SwitchBound):
+            return f"({Cxx(spec)(b.cond)} ? (fg_int)seqlen_k : (fg_int)0)"
+        return f"fg_{b.op}i({go(b.a)}, {go(b.b)})"
+
+    return go(bound)
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """The mask's key range in closed form: for query row q the kept keys lie in [lo(q), hi(q))
+    ∩ [0, seqlen_k) (``lo`` / ``hi`` are Bound trees, None: unbounded on that side, i.e. 0 /
+    seqlen_k); ``full`` is C++ that is true only if every (q, kv) of the tile
+    [q_lo,q_hi)×[kv_lo,kv_hi) is kept (fg_int arithmetic). ``exact``: the kept keys of a row are
+    exactly [lo(q), hi(q)) ∩ [0, seqlen_k) — the mask keeps an interval of keys per row (causal,
+    windows, chunks, prefix-LM, key padding), so kernels may test the two bounds instead of
+    evaluating the mask per element, and explain counts from them. Not ``exact`` means no closed
+    form: the bounds, where given, are still sound (no kept key outside them)."""
+
+    lo: Bound | None
+    hi: Bound | None
     full: str
     exact: bool = False
+
+    def row_lo(self) -> ir.Expr | None:
+        """The lower bound (inclusive) of row q as an expression tree (None: 0)."""
+        return None if self.lo is None else bound_expr(self.lo)
+
+    def row_hi(self) -> ir.Expr | None:
+        """The upper bound (exclusive) of row q as an expression tree (None: seqlen_k)."""
+        return None if self.hi is None else bound_expr(self.hi)
 
 
 _UNBOUNDED = KeyRange(None, None, "false")
 
 
 def _and(a: KeyRange, b: KeyRange) -> KeyRange:
-    lo = a.lo if b.lo is None else b.lo if a.lo is None else f"fg_maxi({a.lo}, {b.lo})"
-    hi = a.hi if b.hi is None else b.hi if a.hi is None else f"fg_mini({a.hi}, {b.hi})"
+    lo = a.lo if b.lo is None else b.lo if a.lo is None else JoinBound("max", a.lo, b.lo)
+    hi = a.hi if b.hi is None else b.hi if a.hi is None else JoinBound("min", a.hi, b.hi)
     full = "false" if "false" in (a.full, b.full) else f"({a.full} && {b.full})"
     return KeyRange(lo, hi, full, a.exact and b.exact)  # intervals intersect into an interval
 
 
 def _or(a: KeyRange, b: KeyRange) -> KeyRange:
-    lo = None if a.lo is None or b.lo is None else f"fg_mini({a.lo}, {b.lo})"
-    hi = None if a.hi is None or b.hi is None else f"fg_maxi({a.hi}, {b.hi})"
+    lo = None if a.lo is None or b.lo is None else JoinBound("min", a.lo, b.lo)
+    hi = None if a.hi is None or b.hi is None else JoinBound("max", a.hi, b.hi)
     full = a.full if b.full == "false" else b.full if a.full == "false" else f"({a.full} || {b.full})"
     # A union of intervals is the interval [min lo, max hi) when both start at 0 or both end
     # at seqlen_k (each may be empty); otherwise there may be a gap.
@@ -658,18 +791,19 @@ def key_range(spec: ir.Spec) -> KeyRange:
     its and/or/not structure: comparisons linear in kv (coefficient ±1) against an integer
     expression monotone in q bound the range; comparisons free of q and kv (parameters indexed
     by b, h) switch the whole tile on or off; anything else keeps every key (the per-element
-    mask still decides). Sound by construction: no kept key ever lies outside [lo, hi)."""
+    mask still decides). Sound by construction: no kept key ever lies outside [lo, hi).
+    Monotonicity trusts ``spec.positive`` (int parameters checked ≥ 1 at call time)."""
     if spec.mask is None:
         return KeyRange(None, None, "true", True)
     at_hi = Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
     at_lo = Cxx(spec, {"q": "(fg_int)q_lo"})
     plain = Cxx(spec)
+    positive = frozenset(spec.positive)
 
     def atom_without_kv(e: ir.Expr) -> KeyRange:
         if uses(e, "q"):
             return _UNBOUNDED
-        c = plain(e)
-        return KeyRange(None, f"({c} ? (fg_int)seqlen_k : (fg_int)0)", c, True)
+        return KeyRange(None, SwitchBound(e), plain(e), True)
 
     def go(e: ir.Expr, negate: bool) -> KeyRange:
         if isinstance(e, ir.Unary) and e.op == "not":
@@ -695,22 +829,22 @@ def key_range(spec: ir.Spec) -> KeyRange:
             op, f = _FLIP_CMP[op], _neg(f)
         elif c != 1:
             return _UNBOUNDED
-        mono = monotonicity(f)
+        mono = monotonicity(f, positive)
         if mono is None:
             return _UNBOUNDED
         # f_max / f_min over q in [q_lo, q_hi)
         fmax = (at_lo if mono is Mono.DEC else at_hi)(f)
         fmin = (at_hi if mono is Mono.DEC else at_lo)(f)
         if op == "<=":
-            return KeyRange(None, f"({fmax} + 1)", f"((fg_int)kv_hi - 1 <= {fmin})", True)
+            return KeyRange(None, RowBound(f, 1, mono), f"((fg_int)kv_hi - 1 <= {fmin})", True)
         if op == "<":
-            return KeyRange(None, fmax, f"((fg_int)kv_hi - 1 < {fmin})", True)
+            return KeyRange(None, RowBound(f, 0, mono), f"((fg_int)kv_hi - 1 < {fmin})", True)
         if op == ">=":
-            return KeyRange(fmin, None, f"((fg_int)kv_lo >= {fmax})", True)
+            return KeyRange(RowBound(f, 0, mono), None, f"((fg_int)kv_lo >= {fmax})", True)
         if op == ">":
-            return KeyRange(f"({fmin} + 1)", None, f"((fg_int)kv_lo > {fmax})", True)
+            return KeyRange(RowBound(f, 1, mono), None, f"((fg_int)kv_lo > {fmax})", True)
         if op == "==":
-            return KeyRange(fmin, f"({fmax} + 1)", "false", True)
+            return KeyRange(RowBound(f, 0, mono), RowBound(f, 1, mono), "false", True)
         return _UNBOUNDED  # !=
 
     return go(spec.mask, False)

@@ -268,11 +268,14 @@ class _Lowering:
     def _checked(self, node, e: ir.Expr, fields: dict, *, allow_score: bool) -> tuple[ir.Expr, str]:
         params = {p.name: p for p in fields.get("params", ())}
         try:
+            positive = X.positive_params(e, X.Scope(params, allow_score=allow_score))
             e = X.expand_builtins(e)
             t = X.type_of(e, X.Scope(params, allow_score=allow_score))
             for n in X.walk(e):
                 if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0):
                     raise X.ExprError(n, f"division by zero ('{n.op} 0')")
+            if positive:
+                fields["positive"] = tuple(dict.fromkeys(fields.get("positive", ()) + positive))
             return e, t
         except X.ExprError as err:
             raise self.error_at(err.node, node, err.message, expected=err.expected, hint=err.hint) from None

@@ -148,6 +148,10 @@ class Spec:
     head_dims: tuple[int, ...] | None = None
     dtypes: tuple[DType, ...] | None = None
     dropout: bool = False
+    # Int parameters a built-in needs to be ≥ 1 (chunked(n)): the op, the reference and explain
+    # raise for a smaller value, and the key range relies on it. Left out of the canonical form
+    # when empty, so specs without one keep their fingerprints.
+    positive: tuple[str, ...] = field(default=(), metadata={"canonical_omit_empty": True})
     span: Span | None = _span()
     mask_span: Span | None = _span()
     score_span: Span | None = _span()
@@ -175,8 +179,9 @@ def canonical(node):
     if is_dataclass(node):
         out = {"node": type(node).__name__}
         for f in fields(node):
-            if f.compare:
-                out[f.name] = canonical(getattr(node, f.name))
+            value = getattr(node, f.name)
+            if f.compare and not (f.metadata.get("canonical_omit_empty") and not value):
+                out[f.name] = canonical(value)
         return out
     if isinstance(node, enum.Enum):
         return node.value

@@ -14,7 +14,7 @@ import torch
 from . import ir
 from .runtime.checks import eval_dim
 
-_TORCH = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
+TORCH_DTYPES = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
 
 
 def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:
@@ -45,7 +45,7 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
         shape = shape_of(p, sizes)
         if any(n < 1 for n in shape):
             raise ValueError(f"{p.name}: its shape {shape} for these sizes and parameters has a dim below 1")
-        dtype = _TORCH[p.dtype]
+        dtype = TORCH_DTYPES[p.dtype]
         if value is not None:
             out[p.name] = torch.full(shape, value, dtype=dtype, device=device)
         elif p.dtype == "f32":
@@ -62,4 +62,31 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
             if ids:
                 t = t.sort(dim=-1).values
             out[p.name] = t.to(dtype).to(device)
+    return out
+
+
+def parse_params(spec: ir.Spec, items: list[str]) -> dict:
+    """``--param name=value`` items (the command line's syntax) → {name: int | float}: an int for an
+    int parameter or an integer / bool tensor, a float otherwise (a number fills a tensor
+    parameter). Raises ValueError naming the item for a missing '=', an unknown name, a value
+    that is not a number of the right kind, or an int beyond the parameter's range (|value| <
+    2^31 for i32 tensors, 2^62 otherwise)."""
+    out: dict = {}
+    declared = {p.name: p for p in spec.params}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--param {item}: expected NAME=VALUE")
+        p = declared.get(name)
+        if p is None:
+            names = ", ".join(declared) or "none"
+            raise ValueError(f"--param {item}: spec '{spec.name}' has no parameter '{name}' (it declares: {names})")
+        integral = p.kind == "int" or (p.is_tensor and p.dtype in ("i32", "i64", "bool"))
+        try:
+            out[name] = int(text) if integral else float(text)
+        except ValueError:
+            raise ValueError(f"--param {item}: '{text}' is not {'an int' if integral else 'a number'}") from None
+        limit = 2**31 if p.is_tensor and p.dtype == "i32" else 2**62
+        if integral and not -limit <= out[name] < limit:
+            raise ValueError(f"--param {item}: {out[name]} is out of range for {name} (|value| < {limit})")
     return out

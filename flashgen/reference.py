@@ -17,8 +17,8 @@ import torch
 
 from . import expr as X
 from . import ir, philox
-from .sparsity import BlockMask
 from .frontend import evaluate_scale, parse
+from .sparsity import BlockMask
 
 
 def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.dtype, *,
@@ -212,10 +212,11 @@ def attention(spec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
 
     Raises:
         ValueError: Hq not a multiple of Hkv; an inconsistent packed layout (naming the
-           argument); dropout_p > 0 without dropout_seed.
+           argument); dropout_p > 0 without dropout_seed; a chunked(n) chunk size n < 1.
         IndexError: the spec reads a tensor parameter outside its shape.
     """
     spec = _as_spec(spec)
+    X.check_positive(spec, params)
     if cu_seqlens_q is None and cu_seqlens_k is None:
         for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if value is not None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import env, ir
+from . import flops as flop_count
 from .runtime import loader
 from .version import __version__
 from .paths import write_json_atomic
@@ -553,7 +554,7 @@ def _workload(op, device, dtype: ir.DType, head_dim: int, seqlen: int, kind: str
             s["out"], s["lse"] = op.launch_forward(s["q"], s["k"], s["v"], scale, values, lib=fwd_lib)
     try:
         pairs = reference.visible_pairs(op.spec, N, N, batch=B, heads=H, **params)
-        flops = 4.0 * B * H * d * pairs * (2.5 if kind == "bwd" else 1.0)
+        flops = float(flop_count.attention_flops(B * H * pairs, d, "bwd" if kind == "bwd" else "fwd"))
     except Exception:  # noqa: BLE001 - the FLOP count is a report, never a reason to fail
         flops = None
     return _Workload(B, H, N, d, sets, values, scale, flops)

@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
+from flashgen import flops  # noqa: E402
 from flashgen.bench import time_fn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,8 +72,9 @@ def wall_ms(fn):
     return (time.perf_counter() - t0) * 1e3, r
 
 
-def tflops(pairs: float, ms: float, factor: float = 1.0) -> float:
-    return 4 * B * H * D * pairs * factor / (ms * 1e-3) / 1e12
+def tflops(pairs: float, ms: float, kind: str = "fwd") -> float:
+    """TFLOP/s of ``pairs`` visible pairs per (batch, head) in ``ms`` (flashgen.flops)."""
+    return flops.attention_flops(B * H * pairs, D, kind) / (ms * 1e-3) / 1e12
 
 
 def window_pairs(n: int, w: int) -> int:
@@ -89,7 +91,7 @@ def flex_row(flex, mask_mod, n, q, k, v, pairs, reps) -> dict:
     build, fbm = wall_ms(lambda: cbm(mask_mod, None, None, n, n, device=DEV))
     ff, ffb = timed(lambda: fa(q, k, v, block_mask=fbm), q, k, v, reps)
     return dict(flex_fwd_ms=ff, flex_fwdbwd_ms=ffb, flex_fwd_tflops=tflops(pairs, ff),
-                flex_fwdbwd_tflops=tflops(pairs, ffb, 3.5), flex_block_mask_ms=build)
+                flex_fwdbwd_tflops=tflops(pairs, ffb, "fwd+bwd"), flex_block_mask_ms=build)
 
 
 def flex_fns():
@@ -165,7 +167,7 @@ def main() -> None:
     q, k, v = inputs(n)
     base_f, base_fb = timed(lambda: dense(q, k, v), q, k, v, a.reps)
     emit(table="density", n=n, rho=1.0, kind="dense (no block mask)", fwd_ms=base_f, fwdbwd_ms=base_fb,
-         fwd_tflops=tflops(n * n, base_f), fwdbwd_tflops=tflops(n * n, base_fb, 3.5))
+         fwd_tflops=tflops(n * n, base_f), fwdbwd_tflops=tflops(n * n, base_fb, "fwd+bwd"))
     nb = n // BS
     for rho in (1.0, 0.5, 0.25, 0.1, 0.05):
         g = torch.Generator().manual_seed(int(rho * 1000))
@@ -176,7 +178,7 @@ def main() -> None:
         pairs = actual * n * n
         r = dict(table="density", n=n, rho=rho, rho_actual=actual, kind="flashgen pattern", fwd_ms=f, fwdbwd_ms=fb,
                  fwd_ratio=f / (actual * base_f), fwdbwd_ratio=fb / (actual * base_fb),
-                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, 3.5))
+                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, "fwd+bwd"))
         if rho in (0.5, 0.1):
             pat_l = pat[0, 0]
             r.update(flex_row(flex, lambda b, h, qi, kv: pat_l[qi // BS, kv // BS], n, q, k, v, pairs, a.reps))
@@ -202,14 +204,14 @@ def main() -> None:
                       ("auto", lambda: doc(q, k, v, document_id=ids))):
         f, fb = timed(fn, q, k, v, a.reps)
         r.update({f"{label}_fwd_ms": f, f"{label}_fwdbwd_ms": fb, f"{label}_fwd_tflops": tflops(pairs, f),
-                  f"{label}_fwdbwd_tflops": tflops(pairs, fb, 3.5)})
+                  f"{label}_fwdbwd_tflops": tflops(pairs, fb, "fwd+bwd")})
     import os
 
     os.environ["FLASHGEN_AUTO_BLOCK_MASK"] = "0"
     f, fb = timed(lambda: doc(q, k, v, document_id=ids), q, k, v, max(2, a.reps // 3))
     os.environ.pop("FLASHGEN_AUTO_BLOCK_MASK")
     r.update(no_lists_fwd_ms=f, no_lists_fwdbwd_ms=fb, no_lists_fwd_tflops=tflops(pairs, f),
-             no_lists_fwdbwd_tflops=tflops(pairs, fb, 3.5))
+             no_lists_fwdbwd_tflops=tflops(pairs, fb, "fwd+bwd"))
     idl = ids[0]
     r.update(flex_row(flex, lambda b, h, qi, kv: (idl[qi] == idl[kv]) & (kv <= qi), n, q, k, v, pairs, a.reps))
     emit(**r)
@@ -226,7 +228,7 @@ def main() -> None:
         mem = torch.cuda.max_memory_allocated() / 2**30
         pairs = window_pairs(n, 1024)
         r = dict(table="long", n=n, kind="sliding window 1024 (block mask from the spec)", fwd_ms=f, fwdbwd_ms=fb,
-                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, 3.5), peak_gib=mem,
+                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, "fwd+bwd"), peak_gib=mem,
                  flashgen_block_mask_ms=bmw_ms)
         if frac == 1:
             f2, fb2 = timed(lambda: sw(q, k, v, window=1024), q, k, v, a.reps)
@@ -243,7 +245,7 @@ def main() -> None:
         mem = torch.cuda.max_memory_allocated() / 2**30
         pairs = actual * n * n
         r = dict(table="long", n=n, kind="random 90%-sparse pattern", rho_actual=actual, fwd_ms=f, fwdbwd_ms=fb,
-                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, 3.5), peak_gib=mem)
+                 fwd_tflops=tflops(pairs, f), fwdbwd_tflops=tflops(pairs, fb, "fwd+bwd"), peak_gib=mem)
         if frac == 1:
             pat_l = pat[0, 0]
             r.update(flex_row(flex, lambda b, h, qi, kv: pat_l[qi // BS, kv // BS], n, q, k, v, pairs, a.reps))

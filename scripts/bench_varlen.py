@@ -19,6 +19,7 @@ device-to-host copy), which these timings include.
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import json
 import sys
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
+from flashgen import flops  # noqa: E402
 from flashgen.bench import time_fn  # noqa: E402
 
 
@@ -36,6 +38,12 @@ def pairs(spec, n: int) -> int:
         raise SystemExit(f"{spec.name}: a spec without parameters, please (FLOPs from its mask alone)")
     keep = flashgen.reference.keep_mask(spec, n, n, "cpu", batch=1, heads=1)
     return n * n if keep is None else int(keep.sum())
+
+
+def workload_flops(spec, lens: list[int], heads: int, head_dim: int, kind: str) -> float:
+    """FLOPs of ``heads`` heads over sequences of the lengths ``lens`` (flashgen.flops)."""
+    counts = Counter(lens)
+    return flops.attention_flops(heads * sum(c * pairs(spec, n) for n, c in counts.items()), head_dim, kind)
 
 
 def main() -> int:
@@ -57,7 +65,7 @@ def main() -> int:
     lens = [int(x) for x in a.lengths.split(",")]
     H, d, B, mx, total = a.heads, a.head_dim, len(lens), max(lens), sum(lens)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
-    fl = 4 * H * d * sum(pairs(op.spec, n) for n in lens)
+    fl = {k: workload_flops(op.spec, lens, H, d, k) for k in ("fwd", "fwd+bwd")}
     g = torch.Generator(device=dev).manual_seed(0)
 
     def rnd(*shape):
@@ -68,7 +76,7 @@ def main() -> int:
     Nu = a.uniform_seqlen
     Bu = max(1, 16384 // Nu)
     qu, ku, vu = rnd(Bu, H, Nu, d), rnd(Bu, H, Nu, d), rnd(Bu, H, Nu, d)
-    fl_u = 4 * H * d * Bu * pairs(op.spec, Nu)
+    fl_u = {k: workload_flops(op.spec, [Nu] * Bu, H, d, k) for k in ("fwd", "fwd+bwd")}
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
 
     impls = {
@@ -111,12 +119,11 @@ def main() -> int:
                 times[impl] = time_fn(call, dev, reps=a.reps)
             except Exception as e:  # noqa: BLE001
                 print(f"{impl} {direction}: failed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        mult = 3.5 if direction == "fwd+bwd" else 1.0
         if "uniform" in times:
-            tf_u = mult * fl_u / times["uniform"] / 1e9
-            times["ideal"] = mult * fl / (tf_u * 1e9)
+            tf_u = fl_u[direction] / times["uniform"] / 1e9
+            times["ideal"] = fl[direction] / (tf_u * 1e9)
         for impl, ms in times.items():
-            f = mult * (fl_u if impl == "uniform" else fl)
+            f = (fl_u if impl == "uniform" else fl)[direction]
             row = {"impl": impl, "direction": direction, "ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1),
                    "lengths": lens, "heads": H, "head_dim": d, "dtype": a.dtype, "spec": name}
             rows.append(row)

@@ -1,4 +1,4 @@
-"""`flashgen explain` (flashgen/explain.py): FLOPs, predicted bytes and tiles against hand counts.
+"""`flashgen explain` (flashgen/explain/): FLOPs, predicted bytes and tiles against hand counts.
 
 The hand counts here are written out independently of the module (plain loops and arithmetic
 over the tile boundaries), on the CPU; the GPU tests run --measure on a live device.
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import build, cli, families, ir, reference, tiles, tune
+from flashgen import build, cli, families, imports, ir, reference, tiles, tune
 from flashgen import explain as ex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +197,7 @@ def test_document_mask_counts_occupied_tiles():
 def test_arch_from_tables_without_gpu():
     rep = ex.explain(SPECS / "causal.attn", 4096, head_dim=128, batch=2, heads=16, arch="90")
     info = tiles.ARCHS["sm_90a"]
-    assert (rep.family, rep.arch, rep.gpu) == ("cuda", "sm_90a", info.name)
+    assert (rep.family, rep.device, rep.arch, rep.gpu) == ("sm80", "cuda", "sm_90a", info.name)
     assert (rep.peak_tflops, rep.hbm_gbps) == (info.peak_tflops, info.hbm_gbps)
     t_c, t_m = rep.flops / (info.peak_tflops * 1e12) * 1e3, rep.hbm_bytes / (info.hbm_gbps * 1e9) * 1e3
     assert rep.floor_ms == pytest.approx(max(t_c, t_m))
@@ -304,7 +304,7 @@ def test_cli_readable_report(capsys):
 
 def test_cpu_family_without_gpu_or_arch():
     rep = ex.explain(SPECS / "causal.attn", 1024, head_dim=64, batch=2, heads=4)
-    assert rep.family == "cpu" and rep.gpu.startswith("CPU")
+    assert (rep.family, rep.device) == ("cpu", "cpu") and rep.gpu.startswith("CPU")
     assert rep.tiles["fwd"].origin == "derived (L2 cache)" and rep.tiles["fwd"].warps is None
     assert rep.tiles["fwd"].smem_bytes is None and rep.tiles["fwd"].regs is None
     (qb, kvb), (bqb, bkvb) = ex.cpu_tiles(SPECS / "causal.attn", 1024, head_dim=64, batch=2, heads=4)
@@ -454,11 +454,11 @@ def test_score_only_params_are_not_materialised():
     assert rep.fwd.compulsory_terms["tensor param bias: read once"] == 4 * 16 * 16384 ** 2
     # a measurement gets real values (the mask's as predicted, the rest filled like example_params)
     spec = flashgen.compile(SPECS / "bias.attn").spec
-    vals = ex._spec_params(spec, {}, 2, 3, 8, 8)
+    vals = ex.spec_params(spec, {}, 2, 3, 8, 8)
     assert vals["bias"].is_meta and list(vals["bias"].shape) == [2, 3, 8, 8]
-    full = ex._materialize(spec, vals, {}, 2, 3, 8, 8)
+    full = ex.materialize(spec, vals, {}, 2, 3, 8, 8)
     assert not full["bias"].is_meta and full["bias"].shape == (2, 3, 8, 8) and full["bias"].dtype == torch.float32
-    assert torch.equal(ex._materialize(spec, vals, {"bias": 0.5}, 2, 3, 8, 8)["bias"], torch.full((2, 3, 8, 8), 0.5))
+    assert torch.equal(ex.materialize(spec, vals, {"bias": 0.5}, 2, 3, 8, 8)["bias"], torch.full((2, 3, 8, 8), 0.5))
 
 
 def test_compulsory_counts_only_keys_read_sliding_window():
@@ -551,7 +551,7 @@ def test_kv_reread_note_counts_kv_only():
     # 1024 queries = 8 query tiles of 128, each loading the one key: 7 re-reads of K and V
     rep = ex.explain(SPECS / "dense.attn", 1024, 1, head_dim=d, arch="sm_90a")
     note = next(n for n in rep.notes if "re-read" in n)
-    assert ex._fmt_bytes(7 * 2 * d * e) in note
+    assert ex.fmt_bytes(7 * 2 * d * e) in note
 
 
 def test_default_dtype_follows_the_spec(tmp_path, capsys):
@@ -591,11 +591,11 @@ def test_row_exact_masks_closed_form_matches_evaluation(spec, params, monkeypatc
 
     assert codegen.hook_bodies(op.spec)["row_exact"]
     for nq, nk, B, H in [(37, 53, 2, 3), (64, 20, 3, 2), (100, 100, 2, 4)]:
-        vals = ex._spec_params(op.spec, dict(params), B, H, nq, nk)
-        closed = ex._geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
+        vals = ex.spec_params(op.spec, dict(params), B, H, nq, nk)
+        closed = ex.compute_geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
         assert closed.source.startswith("closed form")
-        monkeypatch.setattr(ex, "_row_exact", lambda s: False)
-        evaluated = ex._geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
+        monkeypatch.setattr(ex.geometry, "row_bounds", lambda *a: None)
+        evaluated = ex.compute_geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))
         monkeypatch.undo()
         assert evaluated.source == "mask evaluated"
         assert torch.equal(closed.first, evaluated.first) and torch.equal(closed.last, evaluated.last)
@@ -632,7 +632,7 @@ def test_unknown_arch_named_once():
 @pytest.mark.gpu
 def test_measure_on_cuda():
     rep = ex.explain(SPECS / "causal.attn", 2048, head_dim=64, batch=2, heads=8, device="cuda", measure=True)
-    assert rep.family == "cuda" and rep.arch.startswith("sm_")
+    assert rep.device == "cuda" and rep.family == "sm80" and rep.arch.startswith("sm_")
     assert rep.measured_ms > 0
     assert 0 < rep.fraction_of_floor <= 1.05
     assert rep.tflops == pytest.approx(rep.flops / rep.measured_ms / 1e9)
@@ -650,3 +650,47 @@ def test_measure_backward_cli_json(capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["measured_ms"] > 0 and 0 < d["fraction_of_floor"] <= 1.05
     assert math.isclose(d["tflops"], d["flops"] / d["measured_ms"] / 1e9)
+
+
+# ---------------------------------------------------------------- the kernel family of the call
+
+
+def test_report_names_the_family_that_serves_the_call(capsys):
+    rep = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a")
+    assert (rep.family, rep.device) == ("sm80", "cuda")
+    assert rep.family_why.startswith("sm80 (the first family that serves the call")
+    cpu = ex.explain(SPECS / "causal.attn", 256, head_dim=64, device="cpu")
+    assert (cpu.family, cpu.device) == ("cpu", "cpu") and cpu.family_why.startswith("cpu (the first family")
+    assert "sm80 runs on cuda tensors, not cpu" in cpu.family_why
+    rc = cli.main(["explain", str(SPECS / "causal.attn"), "--seqlen", "256", "--head-dim", "64", "--arch", "sm_90a",
+                   "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and (d["family"], d["device"]) == ("sm80", "cuda") and d["family_why"] == rep.family_why
+    rc = cli.main(["explain", str(SPECS / "causal.attn"), "--seqlen", "256", "--head-dim", "64", "--device", "cpu"])
+    assert rc == 0 and f"kernel family: {cpu.family_why}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_family_model_is_chosen_by_the_family_name(monkeypatch):
+    seen = []
+    real = ex.MODELS["cpu"]
+
+    class Spy:
+        @staticmethod
+        def describe(call):
+            seen.append(call.target.device_type)
+            return real.describe(call)
+
+    monkeypatch.setitem(ex.MODELS, "cpu", Spy)
+    ex.explain(SPECS / "dense.attn", 128, head_dim=64, device="cpu")
+    ex.explain(SPECS / "dense.attn", 128, head_dim=64, arch="sm_80")
+    assert seen == ["cpu"]
+    with families.use_family("sm80"), pytest.raises(NotImplementedError, match="family sm80"):
+        ex.explain(SPECS / "dense.attn", 128, head_dim=64, device="cpu")
+
+
+def test_explain_package_has_no_cycles_or_local_imports():
+    graph = imports.module_graph(Path(flashgen.__file__).parent)
+    assert not [c for c in imports.cycles(graph, exclude=("flashgen",)) if any("explain" in m or m == "flashgen.cli"
+                                                                             for m in c)]
+    mine = [m for m in graph.local if m.startswith("flashgen.explain") or m in ("flashgen.params", "flashgen.flops")]
+    assert mine and all(graph.local[m] == [] for m in mine), {m: graph.local[m] for m in mine}

@@ -101,6 +101,8 @@ EXTRA = {  # expressions the examples do not exercise: floor division, modulo, n
     "band": "attention band {\n param lo: int\n param hi: int\n mask = window(lo, hi) or kv == 0\n}",
     "sinks": "attention sinks {\n param n: i64[heads]\n mask = kv < n[h] or (kv >= q - 3 and kv <= q)\n}",
     "flip": "attention flip {\n mask = -kv >= -q + 2 and not (2 * kv < q)\n}",
+    "chunked": "attention chunked {\n param chunk: int\n mask = causal and chunked(chunk)\n}",
+    "chunked_lit": "attention chunked_lit {\n mask = chunked(6) or kv < 2\n}",
     "wide": ("attention wide {\n param w: int\n"
              " mask = kv * 3 - q * 2 > w and (q * kv) % 7 != 3 and (kv - q) // 5 >= (seqlen_q - seqlen_k) % 9 - 2 * q\n"
              " score = score + (q * kv) % 1000003 + (kv - q - (seqlen_k - seqlen_q)) // 3\n}"),
@@ -118,7 +120,7 @@ def _specs():
 
 ALL = _specs()
 SCALARS = {"window": [1, 3, 100], "w": [0, 2, 5], "lo": [0, 2, -1], "hi": [0, 3, -2],
-           "max_distance": [1, 4], "softcap": [0.5, 3.0], "c": [0.25, 2.0]}
+           "max_distance": [1, 4], "softcap": [0.5, 3.0], "c": [0.25, 2.0], "chunk": [1, 3, 7]}
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +283,8 @@ def test_hooks_exact_at_far_positions(libs, name):
 # two bounds per element instead of evaluating the mask); masks that may not are not.
 ROW_EXACT = {"dense": True, "causal": True, "sliding_window": True, "prefix_lm": True, "key_padding": True,
              "gemma": True, "alibi": True, "document": False, "blocks": False, "band": False, "sinks": False,
-             "flip": False, "wide": False}  # flip: 2 * kv is not a unit-coefficient bound
+             "flip": False, "wide": False, "chunked": True,
+             "chunked_lit": False}  # flip: 2 * kv is not a unit-coefficient bound
 
 
 @pytest.mark.parametrize("name", sorted(ROW_EXACT))

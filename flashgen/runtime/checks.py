@@ -385,6 +385,7 @@ def check_params(op, q: torch.Tensor, k: torch.Tensor, params: dict, sizes: dict
                 raise TypeError(f"{p.name}: expected an int, got {type(value).__name__}")
             if not -(2**62) <= value < 2**62:
                 raise ValueError(f"{p.name}: {value} is out of range (|value| < 2^62)")
+            X.check_positive(op.spec, {p.name: value})
             ints[p.name] = value
         elif p.kind == "float":
             if isinstance(value, bool) or not isinstance(value, int | float):

@@ -1,0 +1,84 @@
+"""flashgen.expr.key_range as the one source of a mask's per-row key range: codegen prints it as
+C++ (tests/test_codegen.py keeps those renders fixed), explain evaluates it, and both agree with
+the reference mask row by row."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import flashgen
+from flashgen import expr, ir, reference
+from flashgen import explain as ex
+from flashgen.params import example_params
+from flashgen.sparsity import mask_extents
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+ALL_SPECS = sorted(SPECS.glob("*.attn"))
+
+
+def random_params(spec: ir.Spec, batch: int, heads: int, nq: int, nk: int, gen: torch.Generator) -> dict:
+    """Parameter values with random int scalars (≥ 1 where the spec needs it) and tensors."""
+    given = {}
+    for p in spec.params:
+        if p.kind == "int":
+            low = 1 if p.name in spec.positive else 0
+            given[p.name] = int(torch.randint(low, nk + 3, (), generator=gen))
+    return example_params(spec, batch, heads, nq, nk, "cpu", gen, **given)
+
+
+def closed_form_specs():
+    out = []
+    for path in ALL_SPECS:
+        spec = flashgen.compile(path).spec
+        if expr.key_range(spec).exact:
+            out.append(path)
+    return out
+
+
+def test_most_example_specs_have_a_closed_form():
+    names = {p.stem for p in closed_form_specs()}
+    assert {"dense", "causal", "sliding_window", "prefix_lm", "key_padding", "gemma", "alibi"} <= names
+    assert "document" not in names
+
+
+@pytest.mark.parametrize("path", closed_form_specs(), ids=lambda p: p.stem)
+def test_explain_row_bounds_match_the_reference_mask(path):
+    spec = flashgen.compile(path).spec
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(4):
+        B, H = 2, 3
+        nq, nk = (int(torch.randint(1, 70, (), generator=gen)) for _ in range(2))
+        params = random_params(spec, B, H, nq, nk, gen)
+        per_b, per_h = mask_extents(spec)
+        bp, hp = (B if per_b else 1), (H if per_h else 1)
+        lo, hi = ex.row_bounds(spec, nq, nk, bp, hp, params)
+        assert lo.shape == hi.shape == (bp, hp, nq)
+        keep = reference.keep_mask(spec, nq, nk, batch=B, heads=H, **params)
+        if keep is None:
+            keep = torch.ones(1, 1, nq, nk, dtype=torch.bool)
+        keep = torch.broadcast_to(keep, (B, H, nq, nk))
+        kv = torch.arange(nk)
+        for b in range(B):
+            for h in range(H):
+                lo_r = lo[b if per_b else 0, h if per_h else 0].clamp(min=0)
+                hi_r = hi[b if per_b else 0, h if per_h else 0].clamp(max=nk)
+                want = (kv >= lo_r.view(-1, 1)) & (kv < hi_r.view(-1, 1))
+                assert torch.equal(want, keep[b, h]), (path.stem, trial, b, h, params)
+
+
+def test_explain_takes_its_bounds_from_key_range(monkeypatch):
+    spec = flashgen.compile(SPECS / "sliding_window.attn").spec
+    before = ex.explain(spec, 256, head_dim=64, arch="sm_90a", params={"window": 32})
+    real = expr.key_range
+
+    def shifted(s):  # the same range with the upper bound 10 keys lower
+        rng = real(s)
+        return expr.KeyRange(rng.lo, expr.JoinBound("min", rng.hi, expr.RowBound(ir.Name("q"), -9, expr.Mono.INC)),
+                             rng.full, True)
+
+    monkeypatch.setattr(expr, "key_range", shifted)
+    after = ex.explain(spec, 256, head_dim=64, arch="sm_90a", params={"window": 32})
+    assert after.visible_pairs < before.visible_pairs
+    lo, hi = ex.row_bounds(spec, 256, 256, 1, 1, {"window": 32})
+    assert int(hi[0, 0, 100]) == 100 - 9  # min(q + 1, q - 9)
