@@ -130,9 +130,17 @@ def test_artifact_names_are_readable():
 
 
 def test_abi_version_matches_header():
-    from flashgen import abi
+    """ABI_VERSION is read from args.h (FG_ABI_VERSION): one source, no second literal in Python."""
+    import inspect
+    import re
 
-    assert abi._header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION
+    from flashgen import abi
+    from flashgen.paths import include_dir
+
+    header = (include_dir() / "flashgen" / "args.h").read_text()
+    want = int(re.search(r"#define FG_ABI_VERSION (\d+)", header).group(1))
+    assert abi.header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION == want
+    assert not re.search(r"ABI_VERSION\b[^=\n]*=\s*\d", inspect.getsource(abi))
     assert abi.status_name(0) == "FG_OK"
 
 
