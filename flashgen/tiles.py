@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from . import ir
+from . import env, ir
 
 REG_LIMIT = 255  # registers per thread (sm_80 … sm_120)
 
@@ -50,7 +51,12 @@ class FwdTile:
     block_n: int
     warps: int
 
+    # What ``legal`` requires, in the environment variable's terms (FLASHGEN_CUDA_FWD_TILE=BMxBNxW).
+    RULE: ClassVar[str] = "BM/W must be 16 or 32 rows per warp, BN a multiple of 16 up to 256"
+
     def legal(self) -> bool:
+        """Whether the forward kernel (templates/include/flashgen/cuda, FwdTile) takes this tile:
+        1, 2, 4 or 8 warps of 16 or 32 query rows each, ``block_n`` a multiple of 16 in 16 … 256."""
         w, bm, bn = self.warps, self.block_m, self.block_n
         return (w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32) and bn % 16 == 0
                 and 16 <= bn <= 256)
@@ -84,11 +90,18 @@ class BwdTile:
     warps_d: int
     warps_mdq: int
 
+    # What ``legal`` requires, in the environment variable's terms (FLASHGEN_CUDA_BWD_TILE=BMxWxWDxWQ).
+    RULE: ClassVar[str] = ("BM a multiple of 16 up to 128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with "
+                           "BM/WQ 16 or 32")
+
     @property
     def block_n(self) -> int:
         return 16 * self.warps // self.warps_d
 
     def legal(self) -> bool:
+        """Whether the backward main kernel (BwdTile in cuda/bwd.cuh) takes this tile: ``block_m``
+        a multiple of 16 in 16 … 128, 2 / 4 / 8 warps, ``warps_d`` 1 or 2 dividing them, and
+        ``warps_mdq`` dividing the warps with 16 or 32 queries each."""
         bm, w, wd, wq = self.block_m, self.warps, self.warps_d, self.warps_mdq
         return (bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2) and w % wd == 0
                 and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32)
@@ -153,6 +166,29 @@ def tile_of(kind: str, config: dict):
 def from_config(config: dict) -> tuple[FwdTile, BwdTile, DqTile]:
     """The three tiles named by an instantiation's config (every TILE_KEYS entry present)."""
     return tile_of("fwd", config), tile_of("bwd", config), tile_of("dq", config)
+
+
+# The environment variables that force a kind's tile, and their parsers (flashgen.env).
+FORCING_VARS = {"fwd": "FLASHGEN_CUDA_FWD_TILE", "bwd": "FLASHGEN_CUDA_BWD_TILE"}
+_FORCING_PARSERS = {"fwd": env.cuda_fwd_tile, "bwd": env.cuda_bwd_tile}
+
+
+def forced(kind: str) -> FwdTile | BwdTile | None:
+    """The tile FLASHGEN_CUDA_FWD_TILE (``kind`` 'fwd') or FLASHGEN_CUDA_BWD_TILE ('bwd') forces,
+    None when the variable is unset.
+
+    Raises:
+        ValueError: the value is malformed (flashgen.env's message) or names a tile the kernels do
+            not take (FwdTile.legal / BwdTile.legal), naming the variable and the rule broken.
+        KeyError: ``kind`` is not 'fwd' or 'bwd'.
+    """
+    pairs = _FORCING_PARSERS[kind]()
+    if not pairs:
+        return None
+    tile = tile_of(kind, dict(pairs))
+    if not tile.legal():
+        raise ValueError(f"{FORCING_VARS[kind]}: {str(tile)!r} is not a valid tile ({tile.RULE})")
+    return tile
 
 
 # ---------------------------------------------------------------- architectures
@@ -399,9 +435,7 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
     """The tiles a CUDA call of ``spec`` at (arch, dtype, head_dim) and max(seqlen_q, seqlen_k) =
     ``seqlen`` uses: FLASHGEN_CUDA_FWD_TILE / FLASHGEN_CUDA_BWD_TILE when set, else the tuned
     winner nearest ``seqlen`` (when tuning results for this GPU exist), else the table, else the
-    derived tiles. ValueError for a malformed environment override."""
-    from . import env
-
+    derived tiles. ValueError for a malformed or illegal environment override (``forced``)."""
     if not 8 <= head_dim <= 256 or head_dim % 8:
         raise ValueError(f"head_dim: {head_dim} is not a CUDA head dim (multiples of 8 up to 256)")
     info = device_info(device_index) if device_index is not None else arch_info(arch)
@@ -420,9 +454,9 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
                 else:
                     bwd, bo = tile_of("bwd", cfg), "tuned"
                 tuned_n[i] = n
-    ef, eb = dict(env.cuda_fwd_tile()), dict(env.cuda_bwd_tile())
-    if ef:
-        fwd, fo, tuned_n[0] = tile_of("fwd", ef), "env", None
-    if eb:
-        bwd, bo, tuned_n[1] = tile_of("bwd", eb), "env", None
+    ef, eb = forced("fwd"), forced("bwd")
+    if ef is not None:
+        fwd, fo, tuned_n[0] = ef, "env", None
+    if eb is not None:
+        bwd, bo, tuned_n[1] = eb, "env", None
     return Choice(fwd, bwd, base.dq, fo, bo, (tuned_n[0], tuned_n[1]))
