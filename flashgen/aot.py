@@ -42,6 +42,7 @@ from . import __version__, build, env, families
 from .abi import ABI_VERSION
 from .errors import BuildError, NotBuiltError  # noqa: F401 (raised by build.load through this module)
 from .paths import write_json_atomic
+from .tune import store as tune_store
 
 FORMAT = 2  # 2: the kernel family is part of every artifact (its name, key and index entry)
 INDEX = "index.json"
@@ -442,10 +443,8 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                 for hd in hds:
                     lens: list[int | None] = [None]
                     if index is not None:
-                        from . import tune
-
                         lens += sorted({n for kind in ("fwd", "bwd")
-                                        for n in tune.tuned_seqlens(op.fingerprint, index, dt, hd, kind)})
+                                        for n in tune_store.tuned_seqlens(op.fingerprint, index, dt, hd, kind)})
                     for pk in packs:
                         for sp in sps:
                             choices = [tiles.choose(spec, arch, dt, hd, n, device_index=index,
@@ -541,26 +540,24 @@ def _update_index(out: Path, new: list[dict]) -> dict:
 def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
     """Copy the tuned winners of the built (spec, dtype, head dim)s of each local GPU into
     ``out/tuning/`` (merged with what is there under the same metadata)."""
-    from . import tune
-
     keys: dict[int, set[str]] = {}
     for p in planned:
         inst = p.inst
         if p.device_index is None or inst.head_dim is None:
             continue
         for kind in ("fwd", "bwd"):
-            keys.setdefault(p.device_index, set()).add(tune.entry_key(p.op.fingerprint, inst.dtype, inst.head_dim,
-                                                                      kind))
+            keys.setdefault(p.device_index, set()).add(tune_store.entry_key(p.op.fingerprint, inst.dtype,
+                                                                            inst.head_dim, kind))
     written = []
     for index, want in sorted(keys.items()):
-        stored = tune._load(index)
+        stored = tune_store.entries(index)
         picked = {k: {str(n): r for n, r in sorted(stored[k].items())} for k in sorted(want) if stored.get(k)}
         if not picked:
             continue
-        meta = tune.meta(index)
-        path = out / "tuning" / tune.store_path(index).name
+        meta = tune_store.meta(index)
+        path = out / "tuning" / tune_store.store_path(index).name
         path.parent.mkdir(parents=True, exist_ok=True)
-        merged = tune._read(path, meta) if path.exists() else {}
+        merged = tune_store.read_file(path, meta) if path.exists() else {}
         for k, per_n in picked.items():
             merged.setdefault(k, {}).update(per_n)
         write_json_atomic(path, {"meta": meta, "entries": merged})
@@ -620,7 +617,5 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
         _update_index(out, entries)
     _forget(out)
     if any(p.device_index is not None for p in planned):
-        from . import tune
-
-        tune.reload()
+        tune_store.reload()
     return entries

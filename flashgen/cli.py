@@ -388,8 +388,8 @@ def cmd_tune(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from . import tune
     from .ops import compile as fg_compile
+    from .tune import tuner
 
     device = torch.device(args.device)
     if device.type != "cuda":
@@ -421,7 +421,7 @@ def cmd_tune(args) -> int:
                 tasks[stage] = bar.add_task(labels.get(stage, stage), total=total, detail="")
             bar.update(tasks[stage], completed=done, total=total, detail=detail)
 
-        results = tune.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
+        results = tuner.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
                                  limit=args.max_candidates, reps=args.reps, jobs=args.jobs,
                                  prebuild=not args.no_prebuild)
     wall = time.perf_counter() - t0

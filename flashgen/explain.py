@@ -792,9 +792,9 @@ def cpu_tiles(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_di
 def resource_usage(lib: Path) -> dict[str, int]:
     """{mangled kernel name: registers per thread} of a compiled library (flashgen.tune's
     ``cuobjdump -res-usage`` report). Raises OSError when cuobjdump is missing or fails."""
-    from . import tune
+    from .tune import resources
 
-    res = tune.resource_usage(lib)
+    res = resources.resource_usage(lib)
     if res is None:
         raise OSError("cuobjdump not found or failed (CUDA toolkit bin/ not on PATH)")
     return {name: r.regs for name, r in res.items()}

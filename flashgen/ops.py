@@ -27,6 +27,7 @@ from .abi import FgBlockLists, FgBwdArgs, FgFwdArgs, status_name
 from .errors import KernelError, did_you_mean
 from .frontend import parse
 from .reference import default_scale
+from .tune import store as tune_store
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
 IR_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
@@ -67,6 +68,9 @@ def invalidate_libraries() -> None:
     """Forget which family and library serve which call: families and tile choices are made
     again at the next call (after a family's declaration or the tuning store changed)."""
     _generation[0] += 1
+
+
+tune_store.on_reload(invalidate_libraries)  # a new or re-read tuning result: choose libraries again
 
 
 def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the public name
@@ -698,10 +702,9 @@ class AttentionOp:
             raise TypeError(f"sparse: expected bools, got {sparse!r}")
         sps = sorted(set(sparse)) if fam.split_layouts else [False]
         if index is not None:  # the default tiles, and those tuned at each stored length
-            from . import tune
-
             lens = {dt: {hd: [None, *sorted({n for kind in ("fwd", "bwd")
-                                             for n in tune.tuned_seqlens(self.fingerprint, index, dt, hd, kind)})]
+                                             for n in tune_store.tuned_seqlens(self.fingerprint, index, dt, hd,
+                                                                               kind)})]
                          for hd in hds} for dt in dts}
         else:
             lens = {dt: {hd: [None] for hd in hds} for dt in dts}

@@ -1,5 +1,7 @@
 """Tile sizes of the CUDA kernels: legal shapes, resource formulas, per-arch tables, derived
 defaults, and the choice a call makes (environment override > tuned > table > derived).
+The choice sits above the tuning store (flashgen.tune.store): it reads winners from it, and
+tells it which configs are well formed (``valid_config``).
 
 FlashAttention (Dao et al., 2022, Alg. 1 line 1) sizes its tiles from the on-chip memory M:
 ``Bc = ceil(M / 4d)``, ``Br = min(ceil(M / 4d), d)``. :func:`derived` applies that rule with M =
@@ -26,7 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from . import env, ir
+from .archs import cuda_arch
+from .tune import store as tune_store
 
 REG_LIMIT = 255  # registers per thread (sm_80 … sm_120)
 
@@ -163,6 +169,21 @@ def tile_of(kind: str, config: dict):
     return _KIND_TILE[kind](*(config[k] for k in KIND_KEYS[kind]))
 
 
+def valid_config(kind: str, config: dict) -> bool:
+    """Whether ``config`` names a legal ``kind`` ('fwd', 'bwd', 'dq') tile: every KIND_KEYS[kind]
+    entry an int, and the tile ``legal()``. (The tuning store accepts an entry by this.)"""
+    keys = KIND_KEYS.get(kind)
+    if keys is None or not isinstance(config, dict) or not all(type(config.get(k)) is int for k in keys):
+        return False
+    return tile_of(kind, config).legal()
+
+
+# The tuning store (flashgen.tune.store) holds forward and backward winners; it loads an entry
+# only when these rules accept its config.
+for _kind in ("fwd", "bwd"):
+    tune_store.register_kind(_kind, functools.partial(valid_config, _kind))
+
+
 def from_config(config: dict) -> tuple[FwdTile, BwdTile, DqTile]:
     """The three tiles named by an instantiation's config (every TILE_KEYS entry present)."""
     return tile_of("fwd", config), tile_of("bwd", config), tile_of("dq", config)
@@ -266,10 +287,6 @@ def arch_info(arch: str) -> ArchInfo:
 def device_info(index: int) -> ArchInfo:
     """A live CUDA device's figures: shared memory, SM count, L2 from the driver; peaks from the
     datasheet table by the device's name (else the architecture's representative part)."""
-    import torch
-
-    from .build import cuda_arch
-
     props = torch.cuda.get_device_properties(index)
     arch = cuda_arch((props.major, props.minor))
     base = arch_info(arch)
@@ -313,7 +330,7 @@ BWD_TABLE: dict[str, dict[str, tuple[tuple[int, BwdTile], ...]]] = {"sm_90": _BW
 DQ_TABLE: tuple[tuple[int, DqTile], ...] = ((128, DqTile(4, 64)), (256, DqTile(4, 32)))
 
 # Which table family an architecture uses (architectures not listed get derived tiles).
-_FAMILY = {"sm_90a": "sm_90", "sm_90": "sm_90", "sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80",
+TABLE_FAMILY = {"sm_90a": "sm_90", "sm_90": "sm_90", "sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80",
            "sm_89": "sm_80"}
 
 
@@ -330,7 +347,7 @@ def _row(rows, head_dim: int):
 def table(arch: str, cls: str, head_dim: int) -> tuple[FwdTile | None, BwdTile | None]:
     """The tables' forward and backward tiles for (arch, mask class, head dim); None where the
     architecture has no table or the entry does not fit its shared memory."""
-    fam = _FAMILY.get(normalize_arch(arch))
+    fam = TABLE_FAMILY.get(normalize_arch(arch))
     if fam is None:
         return None, None
     smem = arch_info(arch).smem_optin
@@ -443,10 +460,8 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
     fwd, bwd, fo, bo = base.fwd, base.bwd, base.fwd_origin, base.bwd_origin
     tuned_n: list[int | None] = [None, None]
     if use_tuned and device_index is not None:
-        from . import tune
-
         for i, kind in enumerate(("fwd", "bwd")):
-            hit = tune.lookup(fingerprint or spec, device_index, dtype, head_dim, kind, seqlen)
+            hit = tune_store.lookup(fingerprint or spec, device_index, dtype, head_dim, kind, seqlen)
             if hit is not None:
                 cfg, n = hit
                 if kind == "fwd":
