@@ -9,6 +9,7 @@ from .runtime.launch import dropout_state
 from .runtime.masks import block_mask
 from .runtime.op import AttentionOp, compile
 from .sparsity import BlockMask
+from .tune import tuner as _tuner  # noqa: F401 - plugs the first-use tuner into the op runtime
 
 __all__ = ["__version__", "AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "NotBuiltError", "SpecError", "block_mask", "compile",
            "dropout_state",

@@ -71,18 +71,23 @@ class FgBwdArgs(ctypes.Structure):
 
 
 @cache
-def _header_constants() -> dict[str, int]:
+def header_constants() -> dict[str, int]:
+    """args.h's integer constants, name → value: its ``#define FG_X n`` lines and ``FG_X = n``
+    enumerators (FG_ABI_VERSION, the FG_OK ... status codes). OSError when the header is missing."""
     text = (include_dir() / "flashgen" / "args.h").read_text()
     consts = {m[0]: int(m[1]) for m in re.findall(r"#define (FG_\w+) (\d+)", text)}
     consts.update({m[0]: int(m[1]) for m in re.findall(r"\b(FG_\w+) = (\d+)", text)})
     return consts
 
 
-ABI_VERSION = 5
+# The ABI the generated entry points are built against: args.h's FG_ABI_VERSION (its one source;
+# bumped in the header whenever a field of the argument blocks changes).
+ABI_VERSION: int = header_constants()["FG_ABI_VERSION"]
 
 
 def status_name(code: int) -> str:
-    for name, value in _header_constants().items():
+    """The args.h name of a status code (FG_OK, ...), else 'status <code>'."""
+    for name, value in header_constants().items():
         if value == code and not name.startswith("FG_ABI"):
             return name
     return f"status {code}"

@@ -29,6 +29,7 @@ import filelock
 from . import codegen, env, imports, ir
 from .version import __version__
 from .abi import ABI_VERSION
+from .archs import cuda_arch
 from .errors import BuildError
 from .paths import include_dir, templates_dir
 
@@ -72,12 +73,6 @@ def cpu_arch() -> str:
         pass
     isa = [f for f in _CPU_ISA_FLAGS if f in flags]
     return "-".join([platform.machine().lower(), *isa])
-
-
-def cuda_arch(capability: tuple[int, int]) -> str:
-    """'sm_90a' for Hopper (wgmma/setmaxnreg need the 'a' target), else 'sm_<major><minor>'."""
-    major, minor = capability
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
 @functools.cache

@@ -4,15 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 from pathlib import Path
 
-from . import families, ir
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import aot, bench, build, check, families, ir
+from . import build as build_mod
+from . import explain as ex
 from . import flops as flop_count
+from .bench import time_fn
 from .errors import FlashgenError
-from .params import parse_params
-from .tools import generate
+from .ops import TORCH_DTYPE, announce
+from .ops import compile as fg_compile
+from .params import example_params, parse_params
+from .tools import aot_build, generate
+from .tune import tuner
 
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
 
@@ -148,12 +160,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_build(args) -> int:
-    import torch
-    from rich.console import Console
-
-    from . import build as build_mod
-    from .ops import compile as fg_compile
-
     console = Console(stderr=True)
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out: {args.out} exists and is not a directory")
@@ -193,10 +199,6 @@ def _build_cache(args, console, torch, build_mod, fg_compile) -> int:
 
 def _build_aot(args, console) -> int:
     """``build --out DIR`` (an ahead-of-time directory) or ``build --arch ...`` (into the cache)."""
-    from . import aot, build
-    from .ops import announce
-    from .tools import aot_build
-
     dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
     sparse = (False, True) if args.sparse else (False,)
     where = args.out if args.out is not None else build.env.cache_dir()
@@ -239,13 +241,6 @@ def _build_aot(args, console) -> int:
 
 
 def cmd_run(args) -> int:
-    import torch
-
-    from . import check
-    from .bench import time_fn
-    from .ops import TORCH_DTYPE
-    from .ops import compile as fg_compile
-
     for name in ("batch", "heads", "seqlen", "head_dim", "reps"):
         if getattr(args, name) < (1 if name in ("heads", "reps") else 0):
             raise ValueError(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
@@ -254,9 +249,8 @@ def cmd_run(args) -> int:
     if args.seqlen_k is not None and args.seqlen_k < 0:
         raise ValueError(f"--seqlen-k: {args.seqlen_k} is out of range")
     if args.device.startswith("cuda"):
-        import torch as _torch
 
-        if not _torch.cuda.is_available():
+        if not torch.cuda.is_available():
             raise ValueError("--device cuda: CUDA is not available in this torch build or machine")
     op = fg_compile(args.spec)
     given = parse_params(op.spec, args.param)
@@ -267,8 +261,6 @@ def cmd_run(args) -> int:
     q = torch.randn(args.batch, args.heads, args.seqlen, args.head_dim, device=device, dtype=dtype)
     k = torch.randn(args.batch, hkv, nk, args.head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
-    from .params import example_params
-
     params = example_params(op.spec, args.batch, args.heads, args.seqlen, nk, device, **given)
     drop = {"dropout_p": args.dropout_p, "dropout_seed": 0} if args.dropout_p else {}
     shown = " ".join(f"{n}={x if not isinstance(x, torch.Tensor) else tuple(x.shape)}" for n, x in params.items())
@@ -297,13 +289,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    import platform
-
-    import torch
-
-    from . import bench
-    from .ops import compile as fg_compile
-
     op = fg_compile(args.spec)
     device = torch.device(args.device)
     dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
@@ -327,14 +312,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-    from rich.table import Table
-
-    from . import tune
-    from .ops import compile as fg_compile
-
     device = torch.device(args.device)
     if device.type != "cuda":
         raise ValueError(f"--device {args.device}: tuning times CUDA kernels (expected cuda or cuda:N)")
@@ -365,7 +342,7 @@ def cmd_tune(args) -> int:
                 tasks[stage] = bar.add_task(labels.get(stage, stage), total=total, detail="")
             bar.update(tasks[stage], completed=done, total=total, detail=detail)
 
-        results = tune.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
+        results = tuner.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
                                  limit=args.max_candidates, reps=args.reps, jobs=args.jobs,
                                  prebuild=not args.no_prebuild)
     wall = time.perf_counter() - t0
@@ -408,8 +385,6 @@ _EXPLAIN_OPTIONS = {"seqlen_q": "--seqlen", "seqlen_k": "--seqlen-k", "head_dim"
 
 
 def cmd_explain(args) -> int:
-    from . import explain as ex
-
     if args.reps < 1:
         raise ValueError(f"--reps: {args.reps} is out of range (expected ≥ 1)")
     try:

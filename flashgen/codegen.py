@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from . import expr, ir
+from . import expr, ir, keyrange
 from .version import __version__
 from .paths import templates_dir
 
@@ -56,14 +56,14 @@ def param_fields(spec: ir.Spec) -> list[Field]:
 def hook_bodies(spec: ir.Spec) -> dict[str, str]:
     """C++ return expressions / statements of every hook (see include/flashgen/variant.h)."""
     cx = expr.Cxx(spec)
-    rng = expr.key_range(spec)
+    rng = keyrange.key_range(spec)
     out = {
         "has_mask": spec.mask is not None,
         "has_score_mod": spec.score is not None,
         "has_param_grad": bool(expr.grad_params(spec)),
         "has_dropout": spec.dropout,
-        "kv_lo": f"fg_clamp_kv({expr.tile_bound_cxx(spec, rng.lo, 'lo')}, seqlen_k)" if rng.lo else "0",
-        "kv_hi": f"fg_clamp_kv({expr.tile_bound_cxx(spec, rng.hi, 'hi')}, seqlen_k)" if rng.hi else "seqlen_k",
+        "kv_lo": f"fg_clamp_kv({keyrange.tile_bound_cxx(spec, rng.lo, 'lo')}, seqlen_k)" if rng.lo else "0",
+        "kv_hi": f"fg_clamp_kv({keyrange.tile_bound_cxx(spec, rng.hi, 'hi')}, seqlen_k)" if rng.hi else "seqlen_k",
         "tile_full": rng.full,
         "row_exact": rng.exact,
         "keep": cx(spec.mask) if spec.mask is not None else "true",

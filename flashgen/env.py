@@ -78,8 +78,10 @@ def cuda_home() -> str | None:
     return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
 
 
-def _tile(var: str, form: str, fields: tuple[str, ...], example: str, valid, rule: str) -> tuple[tuple[str, int], ...]:
-    """Parse ``var`` (``form``: ints joined by 'x') into (field, value) pairs; () when unset."""
+def _tile(var: str, form: str, fields: tuple[str, ...], example: str) -> tuple[tuple[str, int], ...]:
+    """Parse ``var`` (``form``: ints joined by 'x') into (field, value) pairs; () when unset.
+    Only the form is checked here: whether the tile is legal is the kernel family's rule
+    (flashgen.tiles.forced)."""
     raw = os.environ.get(var, "").strip()
     if not raw:
         return ()
@@ -89,33 +91,28 @@ def _tile(var: str, form: str, fields: tuple[str, ...], example: str, valid, rul
         values = ()
     if len(values) != len(fields):
         raise ValueError(f"{var}: expected {form} such as {example}, got {raw!r}")
-    if not valid(*values):
-        raise ValueError(f"{var}: {raw!r} is not a valid tile ({rule})")
     return tuple(zip(fields, values, strict=True))
 
 
 def cuda_fwd_tile() -> tuple[tuple[str, int], ...]:
     """FLASHGEN_CUDA_FWD_TILE=BMxBNxW (e.g. 128x64x4): force the CUDA forward's tile (BM query
-    rows, BN keys, W warps; BM/W must be 16 or 32, BN a multiple of 16) instead of the default for
-    the head dim. For tuning experiments; each tile is a separate cache entry. ValueError when
-    malformed."""
-    return _tile("FLASHGEN_CUDA_FWD_TILE", "BMxBNxW", ("fwd_block_m", "fwd_block_n", "fwd_warps"), "128x64x4",
-                 lambda bm, bn, w: w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32)
-                 and bn % 16 == 0 and 16 <= bn <= 256,
-                 "BM/W must be 16 or 32 rows per warp, BN a multiple of 16 up to 256")
+    rows, BN keys, W warps) instead of the default for the head dim. For tuning experiments; each
+    tile is a separate cache entry. Returns (('fwd_block_m', BM), ('fwd_block_n', BN),
+    ('fwd_warps', W)), () when unset; ValueError naming the variable when it is not three
+    integers joined by 'x'. Which tiles are legal is checked by flashgen.tiles (FwdTile.legal)."""
+    return _tile("FLASHGEN_CUDA_FWD_TILE", "BMxBNxW", ("fwd_block_m", "fwd_block_n", "fwd_warps"), "128x64x4")
 
 
 def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
     """FLASHGEN_CUDA_BWD_TILE=BMxWxWDxWQ (e.g. 64x8x1x2): force the CUDA backward's main tile —
-    BM queries per step, W warps (16·W/WD keys per CTA), WD warps sharing a key slab's dK/dV
-    (1 or 2), WQ warps along the queries of the dQ product — instead of the default for the head
-    dim (templates/include/flashgen/cuda/bwd.cuh, BwdTile). For tuning experiments; each tile is
-    a separate cache entry. ValueError when malformed."""
-    return _tile("FLASHGEN_CUDA_BWD_TILE", "BMxWxWDxWQ", ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"), "64x8x1x2",
-                 lambda bm, w, wd, wq: bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2)
-                 and w % wd == 0 and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32,
-                 "BM a multiple of 16 up to 128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with "
-                 "BM/WQ 16 or 32")
+    BM queries per step, W warps (16·W/WD keys per CTA), WD warps sharing a key slab's dK/dV,
+    WQ warps along the queries of the dQ product — instead of the default for the head dim
+    (templates/include/flashgen/cuda/bwd.cuh, BwdTile). For tuning experiments; each tile is a
+    separate cache entry. Returns the four (config key, value) pairs, () when unset; ValueError
+    naming the variable when it is not four integers joined by 'x'. Which tiles are legal is
+    checked by flashgen.tiles (BwdTile.legal)."""
+    return _tile("FLASHGEN_CUDA_BWD_TILE", "BMxWxWDxWQ", ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"),
+                 "64x8x1x2")
 
 
 def aot_dirs() -> list[Path]:

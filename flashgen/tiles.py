@@ -1,5 +1,7 @@
 """Tile sizes of the CUDA kernels: legal shapes, resource formulas, per-arch tables, derived
 defaults, and the choice a call makes (environment override > tuned > table > derived).
+The choice sits above the tuning store (flashgen.tune.store): it reads winners from it, and
+tells it which configs are well formed (``valid_config``).
 
 FlashAttention (Dao et al., 2022, Alg. 1 line 1) sizes its tiles from the on-chip memory M:
 ``Bc = ceil(M / 4d)``, ``Br = min(ceil(M / 4d), d)``. :func:`derived` applies that rule with M =
@@ -24,8 +26,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
-from . import ir
+import torch
+
+from . import env, ir
+from .archs import cuda_arch
+from .tune import store as tune_store
 
 REG_LIMIT = 255  # registers per thread (sm_80 … sm_120)
 
@@ -50,7 +57,12 @@ class FwdTile:
     block_n: int
     warps: int
 
+    # What ``legal`` requires, in the environment variable's terms (FLASHGEN_CUDA_FWD_TILE=BMxBNxW).
+    RULE: ClassVar[str] = "BM/W must be 16 or 32 rows per warp, BN a multiple of 16 up to 256"
+
     def legal(self) -> bool:
+        """Whether the forward kernel (templates/include/flashgen/cuda, FwdTile) takes this tile:
+        1, 2, 4 or 8 warps of 16 or 32 query rows each, ``block_n`` a multiple of 16 in 16 … 256."""
         w, bm, bn = self.warps, self.block_m, self.block_n
         return (w in (1, 2, 4, 8) and bm % w == 0 and bm // w in (16, 32) and bn % 16 == 0
                 and 16 <= bn <= 256)
@@ -84,11 +96,18 @@ class BwdTile:
     warps_d: int
     warps_mdq: int
 
+    # What ``legal`` requires, in the environment variable's terms (FLASHGEN_CUDA_BWD_TILE=BMxWxWDxWQ).
+    RULE: ClassVar[str] = ("BM a multiple of 16 up to 128, W in 2/4/8, WD 1 or 2 dividing W, WQ dividing W with "
+                           "BM/WQ 16 or 32")
+
     @property
     def block_n(self) -> int:
         return 16 * self.warps // self.warps_d
 
     def legal(self) -> bool:
+        """Whether the backward main kernel (BwdTile in cuda/bwd.cuh) takes this tile: ``block_m``
+        a multiple of 16 in 16 … 128, 2 / 4 / 8 warps, ``warps_d`` 1 or 2 dividing them, and
+        ``warps_mdq`` dividing the warps with 16 or 32 queries each."""
         bm, w, wd, wq = self.block_m, self.warps, self.warps_d, self.warps_mdq
         return (bm % 16 == 0 and 16 <= bm <= 128 and w in (2, 4, 8) and wd in (1, 2) and w % wd == 0
                 and wq >= 1 and w % wq == 0 and bm % (16 * wq) == 0 and bm // wq <= 32)
@@ -150,9 +169,47 @@ def tile_of(kind: str, config: dict):
     return _KIND_TILE[kind](*(config[k] for k in KIND_KEYS[kind]))
 
 
+def valid_config(kind: str, config: dict) -> bool:
+    """Whether ``config`` names a legal ``kind`` ('fwd', 'bwd', 'dq') tile: every KIND_KEYS[kind]
+    entry an int, and the tile ``legal()``. (The tuning store accepts an entry by this.)"""
+    keys = KIND_KEYS.get(kind)
+    if keys is None or not isinstance(config, dict) or not all(type(config.get(k)) is int for k in keys):
+        return False
+    return tile_of(kind, config).legal()
+
+
+# The tuning store (flashgen.tune.store) holds forward and backward winners; it loads an entry
+# only when these rules accept its config.
+for _kind in ("fwd", "bwd"):
+    tune_store.register_kind(_kind, functools.partial(valid_config, _kind))
+
+
 def from_config(config: dict) -> tuple[FwdTile, BwdTile, DqTile]:
     """The three tiles named by an instantiation's config (every TILE_KEYS entry present)."""
     return tile_of("fwd", config), tile_of("bwd", config), tile_of("dq", config)
+
+
+# The environment variables that force a kind's tile, and their parsers (flashgen.env).
+FORCING_VARS = {"fwd": "FLASHGEN_CUDA_FWD_TILE", "bwd": "FLASHGEN_CUDA_BWD_TILE"}
+_FORCING_PARSERS = {"fwd": env.cuda_fwd_tile, "bwd": env.cuda_bwd_tile}
+
+
+def forced(kind: str) -> FwdTile | BwdTile | None:
+    """The tile FLASHGEN_CUDA_FWD_TILE (``kind`` 'fwd') or FLASHGEN_CUDA_BWD_TILE ('bwd') forces,
+    None when the variable is unset.
+
+    Raises:
+        ValueError: the value is malformed (flashgen.env's message) or names a tile the kernels do
+            not take (FwdTile.legal / BwdTile.legal), naming the variable and the rule broken.
+        KeyError: ``kind`` is not 'fwd' or 'bwd'.
+    """
+    pairs = _FORCING_PARSERS[kind]()
+    if not pairs:
+        return None
+    tile = tile_of(kind, dict(pairs))
+    if not tile.legal():
+        raise ValueError(f"{FORCING_VARS[kind]}: {str(tile)!r} is not a valid tile ({tile.RULE})")
+    return tile
 
 
 # ---------------------------------------------------------------- architectures
@@ -230,10 +287,6 @@ def arch_info(arch: str) -> ArchInfo:
 def device_info(index: int) -> ArchInfo:
     """A live CUDA device's figures: shared memory, SM count, L2 from the driver; peaks from the
     datasheet table by the device's name (else the architecture's representative part)."""
-    import torch
-
-    from .build import cuda_arch
-
     props = torch.cuda.get_device_properties(index)
     arch = cuda_arch((props.major, props.minor))
     base = arch_info(arch)
@@ -277,7 +330,7 @@ BWD_TABLE: dict[str, dict[str, tuple[tuple[int, BwdTile], ...]]] = {"sm_90": _BW
 DQ_TABLE: tuple[tuple[int, DqTile], ...] = ((128, DqTile(4, 64)), (256, DqTile(4, 32)))
 
 # Which table family an architecture uses (architectures not listed get derived tiles).
-_FAMILY = {"sm_90a": "sm_90", "sm_90": "sm_90", "sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80",
+TABLE_FAMILY = {"sm_90a": "sm_90", "sm_90": "sm_90", "sm_80": "sm_80", "sm_86": "sm_80", "sm_87": "sm_80",
            "sm_89": "sm_80"}
 
 
@@ -294,7 +347,7 @@ def _row(rows, head_dim: int):
 def table(arch: str, cls: str, head_dim: int) -> tuple[FwdTile | None, BwdTile | None]:
     """The tables' forward and backward tiles for (arch, mask class, head dim); None where the
     architecture has no table or the entry does not fit its shared memory."""
-    fam = _FAMILY.get(normalize_arch(arch))
+    fam = TABLE_FAMILY.get(normalize_arch(arch))
     if fam is None:
         return None, None
     smem = arch_info(arch).smem_optin
@@ -399,9 +452,7 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
     """The tiles a CUDA call of ``spec`` at (arch, dtype, head_dim) and max(seqlen_q, seqlen_k) =
     ``seqlen`` uses: FLASHGEN_CUDA_FWD_TILE / FLASHGEN_CUDA_BWD_TILE when set, else the tuned
     winner nearest ``seqlen`` (when tuning results for this GPU exist), else the table, else the
-    derived tiles. ValueError for a malformed environment override."""
-    from . import env
-
+    derived tiles. ValueError for a malformed or illegal environment override (``forced``)."""
     if not 8 <= head_dim <= 256 or head_dim % 8:
         raise ValueError(f"head_dim: {head_dim} is not a CUDA head dim (multiples of 8 up to 256)")
     info = device_info(device_index) if device_index is not None else arch_info(arch)
@@ -409,10 +460,8 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
     fwd, bwd, fo, bo = base.fwd, base.bwd, base.fwd_origin, base.bwd_origin
     tuned_n: list[int | None] = [None, None]
     if use_tuned and device_index is not None:
-        from . import tune
-
         for i, kind in enumerate(("fwd", "bwd")):
-            hit = tune.lookup(fingerprint or spec, device_index, dtype, head_dim, kind, seqlen)
+            hit = tune_store.lookup(fingerprint or spec, device_index, dtype, head_dim, kind, seqlen)
             if hit is not None:
                 cfg, n = hit
                 if kind == "fwd":
@@ -420,9 +469,9 @@ def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int
                 else:
                     bwd, bo = tile_of("bwd", cfg), "tuned"
                 tuned_n[i] = n
-    ef, eb = dict(env.cuda_fwd_tile()), dict(env.cuda_bwd_tile())
-    if ef:
-        fwd, fo, tuned_n[0] = tile_of("fwd", ef), "env", None
-    if eb:
-        bwd, bo, tuned_n[1] = tile_of("bwd", eb), "env", None
+    ef, eb = forced("fwd"), forced("bwd")
+    if ef is not None:
+        fwd, fo, tuned_n[0] = ef, "env", None
+    if eb is not None:
+        bwd, bo, tuned_n[1] = eb, "env", None
     return Choice(fwd, bwd, base.dq, fo, bo, (tuned_n[0], tuned_n[1]))

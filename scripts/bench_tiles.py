@@ -4,7 +4,7 @@
                                    [--dtype bf16] [--cache-dir DIR] [--json F]
 
 For each spec (default specs/causal.attn specs/dense.attn specs/alibi.attn) this runs the
-autotuner (flashgen.tune.tune_many, as `flashgen tune` does: candidates compiled in parallel,
+autotuner (flashgen.tune.tuner.tune_many, as `flashgen tune` does: candidates compiled in parallel,
 timed with CUDA events, median of --reps, inputs rotated past the L2, B·N = 16K tokens, H·d =
 2048) and prints, per head dim, sequence length and pass (forward; backward, everything the
 backward call launches), the TFLOP/s of
@@ -60,7 +60,7 @@ def main() -> int:
     import torch
 
     import flashgen
-    from flashgen import tune
+    from flashgen.tune import tuner
 
     if not torch.cuda.is_available():
         raise SystemExit("bench_tiles: needs a CUDA device")
@@ -75,7 +75,7 @@ def main() -> int:
         op = flashgen.compile(Path(path) if Path(path).exists() else ROOT / path)
         hds = [d for d in args.head_dim if d in op.head_dims("cuda")]
         t0 = time.perf_counter()
-        results = tune.tune_many(op, "cuda", args.dtype, hds, args.seqlen, tuple(args.kinds), progress=True,
+        results = tuner.tune_many(op, "cuda", args.dtype, hds, args.seqlen, tuple(args.kinds), progress=True,
                                  limit=args.max_candidates, reps=args.reps, jobs=args.jobs,
                                  prebuild=not args.no_prebuild)
         wall = time.perf_counter() - t0

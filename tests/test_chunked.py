@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import check, codegen, expr, families, ir, reference
+from flashgen import check, codegen, families, ir, keyrange, reference
 from flashgen import explain as ex
 from flashgen.errors import SpecError
 
@@ -76,7 +76,7 @@ def test_reference_matches_the_definition(nq, nk, n):
 @pytest.mark.parametrize("text", [CHUNKED, ALONE])
 def test_key_range_is_the_chunk(text):
     spec = flashgen.compile(text).spec
-    rng = expr.key_range(spec)
+    rng = keyrange.key_range(spec)
     assert rng.exact and codegen.hook_bodies(spec)["row_exact"]
     for nq, nk, n in [(20, 20, 4), (13, 31, 5), (31, 13, 6), (9, 9, 100)]:
         params = {"chunk": n} if spec.params else {}

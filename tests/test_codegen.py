@@ -5,7 +5,7 @@ import shutil
 import pytest
 from conftest import ROOT, SPECS
 
-from flashgen import build, codegen, families, frontend, ir, paths
+from flashgen import build, codegen, families, frontend, ir, paths, tiles
 from flashgen.tools import generate
 
 
@@ -131,9 +131,17 @@ def test_artifact_names_are_readable():
 
 
 def test_abi_version_matches_header():
-    from flashgen import abi
+    """ABI_VERSION is read from args.h (FG_ABI_VERSION): one source, no second literal in Python."""
+    import inspect
+    import re
 
-    assert abi._header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION
+    from flashgen import abi
+    from flashgen.paths import include_dir
+
+    header = (include_dir() / "flashgen" / "args.h").read_text()
+    want = int(re.search(r"#define FG_ABI_VERSION (\d+)", header).group(1))
+    assert abi.header_constants()["FG_ABI_VERSION"] == abi.ABI_VERSION == want
+    assert not re.search(r"ABI_VERSION\b[^=\n]*=\s*\d", inspect.getsource(abi))
     assert abi.status_name(0) == "FG_OK"
 
 
@@ -163,6 +171,6 @@ def test_tile_overrides_reach_the_cuda_entry_points(monkeypatch):
     for var, bad in (("FLASHGEN_CUDA_FWD_TILE", "128x64"), ("FLASHGEN_CUDA_FWD_TILE", "128x60x4"),
                      ("FLASHGEN_CUDA_BWD_TILE", "64x8x3x1"), ("FLASHGEN_CUDA_BWD_TILE", "a")):
         monkeypatch.setenv(var, bad)
-        with pytest.raises(ValueError, match=var):
-            env.cuda_fwd_tile() if "FWD" in var else env.cuda_bwd_tile()
+        with pytest.raises(ValueError, match=var):  # malformed: env; illegal: the tile rules
+            tiles.forced("fwd" if "FWD" in var else "bwd")
         monkeypatch.delenv(var)

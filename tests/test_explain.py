@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import build, cli, families, imports, ir, reference, tiles, tune
+from flashgen import build, cli, families, imports, ir, reference, tiles
+from flashgen.tune import resources
 from flashgen import explain as ex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -241,7 +242,7 @@ def test_registers_from_cached_library(tmp_path, monkeypatch):
                     "  REG:40 STACK:0 SHARED:0 LOCAL:0 CONSTANT[0]:400 TEXTURE:0 SURFACE:0 SAMPLER:0\n"
                     "EOF\n")
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(tune, "find_cuobjdump", lambda: str(fake))
+    monkeypatch.setattr(resources, "find_cuobjdump", lambda: str(fake))
     rep = ex.explain(op, 1024, head_dim=64, arch="sm_90a")
     assert rep.tiles["fwd"].regs == 168 and rep.tiles["fwd"].regs_source.startswith("ptxas")
     assert rep.tiles["bwd"].regs == 230

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import bench, cli, flops, ir, reference, tune
+from flashgen import bench, cli, flops, ir, reference
+from flashgen.tune import timing
 from flashgen import explain as ex
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +82,12 @@ def test_cli_run_counts_through_it(marked, monkeypatch, capsys):
 def test_tune_counts_through_it():
     # The tuner's workloads need a GPU to build; check its source instead: its one FLOP count is
     # a call of flashgen.flops.attention_flops, and no other FLOP formula is left in it.
-    tree = ast.parse(inspect.getsource(tune))
+    tree = ast.parse(inspect.getsource(timing))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "attention_flops"]
     assert len(calls) == 1 and ast.unparse(calls[0].func.value) == "flop_count"
-    assert "from . import flops as flop_count" in inspect.getsource(tune)
-    assert not re.search(r"\b4(\.0)? \* B \* H \* d\b", inspect.getsource(tune))
+    assert "from .. import flops as flop_count" in inspect.getsource(timing)
+    assert not re.search(r"\b4(\.0)? \* B \* H \* d\b", inspect.getsource(timing))
 
 
 def _script(name):

@@ -1,4 +1,4 @@
-"""flashgen.expr.key_range as the one source of a mask's per-row key range: codegen prints it as
+"""flashgen.keyrange.key_range as the one source of a mask's per-row key range: codegen prints it as
 C++ (tests/test_codegen.py keeps those renders fixed), explain evaluates it, and both agree with
 the reference mask row by row."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import expr, ir, reference
+from flashgen import ir, keyrange, reference
 from flashgen import explain as ex
 from flashgen.params import example_params
 from flashgen.sparsity import mask_extents
@@ -31,7 +31,7 @@ def closed_form_specs():
     out = []
     for path in ALL_SPECS:
         spec = flashgen.compile(path).spec
-        if expr.key_range(spec).exact:
+        if keyrange.key_range(spec).exact:
             out.append(path)
     return out
 
@@ -70,14 +70,14 @@ def test_explain_row_bounds_match_the_reference_mask(path):
 def test_explain_takes_its_bounds_from_key_range(monkeypatch):
     spec = flashgen.compile(SPECS / "sliding_window.attn").spec
     before = ex.explain(spec, 256, head_dim=64, arch="sm_90a", params={"window": 32})
-    real = expr.key_range
+    real = keyrange.key_range
 
     def shifted(s):  # the same range with the upper bound 10 keys lower
         rng = real(s)
-        return expr.KeyRange(rng.lo, expr.JoinBound("min", rng.hi, expr.RowBound(ir.Name("q"), -9, expr.Mono.INC)),
+        return keyrange.KeyRange(rng.lo, keyrange.JoinBound("min", rng.hi, keyrange.RowBound(ir.Name("q"), -9, keyrange.Mono.INC)),
                              rng.full, True)
 
-    monkeypatch.setattr(expr, "key_range", shifted)
+    monkeypatch.setattr(keyrange, "key_range", shifted)
     after = ex.explain(spec, 256, head_dim=64, arch="sm_90a", params={"window": 32})
     assert after.visible_pairs < before.visible_pairs
     lo, hi = ex.row_bounds(spec, 256, 256, 1, 1, {"window": 32})

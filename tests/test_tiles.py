@@ -91,6 +91,33 @@ def test_environment_override_wins(monkeypatch):
     assert str(c.fwd) == "64x32x4" and c.fwd_origin == "env" and c.bwd_origin == "table"
 
 
+def test_tile_legality_is_the_tile_rules_not_the_environment_parser(monkeypatch):
+    """env.py only parses FLASHGEN_CUDA_*_TILE (ints joined by 'x'); whether the tile is legal is
+    FwdTile.legal / BwdTile.legal's, raised from tiles naming the variable and the rule."""
+    import inspect
+
+    from flashgen import env
+
+    spec = frontend.parse(CAUSAL)
+    monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "128x60x4")  # parses; BN is not a multiple of 16
+    assert env.cuda_fwd_tile() == (("fwd_block_m", 128), ("fwd_block_n", 60), ("fwd_warps", 4))
+    assert not tiles.FwdTile(128, 60, 4).legal()
+    with pytest.raises(ValueError, match=r"FLASHGEN_CUDA_FWD_TILE: '128x60x4' is not a valid tile \(BM/W must be"):
+        tiles.choose(spec, "sm_90a", ir.DType.BF16, 64)
+    monkeypatch.delenv("FLASHGEN_CUDA_FWD_TILE")
+    monkeypatch.setenv("FLASHGEN_CUDA_BWD_TILE", "64x8x3x1")
+    assert dict(env.cuda_bwd_tile())["bwd_warps_d"] == 3
+    with pytest.raises(ValueError, match=r"FLASHGEN_CUDA_BWD_TILE: '64x8x3x1' is not a valid tile \(BM a multiple"):
+        tiles.forced("bwd")
+    monkeypatch.setenv("FLASHGEN_CUDA_BWD_TILE", "64x8x1x2")
+    assert tiles.forced("bwd") == tiles.BwdTile(64, 8, 1, 2) and tiles.forced("fwd") is None
+    monkeypatch.setenv("FLASHGEN_CUDA_BWD_TILE", "64x8")
+    with pytest.raises(ValueError, match="FLASHGEN_CUDA_BWD_TILE: expected BMxWxWDxWQ"):
+        env.cuda_bwd_tile()
+    src = inspect.getsource(env)
+    assert "lambda" not in src and "% 16" not in src and "valid tile" not in src
+
+
 def test_every_cuda_instantiation_names_its_tiles():
     spec = frontend.parse(SOFTCAP)
     for arch, want in (("sm_90a", "FwdTile<128, 64, 4, false>"), ("sm_80", "FwdTile<128, 32, 4, false>"),

@@ -88,7 +88,7 @@ estimate, ≤ ``floor_ms``).
 
 How the mask is counted: no mask and the causal masks in closed form; a mask with a closed-form
 key range per row (``kRowExact``: windows, chunks, prefix-LM, key padding, ...) from its per-row
-bounds — the symbolic range flashgen.expr.key_range derives, which the kernels print as C++,
+bounds — the symbolic range flashgen.keyrange.key_range derives, which the kernels print as C++,
 evaluated over every query row with flashgen.reference.evaluate: O(Nq) time and memory; any
 other mask evaluated element by element in chunks of query rows (O(Nq · Nk) time, bounded
 memory).

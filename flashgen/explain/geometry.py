@@ -1,5 +1,5 @@
 """The mask's geometry for explain: which keys each query row keeps (from the closed-form
-key range of flashgen.expr.key_range where the mask has one, else the mask evaluated in chunks
+key range of flashgen.keyrange.key_range where the mask has one, else the mask evaluated in chunks
 of rows), block occupancy, and the tile visits a kernel with given tiles makes.
 """
 
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import expr, ir, reference
+from .. import ir, keyrange, reference
 from ..sparsity import mask_extents
 
 
@@ -37,11 +37,11 @@ class Geometry:
 
 def row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict):
     """Per query row, the key range [lo, hi) int64 [bp, hp, Nq] of the mask, from the symbolic
-    range flashgen.expr.key_range derives (the one the kernels print as C++), evaluated here
+    range flashgen.keyrange.key_range derives (the one the kernels print as C++), evaluated here
     over every row at once with flashgen.reference.evaluate and the call's parameter values;
     None when the mask has no closed form (``key_range(spec).exact`` is false). The row keeps
     exactly [lo, hi) ∩ [0, Nk)."""
-    rng = expr.key_range(spec)
+    rng = keyrange.key_range(spec)
     if not rng.exact:
         return None
     ar = lambda n: torch.arange(n, dtype=torch.int64)  # noqa: E731
@@ -122,7 +122,7 @@ def compute_geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, pa
             buf[:, :q1 - q0, :nk] = keep
             occ = buf.view(g, rpad // bm, bm, kpad // bn, bn).any(4).any(2)
             out[:, q0 // bm:q0 // bm + rpad // bm] |= occ
-    return Geometry(bp, hp, first, last, pairs, expr.key_range(spec).exact, "mask evaluated", blocks)
+    return Geometry(bp, hp, first, last, pairs, keyrange.key_range(spec).exact, "mask evaluated", blocks)
 
 
 def mask_geometry(spec: ir.Spec, nq: int, nk: int, batch: int, heads: int, values: dict, given: dict,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import aot, build, env, families, tiles, tune
+from .. import aot, build, env, families, tiles
+from ..tune import resources
 from ..ops import announce
 from ..runtime import loader
 from .geometry import mask_geometry
@@ -33,7 +34,7 @@ def gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) -> 
 def resource_usage(lib: Path) -> dict[str, int]:
     """{mangled kernel name: registers per thread} of a compiled library (flashgen.tune's
     ``cuobjdump -res-usage`` report). Raises OSError when cuobjdump is missing or fails."""
-    res = tune.resource_usage(lib)
+    res = resources.resource_usage(lib)
     if res is None:
         raise OSError("cuobjdump not found or failed (CUDA toolkit bin/ not on PATH)")
     return {name: r.regs for name, r in res.items()}

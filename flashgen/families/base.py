@@ -45,7 +45,8 @@ class Family:
         split_layouts: the padded and packed layouts (and dense / block-sparse calls) are built
             as separate instantiations (CUDA: padded calls never pay for varlen code).
         dq_lists: the backward has a dq kernel of its own that walks block lists (block_dq).
-        tuned: its tiles are chosen per call length (tuned winners, flashgen.tune).
+        tuned: its tiles are chosen per call length (tuned winners, flashgen.tune); such a
+            family has a ``tuning`` object giving the tuner its candidates (sm80_tuning.py).
         block_classifier: block lists are classified on the device by a generated kernel
             (``classifier``), per call for masks without a closed-form key range.
     """
@@ -60,6 +61,7 @@ class Family:
     dq_lists: bool = False
     block_classifier: bool = False
     tuned: bool = False
+    tuning = None  # tuned families: the candidate generator (reference_tiles, candidates, instantiation)
 
     def __repr__(self) -> str:
         return f"<flashgen kernel family {self.name}>"

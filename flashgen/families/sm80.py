@@ -8,6 +8,7 @@ from .. import build, ir
 from .. import tiles as tile_rules
 from ..frontend import HEAD_DIM_MAX
 from .base import FEATURES, Family
+from .sm80_tuning import Sm80Tuning
 
 
 class Sm80Family(Family):
@@ -20,6 +21,9 @@ class Sm80Family(Family):
     dq_lists = True
     block_classifier = True
     tuned = True
+
+    def __init__(self) -> None:
+        self.tuning = Sm80Tuning(self)  # the autotuner's candidates (flashgen/families/sm80_tuning.py)
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:

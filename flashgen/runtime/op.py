@@ -26,6 +26,7 @@ from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float
 from ..errors import did_you_mean
 from ..frontend import parse
 from ..reference import default_scale
+from ..tune import store as tune_store
 from . import checks, launch, loader
 from .checks import (
     FLOAT32_MAX,
@@ -71,10 +72,21 @@ _generation = [0]
 first_use_tuner = None
 
 
+def plug_first_use_tuner(tuner) -> None:
+    """Plug in the first-use tuner (flashgen/tune/tuner.py's ``ensure_tuned``), called as
+    tuner(op, device, dtype, head_dim, seqlen) before a library is chosen with
+    FLASHGEN_AUTOTUNE=1; the runtime does not import the tuner."""
+    global first_use_tuner
+    first_use_tuner = tuner
+
+
 def invalidate_libraries() -> None:
     """Forget which family and library serve which call: families and tile choices are made
     again at the next call (after a family's declaration or the tuning store changed)."""
     _generation[0] += 1
+
+
+tune_store.on_reload(invalidate_libraries)  # a new or re-read tuning result: choose libraries again
 
 
 def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the public name
@@ -551,10 +563,8 @@ class AttentionOp:
             raise TypeError(f"sparse: expected bools, got {sparse!r}")
         sps = sorted(set(sparse)) if fam.split_layouts else [False]
         if index is not None:  # the default tiles, and those tuned at each stored length
-            from . import tune
-
             lens = {dt: {hd: [None, *sorted({n for kind in ("fwd", "bwd")
-                                             for n in tune.tuned_seqlens(self.fingerprint, index, dt, hd, kind)})]
+                                             for n in tune_store.tuned_seqlens(self.fingerprint, index, dt, hd, kind)})]
                          for hd in hds} for dt in dts}
         else:
             lens = {dt: {hd: [None] for hd in hds} for dt in dts}

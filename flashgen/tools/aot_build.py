@@ -19,7 +19,8 @@ from pathlib import Path
 import filelock
 import torch
 
-from .. import aot, build, families, tiles, tune
+from .. import aot, build, families, tiles
+from ..tune import store as tune_store
 from ..errors import BuildError
 from ..paths import write_json_atomic
 from ..runtime.checks import as_dtype, ranges_text
@@ -142,7 +143,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                     lens: list[int | None] = [None]
                     if index is not None:
                                             lens += sorted({n for kind in ("fwd", "bwd")
-                                        for n in tune.tuned_seqlens(op.fingerprint, index, dt, hd, kind)})
+                                        for n in tune_store.tuned_seqlens(op.fingerprint, index, dt, hd, kind)})
                     for pk in packs:
                         for sp in sps:
                             choices = [tiles.choose(spec, arch, dt, hd, n, device_index=index,
@@ -244,18 +245,18 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
         if p.device_index is None or inst.head_dim is None:
             continue
         for kind in ("fwd", "bwd"):
-            keys.setdefault(p.device_index, set()).add(tune.entry_key(p.op.fingerprint, inst.dtype, inst.head_dim,
+            keys.setdefault(p.device_index, set()).add(tune_store.entry_key(p.op.fingerprint, inst.dtype, inst.head_dim,
                                                                       kind))
     written = []
     for index, want in sorted(keys.items()):
-        stored = tune._load(index)
+        stored = tune_store.entries(index)
         picked = {k: {str(n): r for n, r in sorted(stored[k].items())} for k in sorted(want) if stored.get(k)}
         if not picked:
             continue
-        meta = tune.meta(index)
-        path = out / "tuning" / tune.store_path(index).name
+        meta = tune_store.meta(index)
+        path = out / "tuning" / tune_store.store_path(index).name
         path.parent.mkdir(parents=True, exist_ok=True)
-        merged = tune._read(path, meta) if path.exists() else {}
+        merged = tune_store.read_file(path, meta) if path.exists() else {}
         for k, per_n in picked.items():
             merged.setdefault(k, {}).update(per_n)
         write_json_atomic(path, {"meta": meta, "entries": merged})
@@ -311,5 +312,5 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
         _update_index(out, entries)
     aot.forget(out)
     if any(p.device_index is not None for p in planned):
-            tune.reload()
+            tune_store.reload()
     return entries

@@ -1,0 +1,277 @@
+"""Closed-form key ranges of a query tile: which keys a mask can keep for each query row,
+as symbolic bounds (``RowBound``, ``SwitchBound``, ``JoinBound`` over q, seqlen_q, seqlen_k and
+the spec's parameters) that codegen prints as C++ (the kernels skip key tiles outside them) and
+explain evaluates over every row (flashgen/explain/geometry.py); ``monotonicity`` and
+``linear_in_kv`` decide when a mask has such a range.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from . import expr as X
+from . import ir
+
+class Mono(enum.Enum):
+    CONST = 0
+    INC = 1
+    DEC = 2
+
+
+def _combine(a, b):
+    if a is None or b is None:
+        return None
+    if a is Mono.CONST:
+        return b
+    if b is Mono.CONST or a is b:
+        return a
+    return None
+
+
+def _flip(m):
+    return {Mono.INC: Mono.DEC, Mono.DEC: Mono.INC}.get(m, m)
+
+
+def monotonicity(e: ir.Expr, positive: frozenset[str] = frozenset()) -> Mono | None:
+    """How ``e`` (free of kv) varies with q: CONST, INC (non-decreasing), DEC, or None.
+    ``positive``: int parameters known to be ≥ 1 (checked at call time), which multiply and
+    floor-divide like a positive literal."""
+    mono = lambda x: monotonicity(x, positive)  # noqa: E731
+    is_pos = lambda x: (isinstance(x, ir.Num) and x.value > 0) or (isinstance(x, ir.Name) and x.id in positive)  # noqa: E731
+    if isinstance(e, ir.Num):
+        return Mono.CONST
+    if isinstance(e, ir.Name):
+        return Mono.INC if e.id == "q" else Mono.CONST
+    if isinstance(e, ir.Index):
+        return Mono.CONST if all(mono(i) is Mono.CONST for i in e.indices) else None
+    if isinstance(e, ir.Unary):
+        return _flip(mono(e.operand)) if e.op == "-" else None
+    if isinstance(e, ir.BinOp):
+        a, b = mono(e.lhs), mono(e.rhs)
+        if e.op == "+":
+            return _combine(a, b)
+        if e.op == "-":
+            return _combine(a, _flip(b))
+        if a is Mono.CONST and b is Mono.CONST:
+            return Mono.CONST
+        if e.op == "*":
+            for m, other in ((a, e.rhs), (b, e.lhs)):
+                if is_pos(other):
+                    return m
+                if isinstance(other, ir.Num):
+                    return _flip(m) if other.value < 0 else Mono.CONST
+            return None
+        if e.op == "//" and is_pos(e.rhs):
+            return a
+        return None
+    if isinstance(e, ir.Call):
+        ms = [mono(x) for x in e.args]
+        if all(m is Mono.CONST for m in ms):
+            return Mono.CONST
+        if e.fn in ("min", "max"):
+            return _combine(ms[0], ms[1])
+        return None
+    return None
+
+
+def linear_in_kv(e: ir.Expr):
+    """(c, rest) with e == c·kv + rest and rest free of kv (rest None means 0), or None."""
+    if not X.uses(e, "kv"):
+        return 0, e
+    if isinstance(e, ir.Name) and e.id == "kv":
+        return 1, None
+    if isinstance(e, ir.Unary) and e.op == "-":
+        r = linear_in_kv(e.operand)
+        return None if r is None else (-r[0], X.negate(r[1]))
+    if isinstance(e, ir.BinOp) and e.op in "+-":
+        a, b = linear_in_kv(e.lhs), linear_in_kv(e.rhs)
+        if a is None or b is None:
+            return None
+        if e.op == "+":
+            return a[0] + b[0], (ir.BinOp("+", a[1], b[1]) if a[1] and b[1] else a[1] or b[1])
+        rb = X.negate(b[1])
+        return a[0] - b[0], (ir.BinOp("-", a[1], b[1]) if a[1] and b[1] else a[1] or rb)
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        for lin, k in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+            if isinstance(k, ir.Num) and isinstance(k.value, int):
+                r = linear_in_kv(lin)
+                if r is not None:
+                    return r[0] * k.value, (ir.BinOp("*", r[1], k) if r[1] else None)
+    return None
+
+
+_FLIP_CMP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}
+_NEG_CMP = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}
+
+
+@dataclass(frozen=True)
+class RowBound:
+    """The key bound ``f + offset`` of one query row: ``f`` an int expression free of kv (over
+    q, seqlen_q, seqlen_k, b, h and parameters) that varies with q as ``mono``."""
+
+    f: ir.Expr
+    offset: int
+    mono: Mono
+
+
+@dataclass(frozen=True)
+class SwitchBound:
+    """``seqlen_k`` where ``cond`` holds, else 0 (``cond`` free of q and kv: a whole row, or a
+    whole (batch, head), is kept or not)."""
+
+    cond: ir.Expr
+
+
+@dataclass(frozen=True)
+class JoinBound:
+    """The ``op`` ('max' or 'min') of two bounds (an intersection or a union of key ranges)."""
+
+    op: str
+    a: Bound
+    b: Bound
+
+
+Bound = RowBound | SwitchBound | JoinBound
+
+
+def bound_expr(bound: Bound) -> ir.Expr:
+    """The bound as an int expression tree for one query row (``q`` the row), to evaluate with
+    flashgen.reference.evaluate: max/min for joins, where(cond, seqlen_k, 0) for a switch."""
+    if isinstance(bound, RowBound):
+        return bound.f if not bound.offset else ir.BinOp("+", bound.f, ir.Num(bound.offset))
+    if isinstance(bound, SwitchBound):
+        return ir.Call("where", (bound.cond, ir.Name("seqlen_k"), ir.Num(0)))
+    return ir.Call(bound.op, (bound_expr(bound.a), bound_expr(bound.b)))
+
+
+def tile_bound_cxx(spec: ir.Spec, bound: Bound, side: str) -> str:
+    """C++ (fg_int) of ``bound`` over the query tile [q_lo, q_hi): with ``side`` 'lo' a value at
+    most the bound of every row of the tile, with 'hi' at least it (each row bound taken at the
+    tile end where its monotonicity puts the extreme; joins of extremes bound the extreme of a
+    join, so the result is sound for the tile)."""
+    at_hi = X.Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
+    at_lo = X.Cxx(spec, {"q": "(fg_int)q_lo"})
+
+    def go(b: Bound) -> str:
+        if isinstance(b, RowBound):
+            lowest = side == "lo"
+            # the tile's smallest value of f sits at q_lo when f increases with q, at q_hi - 1 when
+            # it decreases; its largest at the other end
+            at = (at_hi if b.mono is Mono.DEC else at_lo) if lowest else (at_lo if b.mono is Mono.DEC else at_hi)
+            code = at(b.f)
+            return f"({code} + {b.offset})" if b.offset else code
+        if isinstance(b, SwitchBound):
+            return f"({X.Cxx(spec)(b.cond)} ? (fg_int)seqlen_k : (fg_int)0)"
+        return f"fg_{b.op}i({go(b.a)}, {go(b.b)})"
+
+    return go(bound)
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """The mask's key range in closed form: for query row q the kept keys lie in [lo(q), hi(q))
+    ∩ [0, seqlen_k) (``lo`` / ``hi`` are Bound trees, None: unbounded on that side, i.e. 0 /
+    seqlen_k); ``full`` is C++ that is true only if every (q, kv) of the tile
+    [q_lo,q_hi)×[kv_lo,kv_hi) is kept (fg_int arithmetic). ``exact``: the kept keys of a row are
+    exactly [lo(q), hi(q)) ∩ [0, seqlen_k) — the mask keeps an interval of keys per row (causal,
+    windows, chunks, prefix-LM, key padding), so kernels may test the two bounds instead of
+    evaluating the mask per element, and explain counts from them. Not ``exact`` means no closed
+    form: the bounds, where given, are still sound (no kept key outside them)."""
+
+    lo: Bound | None
+    hi: Bound | None
+    full: str
+    exact: bool = False
+
+    def row_lo(self) -> ir.Expr | None:
+        """The lower bound (inclusive) of row q as an expression tree (None: 0)."""
+        return None if self.lo is None else bound_expr(self.lo)
+
+    def row_hi(self) -> ir.Expr | None:
+        """The upper bound (exclusive) of row q as an expression tree (None: seqlen_k)."""
+        return None if self.hi is None else bound_expr(self.hi)
+
+
+_UNBOUNDED = KeyRange(None, None, "false")
+
+
+def _and(a: KeyRange, b: KeyRange) -> KeyRange:
+    lo = a.lo if b.lo is None else b.lo if a.lo is None else JoinBound("max", a.lo, b.lo)
+    hi = a.hi if b.hi is None else b.hi if a.hi is None else JoinBound("min", a.hi, b.hi)
+    full = "false" if "false" in (a.full, b.full) else f"({a.full} && {b.full})"
+    return KeyRange(lo, hi, full, a.exact and b.exact)  # intervals intersect into an interval
+
+
+def _or(a: KeyRange, b: KeyRange) -> KeyRange:
+    lo = None if a.lo is None or b.lo is None else JoinBound("min", a.lo, b.lo)
+    hi = None if a.hi is None or b.hi is None else JoinBound("max", a.hi, b.hi)
+    full = a.full if b.full == "false" else b.full if a.full == "false" else f"({a.full} || {b.full})"
+    # A union of intervals is the interval [min lo, max hi) when both start at 0 or both end
+    # at seqlen_k (each may be empty); otherwise there may be a gap.
+    exact = a.exact and b.exact and ((a.lo is None and b.lo is None) or (a.hi is None and b.hi is None))
+    return KeyRange(lo, hi, full, exact)
+
+
+def key_range(spec: ir.Spec) -> KeyRange:
+    """Closed-form key range and full-tile test of the spec's mask, by interval reasoning over
+    its and/or/not structure: comparisons linear in kv (coefficient ±1) against an integer
+    expression monotone in q bound the range; comparisons free of q and kv (parameters indexed
+    by b, h) switch the whole tile on or off; anything else keeps every key (the per-element
+    mask still decides). Sound by construction: no kept key ever lies outside [lo, hi).
+    Monotonicity trusts ``spec.positive`` (int parameters checked ≥ 1 at call time)."""
+    if spec.mask is None:
+        return KeyRange(None, None, "true", True)
+    at_hi = X.Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
+    at_lo = X.Cxx(spec, {"q": "(fg_int)q_lo"})
+    plain = X.Cxx(spec)
+    positive = frozenset(spec.positive)
+
+    def atom_without_kv(e: ir.Expr) -> KeyRange:
+        if X.uses(e, "q"):
+            return _UNBOUNDED
+        return KeyRange(None, SwitchBound(e), plain(e), True)
+
+    def go(e: ir.Expr, negate: bool) -> KeyRange:
+        if isinstance(e, ir.Unary) and e.op == "not":
+            return go(e.operand, not negate)
+        if isinstance(e, ir.BinOp) and e.op in ("and", "or"):
+            a, b = go(e.lhs, negate), go(e.rhs, negate)
+            return _and(a, b) if (e.op == "and") != negate else _or(a, b)
+        if not X.uses(e, "kv"):
+            return atom_without_kv(ir.Unary("not", e) if negate else e)
+        if not (isinstance(e, ir.BinOp) and e.op in _FLIP_CMP):
+            return _UNBOUNDED
+        if X.type_of(e.lhs, plain.scope) != X.INT or X.type_of(e.rhs, plain.scope) != X.INT:
+            return _UNBOUNDED
+        op = _NEG_CMP[e.op] if negate else e.op
+        lhs, rhs = linear_in_kv(e.lhs), linear_in_kv(e.rhs)
+        if lhs is None or rhs is None:
+            return _UNBOUNDED
+        c = lhs[0] - rhs[0]
+        # c·kv op rest_r − rest_l
+        f = rhs[1] if lhs[1] is None else (ir.BinOp("-", rhs[1], lhs[1]) if rhs[1] else X.negate(lhs[1]))
+        f = f or ir.Num(0)
+        if c == -1:
+            op, f = _FLIP_CMP[op], X.negate(f)
+        elif c != 1:
+            return _UNBOUNDED
+        mono = monotonicity(f, positive)
+        if mono is None:
+            return _UNBOUNDED
+        # f_max / f_min over q in [q_lo, q_hi)
+        fmax = (at_lo if mono is Mono.DEC else at_hi)(f)
+        fmin = (at_hi if mono is Mono.DEC else at_lo)(f)
+        if op == "<=":
+            return KeyRange(None, RowBound(f, 1, mono), f"((fg_int)kv_hi - 1 <= {fmin})", True)
+        if op == "<":
+            return KeyRange(None, RowBound(f, 0, mono), f"((fg_int)kv_hi - 1 < {fmin})", True)
+        if op == ">=":
+            return KeyRange(RowBound(f, 0, mono), None, f"((fg_int)kv_lo >= {fmax})", True)
+        if op == ">":
+            return KeyRange(RowBound(f, 1, mono), None, f"((fg_int)kv_lo > {fmax})", True)
+        if op == "==":
+            return KeyRange(RowBound(f, 0, mono), RowBound(f, 1, mono), "false", True)
+        return _UNBOUNDED  # !=
+
+    return go(spec.mask, False)
