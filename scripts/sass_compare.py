@@ -45,7 +45,13 @@ CASES = [
 
 RENDER = r"""
 import json, sys
+# Drop an editable install's finder (it maps flashgen.templates to its own checkout), so that
+# flashgen and its templates both come from the checkout on PYTHONPATH.
+sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__name__", type(f).__name__).lower()
+                 and "editable" not in type(f).__module__.lower()]
 import flashgen
+from flashgen import paths
+assert str(paths.templates_dir()).startswith(sys.argv[2]), (paths.templates_dir(), sys.argv[2])
 from flashgen import build, frontend, ir
 assert flashgen.__file__.startswith(sys.argv[2]), (flashgen.__file__, sys.argv[2])
 spec, kind, dtype, hd, config, out = json.loads(sys.argv[1])
