@@ -59,7 +59,7 @@ struct Variant_alibi {
 }  // namespace
 
 // Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4>;
 
 extern "C" int fg_alibi_fwd_fp16_hd128(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_alibi, __half, 128, FgFwdTile>(*args);

@@ -59,7 +59,7 @@ struct Variant_bias {
 }  // namespace
 
 // Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4>;
 
 extern "C" int fg_bias_fwd_bf16_hd128(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_bias, __nv_bfloat16, 128, FgFwdTile>(*args);

@@ -54,7 +54,7 @@ struct Variant_gemma {
 }  // namespace
 
 // Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4>;
 
 extern "C" int fg_gemma_fwd_bf16_hd128(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_gemma, __nv_bfloat16, 128, FgFwdTile>(*args);

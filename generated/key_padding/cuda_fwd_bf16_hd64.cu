@@ -55,7 +55,7 @@ struct Variant_key_padding {
 }  // namespace
 
 // Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4>;
 
 extern "C" int fg_key_padding_fwd_bf16_hd64(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_key_padding, __nv_bfloat16, 64, FgFwdTile>(*args);

@@ -55,7 +55,7 @@ struct Variant_prefix_lm {
 }  // namespace
 
 // Tile: 128 queries x 64 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 64, 4>;
 
 extern "C" int fg_prefix_lm_fwd_fp16_hd64(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_prefix_lm, __half, 64, FgFwdTile>(*args);

@@ -60,7 +60,7 @@ struct Variant_relative_bias {
 }  // namespace
 
 // Tile: 128 queries x 32 keys, 4 warps (flashgen/tiles.py).
-using FgFwdTile = flashgen::cuda::FwdTile<128, 32, 4, false>;
+using FgFwdTile = flashgen::cuda::FwdTile<128, 32, 4>;
 
 extern "C" int fg_relative_bias_fwd_fp16_hd64(const FgFwdArgs* args) {
   return flashgen::cuda::launch_fwd_tiled<Variant_relative_bias, __half, 64, FgFwdTile>(*args);

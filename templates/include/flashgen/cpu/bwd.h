@@ -102,9 +102,9 @@
 // that keep nothing are trimmed from both ends of the tile. Rows with lse == -inf are
 // trimmed/zeroed too: they contribute nothing.
 //
-// Gemms: fp32 in, fp32 out, the same two backends as the forward (see fwd.h, "gemm
-// backends"): register-blocked 6x16 AVX2/FMA micro-kernels by default (K^T and V^T are packed
-// once per kv tile into 16-column panels by fwd.h's pack_kt; the Aᵀ·B products read P / dS
+// Gemms: fp32 in, fp32 out, the same two backends and kernel family as the forward (cpu/gemm.h):
+// register-blocked 6x16 AVX2/FMA micro-kernels by default (K^T and V^T are packed
+// once per kv tile into 16-column panels by pack_kt; the Aᵀ·B products read P / dS
 // transposed in place, so nothing of the q x kv tile is ever packed), or BLAS sgemm_ when
 // compiled without AVX2/FMA or with FLASHGEN_CPU_GEMM=blas (and the symbol resolves).
 // 16-bit Elements are widened to fp32 tile by tile; P and dS stay fp32 (not rounded to Element).
@@ -125,13 +125,12 @@
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
 //
-// Tiles: see bwd_choose_tiles() (block lists: theirs); per-thread scratch
+// Tiles: see bwd_choose_tiles() in cpu/tiles.h (block lists: theirs); per-thread scratch
 // O((qb + kvb) * d + qb * kvb) floats (one more qb x kvb tile on the mod path).
 // Build requirements: as fwd.h (-fopenmp at compile and link, -O3 -march=native).
 //
-// This header includes fwd.h and reuses its detail:: helpers (f8 vectors, exp2v, Conv<E>
-// conversions, pack_kt, gemm_qk, BLAS binding, Scratch, l2_bytes, round_up); it adds its own
-// micro-kernels (epilogue-fused A·Bᵀ, and A·B / Aᵀ·B accumulating) below.
+// Layers: as the forward (cpu/simd.h, convert.h, gemm.h, tiles.h, work.h); this header is the
+// backward driver: the plan (tiles, kv segments, task order), the main pass and the D / dQ passes.
 #pragma once
 
 #include <stdint.h>
@@ -148,9 +147,16 @@
 #include <ATen/Parallel.h>
 
 #include "flashgen/args.h"
-#include "flashgen/cpu/fwd.h"
+#include "flashgen/cpu/convert.h"
+#include "flashgen/cpu/dropout.h"
+#include "flashgen/cpu/gemm.h"
+#include "flashgen/cpu/simd.h"
+#include "flashgen/cpu/tiles.h"
+#include "flashgen/cpu/work.h"
 #include "flashgen/variant.h"
 
+// Without -mavx, GCC warns that 32-byte vector arguments change the psABI; every function taking
+// them here has internal linkage, so the warning does not apply.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
@@ -159,238 +165,6 @@
 namespace flashgen {
 namespace cpu {
 namespace detail {
-
-constexpr float kPosInf = std::numeric_limits<float>::infinity();
-
-// true: use BLAS sgemm_ (same policy as the forward's use_blas).
-static inline bool bwd_use_blas(const FgBwdArgs& a) {
-  if (&flashgen_blas_sgemm == nullptr) return false;
-  const int64_t imax = INT32_MAX;
-  if (a.q_stride_n > imax || a.k_stride_n > imax || a.v_stride_n > imax ||
-      a.do_stride_n > imax)
-    return false;
-  bool blas = !kOwnGemmDefault;
-  if (const char* e = getenv("FLASHGEN_CPU_GEMM")) {
-    if (e[0] == 'b') blas = true;
-    if (e[0] == 'o') blas = false;
-  }
-  return blas;
-}
-
-// ------------------------------------------------------------------------------------------
-// Micro-kernels. 6 rows x 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast.
-
-enum BwdEpilogue { kEpiExp = 0, kEpiDS = 1, kEpiDSG = 2 };
-
-// acc[r][0..16) = sum_c A[r][c] * BT[c][0..16) for r < MR (BT: one packed d x 16 panel), then
-//   kEpiExp: C[r] = exp2(alpha * acc - rv[r])           (P; rv = lse*log2e, +inf gives P = 0)
-//   kEpiDS:  C[r] = C[r] != 0 ? C[r] * (acc - rv[r]) : 0 (dS over P in place; rv = D)
-//            DROP: C[r] = C[r] != 0 ? Pd[r] * acc - C[r] * rv[r] : 0, i.e. P ∘ (acc ∘ Z − D)
-//            with Pd = P ∘ Z the dropped P (laid out like C)
-//   kEpiDSG: as kEpiDS, then C[r] = C[r] != 0 ? C[r] * G[r] : 0 (G: dscore(s), laid out like C)
-template <int MR, int EPI, bool DROP>
-static inline void bwd_abt_kernel(const float* __restrict A, int64_t lda,
-                                  const float* __restrict BT, int64_t d, float alpha,
-                                  const float* __restrict rv, float* __restrict C, int64_t ldc,
-                                  const float* __restrict G, const float* __restrict Pd) {
-  f8 c0[MR], c1[MR];
-  {
-    const f8 b0 = ld8(BT), b1 = ld8(BT + 8);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(A[r * lda]);
-      c0[r] = av * b0;
-      c1[r] = av * b1;
-    }
-  }
-  for (int64_t c = 1; c < d; ++c) {
-    const f8 b0 = ld8(BT + c * 16), b1 = ld8(BT + c * 16 + 8);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(A[r * lda + c]);
-      c0[r] = fma8(av, b0, c0[r]);
-      c1[r] = fma8(av, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    float* cr = C + r * ldc;
-    const f8 s = splat(rv[r]);
-    if constexpr (EPI == kEpiExp) {
-      st8(cr, exp2v(c0[r] * alpha - s));
-      st8(cr + 8, exp2v(c1[r] * alpha - s));
-    } else {
-      const f8 z = splat(0.f);
-      const f8 p0 = ld8(cr), p1 = ld8(cr + 8);
-      f8 d0, d1;
-      if constexpr (DROP) {
-        const float* pd = Pd + r * ldc;
-        d0 = p0 != z ? ld8(pd) * c0[r] - p0 * s : z;
-        d1 = p1 != z ? ld8(pd + 8) * c1[r] - p1 * s : z;
-      } else {
-        d0 = p0 != z ? p0 * (c0[r] - s) : z;
-        d1 = p1 != z ? p1 * (c1[r] - s) : z;
-      }
-      if constexpr (EPI == kEpiDSG) {  // select, not multiply: dscore may be inf/NaN where dS' == 0
-        const float* gr = G + r * ldc;
-        d0 = d0 != z ? d0 * ld8(gr) : z;
-        d1 = d1 != z ? d1 * ld8(gr + 8) : z;
-      }
-      st8(cr, d0);
-      st8(cr + 8, d1);
-    }
-  }
-}
-
-// C (m x 16*npan, ld ldc) = epilogue(alpha * A (m x d, ld lda) * BT (npan packed d x 16 panels)).
-// G (kEpiDSG only, else null) and Pd (DROP only, else null): same shape and ld as C.
-template <int EPI, bool DROP = false>
-static inline void bwd_gemm_abt(const float* A, int64_t lda, const float* BT, int64_t npan,
-                                int64_t m, int64_t d, float alpha, const float* rv, float* C,
-                                int64_t ldc, const float* G = nullptr, const float* Pd = nullptr) {
-  for (int64_t p = 0; p < npan; ++p) {
-    const float* bt = BT + p * d * 16;
-    float* cp = C + p * 16;
-    const float* gp = EPI == kEpiDSG ? G + p * 16 : nullptr;
-    const float* pdp = DROP ? Pd + p * 16 : nullptr;
-    int64_t i = 0;
-    for (; i + kMR <= m; i += kMR)
-      bwd_abt_kernel<kMR, EPI, DROP>(A + i * lda, lda, bt, d, alpha, rv + i, cp + i * ldc, ldc,
-                                     EPI == kEpiDSG ? gp + i * ldc : nullptr,
-                                     DROP ? pdp + i * ldc : nullptr);
-    const float* ai = A + i * lda;
-    float* ci = cp + i * ldc;
-    const float* gi = EPI == kEpiDSG ? gp + i * ldc : nullptr;
-    const float* pdi = DROP ? pdp + i * ldc : nullptr;
-    switch (m - i) {
-      case 5: bwd_abt_kernel<5, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
-      case 4: bwd_abt_kernel<4, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
-      case 3: bwd_abt_kernel<3, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
-      case 2: bwd_abt_kernel<2, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
-      case 1: bwd_abt_kernel<1, EPI, DROP>(ai, lda, bt, d, alpha, rv + i, ci, ldc, gi, pdi); break;
-      default: break;
-    }
-  }
-}
-
-// C[r][0..8*NV) += sum_k a(r, k) * B[k][0..8*NV) for r < MR, k < kk, where
-// a(r, k) = A[r*lda + k] (!AT) or A[k*lda + r] (AT: A is read transposed, in place).
-template <int MR, int NV, bool AT>
-static inline void bwd_acc_kernel(const float* __restrict A, int64_t lda,
-                                  const float* __restrict B, int64_t ldb, int64_t kk,
-                                  float* __restrict C, int64_t ldc) {
-  f8 c[MR][NV];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) c[r][v] = ld8(C + r * ldc + 8 * v);
-  for (int64_t k = 0; k < kk; ++k) {
-    f8 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = ld8(B + k * ldb + 8 * v);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(AT ? A[k * lda + r] : A[r * lda + k]);
-      for (int v = 0; v < NV; ++v) c[r][v] = fma8(av, b[v], c[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) st8(C + r * ldc + 8 * v, c[r][v]);
-}
-
-template <bool AT, int MR>
-static inline void bwd_acc_rows(const float* A, int64_t lda, const float* B, int64_t ldb,
-                                int64_t kk, int64_t d, float* C, int64_t ldc) {
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) bwd_acc_kernel<MR, 2, AT>(A, lda, B + c, ldb, kk, C + c, ldc);
-  if (c < d) bwd_acc_kernel<MR, 1, AT>(A, lda, B + c, ldb, kk, C + c, ldc);
-}
-
-// C (m x d, ld ldc) += op(A) * B (kk x d, ld ldb); op(A) is m x kk: A itself (ld lda) when !AT,
-// or the transpose of A (kk x m, ld lda) when AT.
-template <bool AT>
-static inline void bwd_gemm_acc(const float* A, int64_t lda, const float* B, int64_t ldb,
-                                int64_t m, int64_t kk, int64_t d, float* C, int64_t ldc) {
-  int64_t i = 0;
-  for (; i + kMR <= m; i += kMR)
-    bwd_acc_rows<AT, kMR>(AT ? A + i : A + i * lda, lda, B, ldb, kk, d, C + i * ldc, ldc);
-  const float* ai = AT ? A + i : A + i * lda;
-  float* ci = C + i * ldc;
-  switch (m - i) {
-    case 5: bwd_acc_rows<AT, 5>(ai, lda, B, ldb, kk, d, ci, ldc); break;
-    case 4: bwd_acc_rows<AT, 4>(ai, lda, B, ldb, kk, d, ci, ldc); break;
-    case 3: bwd_acc_rows<AT, 3>(ai, lda, B, ldb, kk, d, ci, ldc); break;
-    case 2: bwd_acc_rows<AT, 2>(ai, lda, B, ldb, kk, d, ci, ldc); break;
-    case 1: bwd_acc_rows<AT, 1>(ai, lda, B, ldb, kk, d, ci, ldc); break;
-    default: break;
-  }
-}
-
-// ------------------------------------------------------------------------------------------
-// Tile sizes. A task step (q tile x kv tile) touches, besides the qb x kvb P/dS tile (and, with a
-// score mod, the qb x kvb G tile), per kv tile K^T and V^T panels, fp32 K, and the dK/dV
-// accumulators (~5 * kvb * d floats) and per q tile Q, dO and the dQ rows (~3 * qb * d floats);
-// all of it should stay in the per-core L2:
-//   kvb = 128, halved (down to 32) while 5 * kvb * d * 4 B > L2 / 2; capped by seqlen_k;
-//   qb_max = 128, halved (down to 32) while (t * qb * kvb + 3 * qb * d) * 4 B > L2 / 2, t = 1
-//   (2 with a score mod; one more with dropout).
-// Among qb in {qb_max, qb_max / 2, ..., 32} the one minimising
-//   area(qb) * (1 + a / qb + a / kvb),   a = 5 (fixed per-tile costs, as in fwd.h)
-// is used, where area(qb) = sum over q tiles of rows x |[kv_lo, kv_hi)| (from the variant's
-// hooks, evaluated for b = h = 0: a model, not a visit list): the score entries the backward
-// computes. Dense: qb = qb_max; a diagonal mask trades the masked half of the diagonal tiles
-// against the per-tile overheads (causal 1K: 64, 4K: 128).
-// On the 2-core Zen 3 test machine (512 KiB L2) at d = 64: kvb = 128, qb_max = 128.
-// FLASHGEN_CPU_BWD_TILES="qb,kvb" overrides the choice (tuning only).
-struct BwdTiles {
-  int64_t qb, kvb;
-};
-
-// The score-mod path of the backward (raw scores kept in a G tile, hooks per element): taken with
-// a score mod, and also for a parameter gradient without one (score() is then the identity).
-template <class Variant>
-constexpr bool bwd_mod_path() {
-  return Variant::kHasScoreMod || Variant::kHasParamGrad;
-}
-
-template <class Variant>
-static inline BwdTiles bwd_choose_tiles(const typename Variant::Params& prm, int64_t nq,
-                                        int64_t nk, int64_t d, bool drop) {
-  const int64_t l2 = l2_bytes();
-  const int64_t tiles_qk = (bwd_mod_path<Variant>() ? 2 : 1) + (drop ? 1 : 0);  // P/dS (+ G, Pd)
-  int64_t kvb = 128;
-  while (kvb > 32 && 5 * kvb * d * 4 > l2 / 2) kvb /= 2;
-  int64_t qb_max = 128;
-  while (qb_max > 32 && (tiles_qk * qb_max * kvb + 3 * qb_max * d) * 4 > l2 / 2) qb_max /= 2;
-  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
-  kvb = kvb < nk8 ? kvb : nk8;
-  int64_t qb = qb_max < nq ? qb_max : (nq > 0 ? nq : 1);
-  if (nq > 32) {
-    constexpr double kAlpha = 5.0;
-    double best = -1.0;
-    for (int64_t cand = qb_max; cand >= 32; cand /= 2) {
-      const int64_t qc = cand < nq ? cand : nq;
-      double area = 0.0;
-      for (int64_t q_lo = 0; q_lo < nq; q_lo += qc) {
-        const int64_t q_hi = q_lo + qc < nq ? q_lo + qc : nq;
-        int64_t lo = Variant::kv_lo(prm, 0, 0, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
-        int64_t hi = Variant::kv_hi(prm, 0, 0, (int)q_lo, (int)q_hi, (int)nq, (int)nk);
-        lo = lo < 0 ? 0 : lo;
-        hi = hi > nk ? nk : hi;
-        if (hi > lo) area += double(q_hi - q_lo) * double(hi - lo);
-      }
-      const double cost = area * (1.0 + kAlpha / double(qc) + kAlpha / double(kvb));
-      if (best < 0.0 || cost < best * 0.999) {  // ties: keep the larger tile
-        best = cost;
-        qb = qc;
-      }
-    }
-  }
-  if (const char* e = getenv("FLASHGEN_CPU_BWD_TILES")) {
-    char* end = nullptr;
-    const long a = strtol(e, &end, 10);
-    long b = 0;
-    if (end && *end == ',') b = strtol(end + 1, nullptr, 10);
-    if (a >= 1 && a <= 1024) qb = a;
-    if (b >= 8 && b <= 1024) kvb = round_up(b, 8);
-    kvb = kvb < nk8 ? kvb : nk8;
-    qb = qb < nq ? qb : (nq > 0 ? nq : 1);
-  }
-  return {qb, kvb};
-}
 
 // ------------------------------------------------------------------------------------------
 // Plan: tiles, the kv range of every query tile, kv segments, task order.
@@ -902,7 +676,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
               for (int64_t j = 0; j < nn8; j += 8) st8(s + j, exp2v(ld8(s + j) - vl));
             }
           } else {
-            bwd_gemm_abt<kEpiExp>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, alpha, w.L, S,
+            gemm_abt<kEpiExp>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, alpha, w.L, S,
                                   ldS);
           }
           if (!full || c0a < c0) {  // masked entries (by selection) and the panel-alignment head
@@ -922,7 +696,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
           if (blas)
             blas_sgemm(true, false, nn, m, d, a.scale, Kf + c0 * ldk, ldk, Qf, ldq, 0.f, S, ldS);
           else
-            gemm_qk(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, a.scale, S, ldS);
+            gemm_abt<kEpiScale>(Qf, ldq, w.kt + (c0a / 16) * d * 16, npan, m, d, a.scale, nullptr, S, ldS);
           for (int64_t i = 0; i < m; ++i) {
             float* s = S + i * ldS;
             for (int64_t j = 0; j < c0 - c0a; ++j) s[j] = 0.f;
@@ -974,7 +748,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         if (blas)
           blas_sgemm(false, true, d, nn, m, 1.f, dOf, lddo, Pv, ldS, 1.f, w.dv + c0 * d, d);
         else
-          bwd_gemm_acc<true>(Pv, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
+          gemm_acc<true>(Pv, ldS, dOf, lddo, nn, m, d, w.dv + c0 * d, d);
 
         // dS = P ∘ (dO V^T − D), in place over P (0 wherever P is 0); with dropout
         // dS = P ∘ ((dO V^T) ∘ Z − D) = Pd ∘ (dO V^T) − P ∘ D. Mod path: that is dS', and
@@ -982,7 +756,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         constexpr bool kMulG = kMod && !kStoreS;  // G holds dscore(s): multiply it in here
         auto ds_gemm = [&](auto drop_tag) {
           constexpr bool kDrop = decltype(drop_tag)::value;
-          bwd_gemm_abt<kMulG ? kEpiDSG : kEpiDS, kDrop>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan,
+          gemm_abt<kMulG ? kEpiDSG : kEpiDS, kDrop>(dOf, lddo, w.vt + (c0a / 16) * d * 16, npan,
                                                       m, d, 1.f, w.D, S, ldS, w.G, w.Pd);
         };
         if (blas) {
@@ -1035,7 +809,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         if (blas)
           blas_sgemm(false, true, d, nn, m, 1.f, Qf, ldq, P, ldS, 1.f, w.dk + c0 * d, d);
         else
-          bwd_gemm_acc<true>(P, ldS, Qf, ldq, nn, m, d, w.dk + c0 * d, d);
+          gemm_acc<true>(P, ldS, Qf, ldq, nn, m, d, w.dk + c0 * d, d);
 
         // dQ rows += dS K[c0, c1) (scale in the dQ pass). Interior fully-masked columns: zero K
         // rows, so that NaN/inf there cannot leak through 0 * NaN.
@@ -1056,7 +830,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         if (blas)
           blas_sgemm(false, false, d, m, nn, 1.f, Kd, ldkd, P, ldS, 1.f, dq_rows, d);
         else
-          bwd_gemm_acc<false>(P, ldS, Kd, ldkd, m, nn, d, dq_rows, d);
+          gemm_acc<false>(P, ldS, Kd, ldkd, m, nn, d, dq_rows, d);
       }
     }
 
@@ -1116,7 +890,7 @@ int run_bwd(const FgBwdArgs& args) {
       bwd_plan_packed<Variant>(a, prm, pl);
     else
       bwd_plan<Variant>(a, prm, pl);
-    pl.blas = bwd_use_blas(a);
+    pl.blas = use_blas(a);
     const int64_t nrows = pl.nrows;
     std::unique_ptr<Scratch> extra;
     if (pl.nseg > 1) {

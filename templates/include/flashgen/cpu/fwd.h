@@ -63,19 +63,16 @@
 // 1 / (1 - p) is applied once, in the epilogue (out = O * dropout_scale / l). Without
 // kHasDropout nothing of it is compiled; with it and dropout_p == 0 it costs one branch per row.
 //
-// Gemm backends (both fp32 in, fp32 out):
-//   * own (default when compiled with AVX2+FMA): register-blocked 6x16 FMA micro-kernels below.
-//     QK: K^T is packed per kv tile into 16-column panels (8x8 in-register transposes, widening
-//     16-bit K on the fly), Q rows are broadcast in place. PV: V rows are read in place
-//     (fp32) and P is broadcast from the S tile, so nothing of the q x kv tile is ever packed,
-//     and the O rescale by 2^(m_old - m_new) is folded into the kernel's accumulator load.
-//   * blas: the BLAS sgemm_ that libtorch_cpu exports (MKL in the x86 wheels; it is what
-//     at::native::cpublas::gemm<float> calls internally). Used when compiled without AVX2/FMA,
-//     or when FLASHGEN_CPU_GEMM=blas is set in the environment (A/B comparisons), and only if
-//     the symbol resolves (it is declared weak) and the row strides fit in an int.
-//   The at::native::cpublas::gemm overloads declared in ATen/native/CPUBlas.h are NOT exported
-//   from libtorch_cpu.so (no TORCH_API, torch 2.13): a kernel .so calling them fails to load
-//   with "undefined symbol". That is why this file neither calls nor includes them.
+// Gemm backends (cpu/gemm.h; both fp32 in, fp32 out): the own register-blocked 6x16 FMA
+// micro-kernels by default (QK: K^T is packed per kv tile into 16-column panels, 8x8 in-register
+// transposes widening 16-bit K on the fly, Q rows broadcast in place; PV: V rows are read in place
+// (fp32) and P is broadcast from the S tile, so nothing of the q x kv tile is ever packed, and
+// the O rescale by 2^(m_old - m_new) is folded into the kernel's accumulator load), or BLAS
+// sgemm_ (without AVX2/FMA, or FLASHGEN_CPU_GEMM=blas).
+//
+// Layers: cpu/simd.h (f8 vectors, exp2), cpu/convert.h (Element <-> fp32), cpu/gemm.h (the gemm
+// family both passes use), cpu/tiles.h (tile choice), cpu/work.h (scratch, packed layout, block
+// lists, task order); this header is the forward driver on top of them.
 //
 // Numerics (all dtypes): fp32 accumulation everywhere. For 16-bit Elements the Q/K/V tiles are
 // widened to fp32; a product of two bf16 (or two fp16) values is exact in fp32, so the gemms are
@@ -110,7 +107,7 @@
 //     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
 //     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
-// Tiles: see choose_tiles() (packed: sized for max_seqlen_q / max_seqlen_k; block lists:
+// Tiles: see choose_tiles() in cpu/tiles.h (packed: sized for max_seqlen_q / max_seqlen_k; block lists:
 // sparse_tiles()). Per-thread scratch is allocated once per parallel_for chunk
 // (O(qb * kvb + (qb + kvb) * d) floats; no N x N buffer).
 //
@@ -124,41 +121,26 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
-#include <limits>
-#include <new>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
 
 #include "flashgen/args.h"
+#include "flashgen/cpu/convert.h"
 #include "flashgen/cpu/dropout.h"
+#include "flashgen/cpu/gemm.h"
+#include "flashgen/cpu/simd.h"
+#include "flashgen/cpu/tiles.h"
+#include "flashgen/cpu/work.h"
 #include "flashgen/variant.h"
-
-// The 16-bit Element types are only used as tags here (data is handled as raw uint16_t bits),
-// so they are declared, not included: c10/util/Half.h alone costs ~1.7 s of parsing per TU.
-// Compatible with including the real c10 headers before or after this file.
-namespace c10 {
-struct BFloat16;
-struct Half;
-}  // namespace c10
 
 #if !defined(_OPENMP)
 #warning "flashgen/cpu/fwd.h: compiled without -fopenmp; at::parallel_for will run on one thread"
 #endif
-
-// BLAS sgemm_ (Fortran LP64, column-major), weak, under a private C++ name so that it cannot
-// clash with another declaration of sgemm_. Null when no loaded library provides it.
-extern "C" void flashgen_blas_sgemm(const char* transa, const char* transb, const int* m,
-                                    const int* n, const int* k, const float* alpha, const float* a,
-                                    const int* lda, const float* b, const int* ldb,
-                                    const float* beta, float* c, const int* ldc)
-    __asm__("sgemm_") __attribute__((weak));
 
 // Without -mavx, GCC warns that 32-byte vector arguments change the psABI; every function taking
 // them here has internal linkage, so the warning does not apply.
@@ -170,610 +152,6 @@ extern "C" void flashgen_blas_sgemm(const char* transa, const char* transb, cons
 namespace flashgen {
 namespace cpu {
 namespace detail {
-
-#if defined(__AVX2__) && defined(__FMA__)
-constexpr bool kOwnGemmDefault = true;
-#else
-constexpr bool kOwnGemmDefault = false;
-#endif
-
-// true: use BLAS sgemm_ for this call (see "gemm backends" above).
-static inline bool use_blas(const FgFwdArgs& a) {
-  if (&flashgen_blas_sgemm == nullptr) return false;
-  const int64_t imax = INT32_MAX;
-  if (a.q_stride_n > imax || a.k_stride_n > imax || a.v_stride_n > imax) return false;
-  bool blas = !kOwnGemmDefault;
-  if (const char* e = getenv("FLASHGEN_CPU_GEMM")) {
-    if (e[0] == 'b') blas = true;
-    if (e[0] == 'o') blas = false;
-  }
-  return blas;
-}
-
-// Column-major C(m x n) = alpha * op(A) op(B) + beta * C.
-static inline void blas_sgemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                              const float* A, int64_t lda, const float* B, int64_t ldb, float beta,
-                              float* C, int64_t ldc) {
-  const int im = (int)m, in = (int)n, ik = (int)k, ila = (int)lda, ilb = (int)ldb, ilc = (int)ldc;
-  flashgen_blas_sgemm(ta ? "T" : "N", tb ? "T" : "N", &im, &in, &ik, &alpha, A, &ila, B, &ilb,
-                      &beta, C, &ilc);
-}
-
-// ------------------------------------------------------------------------------------------
-// 8-wide float vectors through GCC/Clang vector extensions (AVX ymm with -march=native, split
-// into SSE halves otherwise). Unaligned loads/stores go through memcpy.
-typedef float f8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
-typedef uint32_t u8 __attribute__((vector_size(32)));
-typedef uint16_t h8 __attribute__((vector_size(16)));
-
-static inline f8 ld8(const float* p) { f8 v; memcpy(&v, p, sizeof v); return v; }
-static inline void st8(float* p, f8 v) { memcpy(p, &v, sizeof v); }
-static inline f8 splat(float x) { return f8{x, x, x, x, x, x, x, x}; }
-static inline f8 vmax(f8 a, f8 b) { return a > b ? a : b; }
-static inline float hmax(f8 v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-static inline float hsum(f8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// 2^x, branch free. Range reduction x = n + f, n = round(x), f in [-1/2, 1/2]; 2^f by the
-// Cephes exp2f minimax polynomial (degree 6, rel. error ~2e-7); 2^n added to the exponent bits.
-// x <= -126 (including -inf) gives exactly 0; inputs here are always <= 0 (x = s - rowmax).
-static inline f8 exp2v(f8 x) {
-  const f8 lo = splat(-127.0f);
-  x = x < lo ? lo : x;
-  const f8 magic = splat(12582912.0f);  // 1.5 * 2^23: round to nearest integer
-  const f8 n = (x + magic) - magic;
-  const f8 f = x - n;
-  f8 p = splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const i8 ni = __builtin_convertvector(n, i8);
-  const f8 r = (f8)((i8)p + (ni << 23));
-  return x > splat(-126.0f) ? r : splat(0.0f);
-}
-
-static inline float exp2s(float x) {  // scalar wrapper (per-row rescale factors)
-  return exp2v(splat(x))[0];
-}
-
-// ------------------------------------------------------------------------------------------
-// Element <-> fp32 conversions (n a multiple of 8). T is the storage type the kernel indexes.
-typedef int16_t s8v __attribute__((vector_size(16)));
-
-// IEEE binary16 <-> binary32 in software (used when F16C is not enabled).
-static inline float half_bits_to_float(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1fu) {
-    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  } else {  // zero / subnormal: man * 2^-24, exact in fp32
-    float f = float(man) * 5.9604644775390625e-8f;
-    memcpy(&bits, &f, 4);
-    bits |= sign;
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-static inline uint16_t float_to_half_bits(float f) {  // round to nearest even
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  x &= 0x7fffffffu;
-  if (x >= 0x7f800000u) return uint16_t(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
-  if (x >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (x < 0x38800000u) {  // |f| < 2^-14: subnormal half, RNE through an fp32 add
-    float a;
-    memcpy(&a, &x, 4);
-    a += 0.5f;  // ulp(0.5) = 2^-24 = the half subnormal step; the add rounds to nearest even
-    uint32_t r;
-    memcpy(&r, &a, 4);
-    return uint16_t(sign | (r - 0x3f000000u));
-  }
-  const uint32_t odd = (x >> 13) & 1u;
-  x += 0xc8000fffu + odd;  // rebias exponent (-112 << 23) and round to nearest even
-  return uint16_t(sign | (x >> 13));
-}
-
-template <class E>
-struct Conv;
-
-template <>
-struct Conv<float> {
-  using T = float;
-  static constexpr bool kLowp = false;
-  static inline f8 load(const float* p) { return ld8(p); }
-  static inline void to_f32(const float* src, float* dst, int64_t n) {
-    memcpy(dst, src, n * sizeof(float));
-  }
-  static inline void scale_from_f32(const float* src, float s, float* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) st8(dst + j, ld8(src + j) * s);
-  }
-  static inline void round_inplace(float*, int64_t) {}
-};
-
-template <>
-struct Conv<c10::BFloat16> {
-  using T = uint16_t;
-  static constexpr bool kLowp = true;
-  static inline f8 load(const uint16_t* p) {
-    h8 h;
-    memcpy(&h, p, sizeof h);
-    return (f8)(__builtin_convertvector(h, u8) << 16);
-  }
-  static inline void to_f32(const uint16_t* src, float* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) st8(dst + j, load(src + j));
-  }
-  static inline u8 rne_bits(f8 x) {  // fp32 -> bf16 bits (in the low half), RNE, NaN kept
-    const u8 b = (u8)x;
-    const u8 r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
-    return x != x ? (u8)(r | 0x40u) : r;
-  }
-  static inline void scale_from_f32(const float* src, float s, uint16_t* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) {
-      const h8 h = __builtin_convertvector(rne_bits(ld8(src + j) * s), h8);
-      memcpy(dst + j, &h, sizeof h);
-    }
-  }
-  static inline void round_inplace(float* x, int64_t n) {  // P in [0, 1]: finite
-    for (int64_t j = 0; j < n; j += 8) {
-      const u8 b = (u8)ld8(x + j);
-      const u8 r = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
-      st8(x + j, (f8)r);
-    }
-  }
-};
-
-template <>
-struct Conv<c10::Half> {
-  using T = uint16_t;
-  static constexpr bool kLowp = true;
-  static inline f8 load(const uint16_t* p) {
-#if defined(__F16C__) && defined(__AVX__)
-    s8v h;
-    memcpy(&h, p, sizeof h);
-    return __builtin_ia32_vcvtph2ps256(h);
-#else
-    f8 v;
-    for (int i = 0; i < 8; ++i) v[i] = half_bits_to_float(p[i]);
-    return v;
-#endif
-  }
-  static inline void store(uint16_t* p, f8 v) {  // RNE
-#if defined(__F16C__) && defined(__AVX__)
-    const s8v h = __builtin_ia32_vcvtps2ph256(v, 0);
-    memcpy(p, &h, sizeof h);
-#else
-    for (int i = 0; i < 8; ++i) p[i] = float_to_half_bits(v[i]);
-#endif
-  }
-  static inline void to_f32(const uint16_t* src, float* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) st8(dst + j, load(src + j));
-  }
-  static inline void scale_from_f32(const float* src, float s, uint16_t* dst, int64_t n) {
-    for (int64_t j = 0; j < n; j += 8) store(dst + j, ld8(src + j) * s);
-  }
-  static inline void round_inplace(float* x, int64_t n) {
-    uint16_t h[8];
-    for (int64_t j = 0; j < n; j += 8) {
-      store(h, ld8(x + j));
-      st8(x + j, load(h));
-    }
-  }
-};
-
-// ------------------------------------------------------------------------------------------
-// Tile sizes.
-//
-// Per (q tile, kv tile) the skeleton pays fixed costs that do not scale with qb * kvb * d:
-// packing K^T (or, with BLAS, packing both operands of both gemms), the kernels' accumulator
-// loads/stores, per-row softmax bookkeeping. Relative to the gemm work they shrink like
-// a/qb + a/kvb; a ~ 5 was measured on Zen 3 (a 64 x 256 tile runs ~7-10% slower than
-// 256 x 512). The S/P tile (qb x kvb fp32) is written by the QK gemm, swept by the softmax and
-// read back by the PV gemm, so it should stay in the per-core L2, and so should the K and V
-// tiles (kvb x d each):
-//   kvb = 512 (torch's CPU flash kernel uses 512 too), halved while 2 * kvb * d * 4 B > L2
-//         (d = 256 -> 256), capped by seqlen_k;
-//   qb  <= L2 / (4 * kvb) clamped to [32, 256]: 256 for a 512 KiB L2 (S = 512 KiB) at d <= 128.
-// Among qb in {qb_max, qb_max/2, ..., 32} the skeleton picks the one minimising the model
-//   makespan(qb) * (1 + a/qb + a/kvb),
-// where makespan is the largest per-thread sum, over the contiguous task chunks at::parallel_for
-// hands out, of the score entries each task computes (mq x clamped kv range, from the variant's
-// kv_lo/kv_hi hooks). This trades the efficiency of big q tiles against the work a diagonal mask
-// wastes (causal: ~qb/2 masked columns per row on the diagonal tile) and against load imbalance
-// when batch * heads is small. The kv ranges of this model are taken at b = h = 0.
-// L2 = sysconf(_SC_LEVEL2_CACHE_SIZE), 512 KiB if unknown.
-// Examples (2 threads, B*H = 16, d = 64): dense 1K/4K -> 256 x 512; causal 1K -> 64 x 512,
-// causal 4K -> 128 x 512.
-// FLASHGEN_CPU_TILES="qb,kvb" in the environment overrides the choice (tuning only).
-struct Tiles {
-  int64_t qb, kvb;
-};
-
-static inline int64_t l2_bytes() {
-  static const int64_t v = [] {
-    long s = -1;
-#if defined(_SC_LEVEL2_CACHE_SIZE)
-    s = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    if (s < (256 << 10) || s > (8 << 20)) s = 512 << 10;
-    return (int64_t)s;
-  }();
-  return v;
-}
-
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-template <class Variant>
-static Tiles choose_tiles(const typename Variant::Params& prm, int64_t bh, int64_t nq, int64_t nk,
-                          int64_t d) {
-  const int64_t l2 = l2_bytes();
-  const int64_t nk8 = round_up(nk > 0 ? nk : 1, 8);
-  int64_t kvb = 512;
-  while (kvb > 128 && 2 * kvb * d * 4 > l2) kvb /= 2;
-  kvb = kvb < nk8 ? kvb : nk8;
-  int64_t qb_max = l2 / (4 * kvb);
-  qb_max = qb_max < 32 ? 32 : (qb_max > 256 ? 256 : qb_max);
-
-  int64_t qb = qb_max < nq ? qb_max : nq;
-  if (nq > 32) {
-    constexpr double kAlpha = 5.0;
-    const int64_t threads = at::get_num_threads() > 0 ? at::get_num_threads() : 1;
-    double best = -1.0;
-    std::vector<double> prefix;
-    for (int64_t cand = qb_max; cand >= 32; cand /= 2) {
-      const int64_t qc = cand < nq ? cand : nq;
-      const int64_t nqt = (nq + qc - 1) / qc;
-      prefix.assign(nqt + 1, 0.0);
-      for (int64_t t = 0; t < nqt; ++t) {
-        const int64_t lo_q = t * qc, hi_q = lo_q + qc < nq ? lo_q + qc : nq;
-        int64_t lo = Variant::kv_lo(prm, 0, 0, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
-        int64_t hi = Variant::kv_hi(prm, 0, 0, (int)lo_q, (int)hi_q, (int)nq, (int)nk);
-        lo = lo < 0 ? 0 : lo;
-        hi = hi > nk ? nk : hi;
-        const double span = hi > lo ? double(hi - lo) : 0.0;
-        prefix[t + 1] = prefix[t] + double(hi_q - lo_q) * (span + 8.0);  // +8: per-row epilogue
-      }
-      const int64_t ntasks = bh * nqt;
-      const int64_t nthr = threads < ntasks ? threads : ntasks;
-      const int64_t chunk = (ntasks + nthr - 1) / nthr;
-      auto upto = [&](int64_t x) { return double(x / nqt) * prefix[nqt] + prefix[x % nqt]; };
-      double makespan = 0.0;
-      for (int64_t i = 0; i < nthr; ++i) {
-        const int64_t b0 = i * chunk, b1 = b0 + chunk < ntasks ? b0 + chunk : ntasks;
-        if (b0 >= b1) break;
-        const double c = upto(b1) - upto(b0);
-        makespan = c > makespan ? c : makespan;
-      }
-      const double cost = makespan * (1.0 + kAlpha / double(qc) + kAlpha / double(kvb));
-      if (best < 0.0 || cost < best * 0.999) {  // ties: keep the larger tile
-        best = cost;
-        qb = qc;
-      }
-    }
-  }
-  if (const char* e = getenv("FLASHGEN_CPU_TILES")) {
-    long a = 0, b = 0;
-    char* end = nullptr;
-    a = strtol(e, &end, 10);
-    if (end && *end == ',') b = strtol(end + 1, nullptr, 10);
-    if (a >= 1 && a <= 1024) qb = a;
-    if (b >= 8 && b <= 8192) kvb = round_up(b, 8);
-    qb = qb < nq ? qb : nq;
-    kvb = kvb < nk8 ? kvb : nk8;
-  }
-  return {qb, kvb};
-}
-
-// Block lists (fwd_sparse): qb = block_r; kvb, the widest step (adjacent listed tiles of one kind
-// in one aligned kvb-key chunk are visited together), is choose_tiles' kvb made a multiple of
-// block_c: rounded up when it covers all of seqlen_k, else down. So a list of every tile (as
-// full) of a mask-free variant steps through the keys exactly as the dense path does.
-static inline Tiles sparse_tiles(const FgBlockLists& l, int64_t nk, int64_t d) {
-  const int64_t bc = l.block_c, nk8 = round_up(nk > 0 ? nk : 1, 8);
-  int64_t kvb = 512;
-  while (kvb > 128 && 2 * kvb * d * 4 > l2_bytes()) kvb /= 2;
-  kvb = kvb >= nk8 ? round_up(nk8, bc) : std::max(bc, kvb / bc * bc);
-  return {l.block_r, kvb};
-}
-
-// ------------------------------------------------------------------------------------------
-// Register-blocked fp32 micro-kernels (the default gemm backend). Row blocks of up to 6 query
-// rows against 16 columns: 12 ymm accumulators + 2 B vectors + 1 broadcast = 15 of 16 ymm.
-// a * b + c; GCC and Clang contract it into one vfmadd when FMA is enabled (checked in the
-// generated code; -ffp-contract=off would cost ~2x in the kernels).
-static inline f8 fma8(f8 a, f8 b, f8 c) { return a * b + c; }
-
-// S[r][0..16) = alpha * sum_c Q[r][c] * KT[c][0..16) for r < MR. KT: one packed panel, d x 16.
-template <int MR>
-static inline void s_kernel(const float* __restrict Q, int64_t ldq, const float* __restrict KT,
-                            int64_t d, float alpha, float* __restrict S, int64_t ldS) {
-  f8 c0[MR], c1[MR];
-  {  // c = 0 initialises the accumulators (d >= 8), so there is no zero-fill
-    const f8 b0 = ld8(KT), b1 = ld8(KT + 8);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(Q[r * ldq]);
-      c0[r] = av * b0;
-      c1[r] = av * b1;
-    }
-  }
-  for (int64_t c = 1; c < d; ++c) {
-    const f8 b0 = ld8(KT + c * 16), b1 = ld8(KT + c * 16 + 8);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(Q[r * ldq + c]);
-      c0[r] = fma8(av, b0, c0[r]);
-      c1[r] = fma8(av, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    st8(S + r * ldS, c0[r] * alpha);
-    st8(S + r * ldS + 8, c1[r] * alpha);
-  }
-}
-
-// O[r][0..8*NV) = O[r][..] * A[r] + sum_k P[r][k] * V[k][0..8*NV) for r < MR.
-template <int MR, int NV>
-static inline void pv_kernel(const float* __restrict P, int64_t ldp, const float* __restrict V,
-                             int64_t ldv, int64_t nn, const float* __restrict A,
-                             float* __restrict O, int64_t ldo) {
-  f8 c[MR][NV];
-  for (int r = 0; r < MR; ++r) {
-    const f8 ar = splat(A[r]);
-    for (int v = 0; v < NV; ++v) c[r][v] = ld8(O + r * ldo + 8 * v) * ar;
-  }
-  for (int64_t k = 0; k < nn; ++k) {
-    f8 b[NV];
-    for (int v = 0; v < NV; ++v) b[v] = ld8(V + k * ldv + 8 * v);
-    for (int r = 0; r < MR; ++r) {
-      const f8 av = splat(P[r * ldp + k]);
-      for (int v = 0; v < NV; ++v) c[r][v] = fma8(av, b[v], c[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) st8(O + r * ldo + 8 * v, c[r][v]);
-}
-
-// In-register 8x8 transpose: r[k][t] <- r[t][k].
-static inline void transpose8(f8 r[8]) {
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  // unpcklps/unpckhps, shufps, vperm2f128: the classic 24-shuffle AVX transpose.
-  const f8 t0 = __builtin_shufflevector(r[0], r[1], 0, 8, 1, 9, 4, 12, 5, 13);
-  const f8 t1 = __builtin_shufflevector(r[0], r[1], 2, 10, 3, 11, 6, 14, 7, 15);
-  const f8 t2 = __builtin_shufflevector(r[2], r[3], 0, 8, 1, 9, 4, 12, 5, 13);
-  const f8 t3 = __builtin_shufflevector(r[2], r[3], 2, 10, 3, 11, 6, 14, 7, 15);
-  const f8 t4 = __builtin_shufflevector(r[4], r[5], 0, 8, 1, 9, 4, 12, 5, 13);
-  const f8 t5 = __builtin_shufflevector(r[4], r[5], 2, 10, 3, 11, 6, 14, 7, 15);
-  const f8 t6 = __builtin_shufflevector(r[6], r[7], 0, 8, 1, 9, 4, 12, 5, 13);
-  const f8 t7 = __builtin_shufflevector(r[6], r[7], 2, 10, 3, 11, 6, 14, 7, 15);
-  const f8 s0 = __builtin_shufflevector(t0, t2, 0, 1, 8, 9, 4, 5, 12, 13);
-  const f8 s1 = __builtin_shufflevector(t0, t2, 2, 3, 10, 11, 6, 7, 14, 15);
-  const f8 s2 = __builtin_shufflevector(t1, t3, 0, 1, 8, 9, 4, 5, 12, 13);
-  const f8 s3 = __builtin_shufflevector(t1, t3, 2, 3, 10, 11, 6, 7, 14, 15);
-  const f8 s4 = __builtin_shufflevector(t4, t6, 0, 1, 8, 9, 4, 5, 12, 13);
-  const f8 s5 = __builtin_shufflevector(t4, t6, 2, 3, 10, 11, 6, 7, 14, 15);
-  const f8 s6 = __builtin_shufflevector(t5, t7, 0, 1, 8, 9, 4, 5, 12, 13);
-  const f8 s7 = __builtin_shufflevector(t5, t7, 2, 3, 10, 11, 6, 7, 14, 15);
-  r[0] = __builtin_shufflevector(s0, s4, 0, 1, 2, 3, 8, 9, 10, 11);
-  r[1] = __builtin_shufflevector(s1, s5, 0, 1, 2, 3, 8, 9, 10, 11);
-  r[2] = __builtin_shufflevector(s2, s6, 0, 1, 2, 3, 8, 9, 10, 11);
-  r[3] = __builtin_shufflevector(s3, s7, 0, 1, 2, 3, 8, 9, 10, 11);
-  r[4] = __builtin_shufflevector(s0, s4, 4, 5, 6, 7, 12, 13, 14, 15);
-  r[5] = __builtin_shufflevector(s1, s5, 4, 5, 6, 7, 12, 13, 14, 15);
-  r[6] = __builtin_shufflevector(s2, s6, 4, 5, 6, 7, 12, 13, 14, 15);
-  r[7] = __builtin_shufflevector(s3, s7, 4, 5, 6, 7, 12, 13, 14, 15);
-#else
-  f8 t[8];
-  for (int i = 0; i < 8; ++i)
-    for (int k = 0; k < 8; ++k) t[k][i] = r[i][k];
-  for (int k = 0; k < 8; ++k) r[k] = t[k];
-#endif
-}
-
-// Packs rows [0, nn) of K (ld ldk, d columns) as K^T in 16-column panels: panel p holds
-// KT[c][0..16) = K[16p + 0..16)[c] at kt + p*d*16 + c*16. Rows past nn are zero.
-template <class E>
-static inline void pack_kt(const typename Conv<E>::T* K, int64_t ldk, int64_t nn, int64_t d,
-                           float* kt) {
-  const int64_t rows = (nn + 15) / 16 * 16;
-  for (int64_t j0 = 0; j0 < rows; j0 += 8) {
-    float* dst = kt + (j0 >> 4) * d * 16 + (j0 & 15);
-    for (int64_t c0 = 0; c0 < d; c0 += 8) {
-      f8 r[8];
-      for (int t = 0; t < 8; ++t)
-        r[t] = j0 + t < nn ? Conv<E>::load(K + (j0 + t) * ldk + c0) : splat(0.f);
-      transpose8(r);
-      for (int k = 0; k < 8; ++k) st8(dst + (c0 + k) * 16, r[k]);
-    }
-  }
-}
-
-constexpr int kMR = 6;
-
-// S (mq x 16*npanels, ld ldS) = alpha * Q (mq x d, ld ldq) * KT (npanels packed d x 16 panels).
-static inline void gemm_qk(const float* Q, int64_t ldq, const float* KT, int64_t npanels,
-                           int64_t mq, int64_t d, float alpha, float* S, int64_t ldS) {
-  for (int64_t p = 0; p < npanels; ++p) {
-    const float* kt = KT + p * d * 16;
-    float* sp = S + p * 16;
-    int64_t i = 0;
-    for (; i + kMR <= mq; i += kMR) s_kernel<kMR>(Q + i * ldq, ldq, kt, d, alpha, sp + i * ldS, ldS);
-    const float* qi = Q + i * ldq;
-    float* si = sp + i * ldS;
-    switch (mq - i) {
-      case 5: s_kernel<5>(qi, ldq, kt, d, alpha, si, ldS); break;
-      case 4: s_kernel<4>(qi, ldq, kt, d, alpha, si, ldS); break;
-      case 3: s_kernel<3>(qi, ldq, kt, d, alpha, si, ldS); break;
-      case 2: s_kernel<2>(qi, ldq, kt, d, alpha, si, ldS); break;
-      case 1: s_kernel<1>(qi, ldq, kt, d, alpha, si, ldS); break;
-      default: break;
-    }
-  }
-}
-
-template <int MR>
-static inline void pv_rows(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t nn,
-                           int64_t d, const float* A, float* O, int64_t ldo) {
-  int64_t c = 0;
-  for (; c + 16 <= d; c += 16) pv_kernel<MR, 2>(P, ldp, V + c, ldv, nn, A, O + c, ldo);
-  if (c < d) pv_kernel<MR, 1>(P, ldp, V + c, ldv, nn, A, O + c, ldo);
-}
-
-// O (mq x d, ld d) = diag(A) O + P (mq x nn, ld ldp) * V (nn x d, ld ldv).
-static inline void gemm_pv(const float* P, int64_t ldp, const float* V, int64_t ldv, int64_t mq,
-                           int64_t nn, int64_t d, const float* A, float* O) {
-  int64_t i = 0;
-  for (; i + kMR <= mq; i += kMR) pv_rows<kMR>(P + i * ldp, ldp, V, ldv, nn, d, A + i, O + i * d, d);
-  const float* pi = P + i * ldp;
-  float* oi = O + i * d;
-  switch (mq - i) {
-    case 5: pv_rows<5>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
-    case 4: pv_rows<4>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
-    case 3: pv_rows<3>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
-    case 2: pv_rows<2>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
-    case 1: pv_rows<1>(pi, ldp, V, ldv, nn, d, A + i, oi, d); break;
-    default: break;
-  }
-}
-
-// 64-byte aligned scratch, freed at scope exit.
-struct Scratch {
-  void* p = nullptr;
-  explicit Scratch(size_t bytes) {
-    if (posix_memalign(&p, 64, bytes ? bytes : 64) != 0) throw std::bad_alloc();
-  }
-  ~Scratch() { free(p); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-};
-
-static inline size_t al64(size_t bytes) { return (bytes + 63) & ~size_t(63); }
-
-// Packed (varlen) batches (args.h): sequence b's rows start at cu_seqlens_*[b] and it has its
-// own lengths; the padded layout is the same with row offset 0 and the lengths seqlen_q /
-// seqlen_k. Per-row fp32 buffers (lse, dlse, softmax_d, dq_accum rows) are [B, H, N] padded and
-// [H, total] packed; row_q / row_k give the index of row i of (b, h) in them.
-struct Seqs {
-  const int32_t* cu_q = nullptr;  // null: padded layout
-  const int32_t* cu_k = nullptr;
-  int64_t batch = 0, nq = 0, nk = 0;  // nq, nk: seqlen_q / seqlen_k (packed: the max_seqlen bounds)
-  int64_t total_q = 0, total_k = 0;
-  bool packed() const { return cu_q != nullptr; }
-  int64_t q0(int64_t b) const { return cu_q ? cu_q[b] : 0; }
-  int64_t k0(int64_t b) const { return cu_k ? cu_k[b] : 0; }
-  int64_t len_q(int64_t b) const { return cu_q ? cu_q[b + 1] - cu_q[b] : nq; }
-  int64_t len_k(int64_t b) const { return cu_k ? cu_k[b + 1] - cu_k[b] : nk; }
-  int64_t row_q(int64_t b, int64_t h, int64_t heads, int64_t i) const {
-    return cu_q ? h * total_q + cu_q[b] + i : (b * heads + h) * nq + i;
-  }
-  int64_t row_k(int64_t b, int64_t h, int64_t heads, int64_t i) const {
-    return cu_k ? h * total_k + cu_k[b] + i : (b * heads + h) * nk + i;
-  }
-  // Rows of the per-row fp32 buffers on the query side: B * Hq * Nq padded, Hq * total_q packed.
-  int64_t rows_q(int64_t heads) const { return cu_q ? heads * total_q : batch * heads * nq; }
-};
-
-// The layout of an FgFwdArgs / FgBwdArgs, or false when its packed metadata is inconsistent
-// (both or neither cu_seqlens; each starting at 0, non-decreasing, ending at total, every length
-// within seqlen). The host checks all of this before a launch; the kernel checks it again
-// because it indexes memory by these values (O(batch) reads of host memory).
-template <class Args>
-static inline bool seqs_of(const Args& a, Seqs& s) {
-  s.batch = a.batch;
-  s.nq = a.seqlen_q;
-  s.nk = a.seqlen_k;
-  if (!a.cu_seqlens_q && !a.cu_seqlens_k) return true;
-  if (!a.cu_seqlens_q || !a.cu_seqlens_k || a.total_q < 0 || a.total_k < 0) return false;
-  s.cu_q = a.cu_seqlens_q;
-  s.cu_k = a.cu_seqlens_k;
-  s.total_q = a.total_q;
-  s.total_k = a.total_k;
-  if (s.cu_q[0] != 0 || s.cu_k[0] != 0) return false;
-  for (int64_t b = 0; b < a.batch; ++b) {
-    const int64_t lq = s.len_q(b), lk = s.len_k(b);
-    if (lq < 0 || lk < 0 || lq > s.nq || lk > s.nk) return false;
-  }
-  return s.cu_q[a.batch] == s.total_q && s.cu_k[a.batch] == s.total_k;
-}
-
-// The indices i in [0, n) with w[i] >= 0, longest first: ordered by decreasing power of two of
-// w[i] (a counting sort, ties in index order). Close enough to a sort for a longest-first list
-// schedule, O(n), and far cheaper to compile than std::sort in every kernel translation unit.
-static inline void order_by_work(const double* w, int64_t n, std::vector<int64_t>& out) {
-  int64_t start[130] = {0};  // bucket 0: w == 0; 1 + (binary exponent of w + 1), clamped
-  auto bucket = [](double x) {
-    int e = 0;
-    if (!(x > 0.0)) return 0;
-    std::frexp(x, &e);
-    return e < -63 ? 1 : (e > 64 ? 129 : e + 65);
-  };
-  for (int64_t i = 0; i < n; ++i)
-    if (w[i] >= 0.0) ++start[129 - bucket(w[i])];
-  int64_t pos = 0;
-  for (int k = 0; k < 130; ++k) {
-    const int64_t c = start[k];
-    start[k] = pos;
-    pos += c;
-  }
-  out.assign(pos, 0);
-  for (int64_t i = 0; i < n; ++i)
-    if (w[i] >= 0.0) out[start[129 - bucket(w[i])]++] = i;
-}
-
-// Block lists (args.h, "Block sparsity"), shared with bwd.h. blocks_ok: data null, or tile sizes
-// that are multiples of 8 in [8, 512], non-negative strides and rows x cols =
-// ceil(n_r / block_r) x ceil(n_c / block_c). The values in the lists are the host's to check;
-// here they are only kept from reaching memory out of range (block_count clips the counts to
-// cols, block_mark ignores an index outside [lo, hi), hi <= cols).
-static inline bool blocks_ok(const FgBlockLists& l, int64_t n_r, int64_t n_c) {
-  if (!l.data) return true;
-  auto ok = [](int32_t x) { return x >= 8 && x <= 512 && x % 8 == 0; };
-  if (!ok(l.block_r) || !ok(l.block_c) || l.stride_b < 0 || l.stride_h < 0) return false;
-  return l.rows == (n_r + l.block_r - 1) / l.block_r && l.cols == (n_c + l.block_c - 1) / l.block_c;
-}
-
-// Row r of (batch / sequence b, query head h).
-static inline const int32_t* block_row(const FgBlockLists& l, int64_t b, int64_t h, int64_t r) {
-  return l.data + b * l.stride_b + h * l.stride_h + r * (2 + (int64_t)l.cols);
-}
-
-// The row's listed tile count (partial + full), clipped to [0, cols].
-static inline int64_t block_count(const int32_t* row, int64_t cols) {
-  const int64_t np = std::min<int64_t>(std::max<int32_t>(row[0], 0), cols);
-  return np + std::min<int64_t>(std::max<int32_t>(row[1], 0), cols - np);
-}
-
-// Marks the row's listed tiles j in [lo, hi) in flag (hi <= cols; flag all zero on entry):
-// flag[j] |= 1 for a partial tile, 2 for a full one. Returns how many were marked. The caller
-// visits them in increasing j and zeroes each flag as it does.
-static inline int64_t block_mark(const int32_t* row, int64_t cols, int64_t lo, int64_t hi,
-                                 uint8_t* flag) {
-  const int64_t np = std::min<int64_t>(std::max<int32_t>(row[0], 0), cols);
-  const int64_t n = block_count(row, cols);
-  int64_t marked = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t j = row[2 + i];
-    if (j < lo || j >= hi) continue;
-    marked += flag[j] == 0;
-    flag[j] |= i < np ? 1 : 2;
-  }
-  return marked;
-}
 
 // Per-thread scratch of the forward (once per parallel_for chunk / worker).
 struct FwdWork {
@@ -979,7 +357,7 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
         // Own kernels: K^T packed into 16-column panels (zero-padded to a multiple of 16).
         const int64_t npan = (nn + 15) / 16;
         pack_kt<Element>(Kh + kvs * a.k_stride_n, a.k_stride_n, nn, d, kbuf);
-        gemm_qk(Qf, ldq, kbuf, npan, mq, d, gemm_alpha, S, ldS);
+        gemm_abt<kEpiScale>(Qf, ldq, kbuf, npan, mq, d, gemm_alpha, nullptr, S, ldS);
       }
 
       // Softmax pass, one row at a time (row stays in L1).
@@ -1071,7 +449,7 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
         // column-major d x mq = V (col-major d x nn) * P (col-major nn x mq)
         blas_sgemm(false, false, d, mq, nn, 1.f, Vf, ldv, S, ldS, 1.f, O, d);
       } else {
-        gemm_pv(S, ldS, Vf, ldv, mq, nn, d, A, O);
+        gemm_acc<false, true>(S, ldS, Vf, ldv, mq, nn, d, O, d, A);
       }
     }
 

@@ -20,6 +20,7 @@
 #include <type_traits>
 
 #include "flashgen/args.h"
+#include "flashgen/cuda/host.cuh"
 #include "flashgen/cuda/status.cuh"
 #include "flashgen/variant.h"
 
@@ -102,15 +103,7 @@ __global__ void __launch_bounds__(kClassifyWarps * 32)
 
 template <class Variant>
 int launch_classify(const FgClassifyArgs& a) {
-  (void)&Variant::score;
-  (void)&Variant::dscore;
-  (void)&Variant::param_grad;
-  (void)&Variant::param_grad_enabled;
-  (void)&Variant::keep;
-  (void)&Variant::tile_full;
-  (void)Variant::kHasScoreMod;
-  (void)Variant::kHasParamGrad;
-  (void)Variant::kHasDropout;
+  detail::reference_hooks<Variant>();
   detail::clear_error();
   if (a.batch < 0 || a.heads < 0 || a.seqlen_q < 0 || a.seqlen_k < 0 || a.seqlen_q > FG_MAX_SEQLEN ||
       a.seqlen_k > FG_MAX_SEQLEN || a.block_r <= 0 || a.block_c <= 0 ||
@@ -137,9 +130,7 @@ int launch_classify(const FgClassifyArgs& a) {
   p.block_c = a.block_c;
   p.rows = a.rows;
   p.cols = a.cols;
-  if constexpr (!std::is_empty<typename Variant::Params>::value) {
-    if (a.params) memcpy(&p.vp, a.params, sizeof(p.vp));
-  }
+  detail::copy_variant_params(p.vp, a.params);
   const dim3 grid(unsigned(a.rows), unsigned((a.cols + kClassifyWarps - 1) / kClassifyWarps),
                   unsigned(a.batch * a.heads));
   if (grid.y > 65535 || grid.z > 65535) {
