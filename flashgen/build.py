@@ -289,8 +289,6 @@ class LoadedLibrary:
             raise OSError(f"{path}: ABI version {abi()} != {ABI_VERSION}")
         has = lambda k: getattr(self.lib, inst.symbol(k)) if k in inst.kinds else None  # noqa: E731
         self.fwd, self.bwd, self.classify = has("fwd"), has("bwd"), has("mask")
-        # Block-sparse CUDA instantiations export the tiles their block lists must be made for.
-        self._tiles = {k: getattr(self.lib, inst.symbol(k) + "_tiles", None) for k in ("fwd", "bwd")}
         self.errors = {}
         for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd), ("mask", self.classify)):
             if fn is None:
@@ -300,17 +298,6 @@ class LoadedLibrary:
             if err is not None:
                 err.restype = ctypes.c_char_p
             self.errors[kind] = err
-
-    def tiles(self, major: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]] | None:
-        """(forward queries x keys, backward main kernel keys x queries, backward dq kernel
-        queries x keys) of a block-sparse CUDA instantiation on a device of compute capability
-        ``major``; None for an instantiation without them."""
-        if self._tiles["fwd"] is None or self._tiles["bwd"] is None:
-            return None
-        f, b = (ctypes.c_int32 * 2)(), (ctypes.c_int32 * 4)()
-        self._tiles["fwd"](ctypes.c_int(major), f)
-        self._tiles["bwd"](b)
-        return (f[0], f[1]), (b[0], b[1]), (b[2], b[3])
 
     def error(self, kind: str) -> str:
         err = self.errors.get(kind)

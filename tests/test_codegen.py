@@ -163,11 +163,11 @@ def test_tile_overrides_reach_the_cuda_entry_points(monkeypatch):
     src = tuned.sources()
     fwd = next(v for k, v in src.items() if "fwd" in k)
     bwd = next(v for k, v in src.items() if "bwd" in k)
-    assert "launch_fwd_tiled<Variant_c, __nv_bfloat16, 128, FgFwdTile>" in fwd and "FwdTile<128, 32, 4, false>" in fwd
+    assert "launch_fwd_tiled<Variant_c, __nv_bfloat16, 128, FgFwdTile>" in fwd and "FwdTile<128, 32, 4>" in fwd
     assert "BwdTile<64, 8, 1, 2>" in bwd and "launch_bwd_tiled<" in bwd
     # Without an override the instantiation names the table's tiles (flashgen/tiles.py) itself.
     plain_fwd = next(v for k, v in plain.sources().items() if "fwd" in k)
-    assert dict(plain.config)["fwd_block_n"] == 64 and "FwdTile<128, 64, 4, false>" in plain_fwd
+    assert dict(plain.config)["fwd_block_n"] == 64 and "FwdTile<128, 64, 4>" in plain_fwd
     for var, bad in (("FLASHGEN_CUDA_FWD_TILE", "128x64"), ("FLASHGEN_CUDA_FWD_TILE", "128x60x4"),
                      ("FLASHGEN_CUDA_BWD_TILE", "64x8x3x1"), ("FLASHGEN_CUDA_BWD_TILE", "a")):
         monkeypatch.setenv(var, bad)

@@ -28,10 +28,10 @@ def test_dead_tile_knobs_are_gone():
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 def test_no_tiles_export(kind):
-    from flashgen import build, frontend, ir
+    from flashgen import families, frontend, ir
 
-    inst = build.Instantiation(frontend.parse(ROOT / "specs" / "document.attn"), build.Target("cuda", "sm_90a"),
-                               ir.DType("bf16"), 128, (("sparse", 1),))
+    inst = families.get("sm80").instantiation(frontend.parse(ROOT / "specs" / "document.attn"), "sm_90a",
+                                              ir.DType("bf16"), 128, sparse=True)
     text = inst.sources()[inst.source_name(kind)]
     assert "_tiles" not in text
     assert re.search(r"FwdTile<\d+, \d+, \d+>|BwdTile<\d+, \d+, \d+, \d+>", text)
