@@ -69,12 +69,41 @@ print("AB_RESULT " + json.dumps(out))
 '''
 
 
-def run(checkout: Path, cache: Path) -> dict:
+PREBUILD = r'''
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import flashgen
+jobs = [("dense", [64, 128], (False,)), ("causal", [64, 128], (False,)), ("alibi", [128], (False,)),
+        ("document", [128], (False, True))]
+def one(job):
+    name, hds, sparse = job
+    flashgen.compile(f"specs/{name}.attn").build("cuda", ["bf16"], hds, sparse=sparse)
+with ThreadPoolExecutor(len(jobs)) as pool:
+    list(pool.map(one, jobs))
+print("PREBUILT")
+'''
+
+
+def env_for(checkout: Path, cache: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = f"{checkout}:{env.get('PYTHONPATH', '')}"
     env["FLASHGEN_CACHE_DIR"] = str(cache)
     env["FLASHGEN_QUIET"] = "1"
-    res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(CASES)], cwd=checkout, env=env,
+    return env
+
+
+def prebuild(checkouts: list[tuple[Path, Path]]) -> None:
+    """Build both checkouts' kernels at once (before any timing)."""
+    procs = [subprocess.Popen([sys.executable, "-c", PREBUILD], cwd=root, env=env_for(root, cache),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for root, cache in checkouts]
+    for (root, _), p in zip(checkouts, procs, strict=True):
+        out, err = p.communicate(timeout=900)
+        if p.returncode != 0:
+            raise RuntimeError(f"{root}: prebuild failed\n{out[-2000:]}\n{err[-4000:]}")
+
+
+def run(checkout: Path, cache: Path) -> dict:
+    res = subprocess.run([sys.executable, "-c", WORKER, json.dumps(CASES)], cwd=checkout, env=env_for(checkout, cache),
                          capture_output=True, text=True, timeout=900)
     for line in res.stdout.splitlines():
         if line.startswith("AB_RESULT "):
@@ -91,6 +120,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     times: dict[str, dict[str, list]] = {"A": {}, "B": {}}
+    prebuild([(args.old.resolve(), args.cache / "A"), (args.new.resolve(), args.cache / "B")])
+    print("prebuilt both", flush=True)
     for r in range(args.rounds):
         for label, root in (("A", args.old), ("B", args.new)):
             got = run(root.resolve(), args.cache / label)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -44,12 +45,13 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print("flashgen from", flashgen.__file__, file=sys.stderr)
     op = flashgen.compile("specs/causal.attn")
     q, k, v = (torch.randn(1, 8, 128, 64, dtype=dtype, device=device) for _ in range(3))
     qg = q.clone().requires_grad_()
     cases = {
         "flashgen": lambda: op(q, k, v),
-        "flashgen torch op": lambda: op.torch_op(q, k, v, None, False),
+        "flashgen torch op": lambda: op.torch_op(q, k, v, 0.125, False),
         "flashgen (grad)": lambda: op(qg, k, v),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "sdpa (grad)": lambda: F.scaled_dot_product_attention(qg, k, v, is_causal=True),
