@@ -67,10 +67,16 @@ _SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TI
               "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR")
 
 
-def library_selection() -> tuple[str | None, ...]:
+_SELECTION_KEYS = tuple(_ENCODE(name) for name in _SELECTION) if _ENCODE is not None else ()
+
+
+def library_selection() -> tuple:
     """The raw values of the variables that change which library serves a call (family, forced
-    tiles, tuning, JIT, ahead-of-time and cache directories): part of the op's library key."""
-    return tuple(_get(name) for name in _SELECTION)
+    tiles, tuning, JIT, ahead-of-time and cache directories), as the environment holds them
+    (bytes on POSIX): part of the op's library key, read on every call."""
+    if _RAW is None or not _SELECTION_KEYS:
+        return tuple(map(os.environ.get, _SELECTION))
+    return tuple(map(_RAW.get, _SELECTION_KEYS))
 
 
 def cuda_home() -> str | None:

@@ -95,3 +95,39 @@ def test_cli_family_option(tmp_path, capsys, monkeypatch):
     assert code == 2 and "family sm80 (flashgen.use_family) cannot serve" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["run", spec, "--family", "sm70"])
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "gemma"])
+def test_planned_eager_calls_match_the_full_path(name, monkeypatch):
+    """A repeated eager call with the same input metadata launches from its plan (runtime/
+    launch.py, ForwardPlan): same output bits as the validated full path, parameter values
+    read per call, a new scale or shape a new plan, a misaligned pointer back to the full path."""
+    from flashgen.runtime import launch
+    from variant_cases import op as spec_op
+
+    monkeypatch.setattr(launch, "poison_outputs", False)  # planned launches skip the NaN fill pass
+    op = spec_op(name)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 32, generator=g)
+    k, v = torch.randn(2, 2, 56, 32, generator=g), torch.randn(2, 2, 56, 32, generator=g)
+    params = {"alibi": {"slopes": torch.rand(4, generator=g)}, "gemma": {"window": 9, "softcap": 20.0}}.get(name, {})
+    op.plans.clear()
+    full = op(q, k, v, return_lse=True, **params)
+    assert len(op.plans) == 1
+    calls = []
+    real = launch.planned_forward
+    monkeypatch.setattr(launch, "planned_forward", lambda *a: calls.append(1) or real(*a))
+    again = op(q, k, v, return_lse=True, **params)
+    assert calls and torch.equal(full[0], again[0]) and torch.equal(full[1], again[1])
+    ref = flashgen.reference.attention(op.spec, q.double(), k.double(), v.double(), **params)
+    assert (again[0].double() - ref).abs().max() < 1e-4
+    if name == "gemma":  # a scalar parameter's value is read per call, and checked
+        other = op(q, k, v, window=3, softcap=20.0)
+        ref3 = flashgen.reference.attention(op.spec, q.double(), k.double(), v.double(), window=3, softcap=20.0)
+        assert (other.double() - ref3).abs().max() < 1e-4 and len(op.plans) == 1
+        with pytest.raises(ValueError, match="softcap"):
+            op(q, k, v, window=3, softcap=float("inf"))
+    op(q, k, v, scale=0.3, **params)
+    assert len(op.plans) == 2
+    buf = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # a pointer off the 16-byte grid
+    assert torch.equal(op(buf, k, v, **params), full[0])

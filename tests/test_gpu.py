@@ -335,3 +335,26 @@ def test_family_choice_and_forcing_on_cuda(ops):
         op(q, k, v)
     with flashgen.use_family(FAMILY):
         check_case(op, q, k, v)
+
+
+def test_planned_eager_calls_on_cuda(ops, monkeypatch):
+    """Repeated eager calls launch from their plan (runtime/launch.py): the same bits as the
+    validated full path, on the current stream, and a misaligned view falls back to it."""
+    from flashgen.runtime import launch
+
+    monkeypatch.setattr(launch, "poison_outputs", False)
+    op = ops["causal"]
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = make(2, 8, 2, 300, 300, 64, torch.bfloat16, True, gen)
+    op.plans.clear()
+    first = op(q, k, v, return_lse=True)
+    assert op.plans
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        again = op(q, k, v, return_lse=True)
+    stream.synchronize()
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    check_case(op, q, k, v)
+    flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")[1:q.numel() + 1].view(q.shape)
+    flat.copy_(q)
+    assert torch.equal(op(flat, k, v), first[0].contiguous()) or torch.allclose(op(flat, k, v), first[0])

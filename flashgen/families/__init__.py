@@ -76,6 +76,12 @@ def for_arch(device: str, arch: str | None) -> Family:
     raise ValueError(f"arch: no kernel family runs on {device} {arch or ''}".rstrip())
 
 
+def forced_block() -> str | None:
+    """The family the innermost ``use_family`` block forces (None outside any): with
+    FLASHGEN_FAMILY (part of ``env.library_selection``) all that decides a forced family."""
+    return _forced[-1] if _forced else None
+
+
 def forced() -> str | None:
     """The family forced now: the innermost ``use_family``'s, else FLASHGEN_FAMILY's, else None."""
     name = _forced[-1] if _forced else None

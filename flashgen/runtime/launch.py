@@ -6,10 +6,11 @@ inputs' device, with no host synchronisation (so a call can be captured in a CUD
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
-from .. import build, families, ir, philox
+from .. import build, env, families, ir, philox
 from ..abi import FgBwdArgs, FgClassifyArgs, FgFwdArgs, status_name
 from ..codegen import param_fields
 from ..errors import KernelError
@@ -80,7 +81,8 @@ def _launch(entry, args, q: torch.Tensor) -> int:
     if not q.is_cuda:
         return entry(ctypes.byref(args))
     index = q.get_device()
-    args.num_sms = _num_sms(index)
+    if not args.num_sms:
+        args.num_sms = _num_sms(index)
     args.stream = torch._C._cuda_getCurrentRawStream(index)
     if torch._C._cuda_getDevice() == index:
         return entry(ctypes.byref(args))
@@ -88,12 +90,15 @@ def _launch(entry, args, q: torch.Tensor) -> int:
         return entry(ctypes.byref(args))
 
 
+def _misaligned(t: torch.Tensor) -> bool:
+    """Whether t's pointer or strides break the 16-byte vector loads."""
+    elems = 16 // t.element_size()
+    return bool(t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]))
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """t, or a contiguous copy when its pointer or strides break the 16-byte vector loads."""
-    elems = 16 // t.element_size()
-    if t.data_ptr() % 16 or any(s % elems for s in t.stride()[:-1]):
-        return t.contiguous()
-    return t
+    return t.contiguous() if _misaligned(t) else t
 
 
 _sms: dict[int, int] = {}
@@ -132,6 +137,66 @@ def params_block(op, values) -> ctypes.Structure | None:
         getattr(block, p.name + "_size")[:] = list(value.shape)
         getattr(block, p.name + "_stride")[:] = list(value.stride())
     return block
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """What an eager forward call with given input metadata launches, learnt from a validated
+    call: the library, the ABI block with everything but the pointers filled, and the LSE's
+    shape. A later call whose metadata (shapes, strides, dtypes, devices, scale, tensor
+    parameters' metadata, the environment that selects libraries, the forced family and the
+    tuning store's generation: ``plan_key``) is the same passed the same validation, so it only
+    checks what the metadata does not fix (pointer alignment, scalar parameter values)."""
+
+    lib: build.LoadedLibrary
+    args: bytes
+    lse_shape: tuple[int, ...]
+
+
+def plan_key(op, q, k, v, scale, values) -> tuple:
+    """The key of ``ForwardPlan``s: every input property the validation and the library choice
+    read, except pointers and scalar parameter values."""
+    params = tuple((x.dtype, x.device, x.shape, x.stride()) if isinstance(x, torch.Tensor) else type(x)
+                   for x in values) if values else ()
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, k.dtype, k.device,
+            v.dtype, v.device, scale, params, env.library_selection(), families.forced_block(), op.generation())
+
+
+def forward_plan(op, q, k, v, scale, values, out) -> ForwardPlan | None:
+    """The plan of a padded-layout forward call that just ran validated (None where a call
+    cannot be planned: per-call block lists, inputs that needed an aligned copy, empty ones)."""
+    if out.numel() == 0 or (q.is_cuda and any(_misaligned(t) for t in (q, k, v))):
+        return None
+    B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
+    dtype = IR_DTYPE[q.dtype]
+    fam = op.choose_family(q.device, dtype, d, False, False, False).family
+    if fam.block_classifier and op.auto_sparse and env.auto_block_mask():
+        return None
+    lib = op.library(fam, q.device, dtype, d, False, False, max(Nq, Nk))
+    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *_strides(q, None), *_strides(k, None),
+                     *_strides(v, None), *_strides(out, None), op.scale_for(scale, d), 0, None, None)
+    if q.is_cuda:
+        args.num_sms = _num_sms(q.get_device())
+    return ForwardPlan(lib, bytes(args), (B, Hq, Nq))
+
+
+def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out and lse of a call launched from its plan; None when the call must take the full path
+    (a pointer not 16-byte aligned, or outputs to be poisoned)."""
+    if poison_outputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return None
+    block = None
+    if values:
+        block = op.params_block(op.check_params(q, k, dict(zip((p.name for p in op.spec.params), values,
+                                                               strict=True))))
+    out = torch.empty_like(q)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    args = FgFwdArgs.from_buffer_copy(plan.args)
+    args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    if block is not None:
+        args.params = ctypes.addressof(block)
+    check_status(plan.lib, "fwd", _launch(plan.lib.fwd, args, q))
+    return out, lse
 
 
 def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,

@@ -130,6 +130,7 @@ class AttentionOp:
         self._libraries: dict[tuple, build.LoadedLibrary] = {}  # every key that selects a library
         self._choices: dict[tuple, families.Choice] = {}
         self.checked_inputs: set[tuple] = set()  # input metadata check_inputs accepted
+        self.plans: dict[tuple, launch.ForwardPlan] = {}  # launch plans of eager calls (runtime/launch.py)
         self.implementation = None  # the registered forward implementation (set by _register)
         self.params_struct = launch.params_struct(spec)
         self.grad_params = tuple(p.name for p in X.grad_params(spec))
@@ -286,7 +287,22 @@ class AttentionOp:
             # the schema's packed-layout arguments come first
             varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
-        if _direct(q, k, v, values):  # the schema's optional arguments, in order
+        direct = _direct(q, k, v, values)
+        if direct and not varlen and not blocks and not dropout_p:  # a call whose metadata ran before
+            key = launch.plan_key(self, q, k, v, scale, values)
+            plan = self.plans.get(key)
+            if plan is not None:
+                res = launch.planned_forward(self, plan, q, k, v, values)
+                if res is not None:
+                    return res if return_lse else res[0]
+            out, lse = self.implementation(q, k, v, scale, deterministic, *values, *dropout)
+            plan = launch.forward_plan(self, q, k, v, scale, values, out)
+            if plan is not None:
+                if len(self.plans) > 4096:
+                    self.plans.clear()
+                self.plans[key] = plan
+            return (out, lse) if return_lse else out
+        if direct:  # the schema's optional arguments, in order
             tail = ()
             if varlen or blocks:
                 tail = tuple(varlen.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
@@ -296,6 +312,10 @@ class AttentionOp:
         else:
             out, lse = self.torch_op(q, k, v, scale, deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
+
+    def generation(self) -> int:
+        """The generation of family and library choices (``invalidate_libraries`` bumps it)."""
+        return _generation[0]
 
     def scale_for(self, scale: float | None, head_dim: int) -> float:
         """The softmax scale of a call: ``scale`` checked (a finite float within fp32 range), or
@@ -356,7 +376,7 @@ class AttentionOp:
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
                 dropout: bool, family: str | None = None) -> families.Choice:
         key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
-               families.forced(), _generation[0])
+               families.forced_block(), env.library_selection()[0], _generation[0])
         hit = self._choices.get(key)
         if hit is None:
             arch = build.cuda_arch_of(_index(device)) if device.type == "cuda" else None
