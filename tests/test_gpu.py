@@ -357,4 +357,5 @@ def test_planned_eager_calls_on_cuda(ops, monkeypatch):
     check_case(op, q, k, v)
     flat = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")[1:q.numel() + 1].view(q.shape)
     flat.copy_(q)
-    assert torch.equal(op(flat, k, v), first[0].contiguous()) or torch.allclose(op(flat, k, v), first[0])
+    assert flat.data_ptr() % 16
+    check_case(op, flat, k, v)
