@@ -97,8 +97,10 @@ def _misaligned(t: torch.Tensor) -> bool:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a contiguous copy when its pointer or strides break the 16-byte vector loads."""
-    return t.contiguous() if _misaligned(t) else t
+    """t, or a contiguous copy in fresh (aligned) memory when its pointer or strides break the
+    16-byte vector loads (``contiguous()`` would hand back a contiguous view at a misaligned
+    offset unchanged)."""
+    return t.clone(memory_format=torch.contiguous_format) if _misaligned(t) else t
 
 
 _sms: dict[int, int] = {}
