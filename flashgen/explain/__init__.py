@@ -96,7 +96,7 @@ memory).
 The kernel family that serves the call (flashgen.families.choose: the registry's order, or a
 forced family) picks the model of tiles and peaks: explain/sm80_model.py (flashgen.tiles'
 tiles, registers from the compiled library) or explain/cpu_model.py (the CPU kernels' own tile
-choice, templates/include/flashgen/cpu/fwd.h ``choose_tiles``, bwd.h ``bwd_choose_tiles``,
+choice, templates/include/flashgen/cpu/tiles.h ``choose_tiles`` and ``bwd_choose_tiles``,
 ported: sized from the L2 cache, query tile by a load-balance cost model over
 torch.get_num_threads() threads; its bytes use the same model). The report names the family,
 the device type and why that family serves the call.

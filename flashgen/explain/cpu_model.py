@@ -1,5 +1,5 @@
 """The ``cpu`` kernel family's model for explain: its tiles, ported from the kernels'
-own choice (templates/include/flashgen/cpu/fwd.h ``choose_tiles``, bwd.h ``bwd_choose_tiles``:
+own choice (templates/include/flashgen/cpu/tiles.h ``choose_tiles`` and ``bwd_choose_tiles``:
 sized from the L2 cache, the query tile by a load-balance cost model over
 torch.get_num_threads() threads), and this CPU's measured peaks.
 """
@@ -51,7 +51,7 @@ def spans(geo: Geometry, nq: int, qc: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def cpu_fwd_tiles(geo: Geometry, batch_heads: int, nq: int, nk: int, d: int, l2: int, threads: int) -> tuple[int, int]:
-    """(qb, kvb) of the CPU forward: ``choose_tiles`` of cpu/fwd.h — kvb the largest power of two
+    """(qb, kvb) of the CPU forward: ``choose_tiles`` of cpu/tiles.h — kvb the largest power of two
     ≤ 512 (≥ 128) whose K and V panels (2 · kvb · d fp32) fit L2, qb the candidate in
     {qb_max, qb_max/2, ..., 32} (qb_max = L2 / (4 · kvb) in [32, 256]) minimising the makespan of
     the B·Hq·⌈Nq/qb⌉ tasks over ``threads`` threads times (1 + 5/qb + 5/kvb)."""
@@ -92,7 +92,7 @@ def cpu_fwd_tiles(geo: Geometry, batch_heads: int, nq: int, nk: int, d: int, l2:
 
 
 def cpu_bwd_tiles(geo: Geometry, nq: int, nk: int, d: int, l2: int, mod_path: bool, dropout: bool = False) -> tuple[int, int]:
-    """(qb, kvb) of the CPU backward: ``bwd_choose_tiles`` of cpu/bwd.h — kvb ≤ 128 with its five
+    """(qb, kvb) of the CPU backward: ``bwd_choose_tiles`` of cpu/tiles.h — kvb ≤ 128 with its five
     kvb × d fp32 panels in half of L2, qb_max ≤ 128 with its q × kv tiles (2 with a score mod or
     parameter gradient, +1 with dropout) and three q × d panels in half of L2, qb the candidate
     minimising the visited area × (1 + 5/qb + 5/kvb)."""
