@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         # --family forces that kernel family for everything the command runs or builds.
-        with families.use_family(getattr(args, "family", None)):
+        with families.use_family(getattr(args, "family", None), origin="--family"):
             return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench,
                     "tune": cmd_tune, "explain": cmd_explain}[args.command](args)
     except FlashgenError as e:

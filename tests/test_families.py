@@ -92,7 +92,7 @@ def test_cli_family_option(tmp_path, capsys, monkeypatch):
     spec = str(SPECS / "causal.attn")
     code = cli.main(["run", spec, "--batch", "1", "--heads", "2", "--seqlen", "64", "--head-dim", "32", "--dtype",
                      "fp32", "--reps", "1", "--family", "sm80"])
-    assert code == 2 and "family sm80 (flashgen.use_family) cannot serve" in capsys.readouterr().err
+    assert code == 2 and "family sm80 (--family) cannot serve" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["run", spec, "--family", "sm70"])
 
@@ -131,3 +131,23 @@ def test_planned_eager_calls_match_the_full_path(name, monkeypatch):
     assert len(op.plans) == 2
     buf = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # a pointer off the 16-byte grid
     assert torch.equal(op(buf, k, v, **params), full[0])
+
+
+def test_messages_name_what_forced_the_family(causal, monkeypatch, capsys):
+    """Errors say what forced a family (--family, FLASHGEN_FAMILY) and name a bad dtype or an
+    unavailable device by their arguments."""
+    q = torch.randn(1, 2, 16, 32)
+    monkeypatch.setenv("FLASHGEN_FAMILY", "bogus")
+    with pytest.raises(ValueError, match="^FLASHGEN_FAMILY: unknown kernel family 'bogus'"):
+        causal(q, q, q)
+    monkeypatch.delenv("FLASHGEN_FAMILY")
+    code = cli.main(["run", str(SPECS / "causal.attn"), "--batch", "1", "--heads", "2", "--seqlen", "32",
+                     "--head-dim", "32", "--dtype", "fp32", "--reps", "1", "--family", "sm80"])
+    assert code == 2 and "family sm80 (--family) cannot serve" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="^dtype: unknown dtype"):
+        causal.family_for("cpu", torch.float64, 64)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^device: CUDA is not available"):
+            causal.family_for("cuda", torch.bfloat16, 128)
+    with pytest.raises(ValueError, match="^q: dtype torch.float64 is not supported"):
+        causal(q.double(), q, q)

@@ -28,16 +28,18 @@ _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q
 # The families forced by ``use_family`` blocks, innermost last: process-wide, like
 # torch.nn.attention.sdpa_kernel's backend choice (and readable while torch.compile traces).
 _forced: list[str | None] = []
+_origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
 __all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "for_arch", "forced", "get", "of", "use_family",
            "with_feature"]
 
 
-def get(name: str) -> Family:
-    """The family called ``name``; ValueError listing the families for an unknown name."""
+def get(name: str, what: str = "family") -> Family:
+    """The family called ``name``; ValueError naming ``what`` (the argument or variable it came
+    from) and listing the families for an unknown name."""
     fam = FAMILIES.get(name) if isinstance(name, str) else None
     if fam is None:
-        raise ValueError(f"family: unknown kernel family {name!r} (expected one of {', '.join(FAMILIES)})")
+        raise ValueError(f"{what}: unknown kernel family {name!r} (expected one of {', '.join(FAMILIES)})")
     return fam
 
 
@@ -66,7 +68,7 @@ def for_arch(device: str, arch: str | None) -> Family:
     any call exists); the forced family when one is forced. ValueError when none does."""
     name = forced()
     if name is not None:
-        fam = get(name)
+        fam = get(name, _origins[-1] if _forced else "FLASHGEN_FAMILY")
         if fam.device == device and fam.arch_reason(arch) is None:
             return fam
         raise ValueError(f"family: the forced family {name} does not run on {device} {arch or ''}".rstrip())
@@ -91,18 +93,20 @@ def forced() -> str | None:
 
 
 @contextlib.contextmanager
-def use_family(name: str | None) -> Iterator[Family | None]:
+def use_family(name: str | None, *, origin: str = "flashgen.use_family") -> Iterator[Family | None]:
     """Force the kernel family ``name`` ('sm80', 'cpu') for calls made inside the block (in the
     whole process, as torch.nn.attention.sdpa_kernel does; blocks nest, the innermost wins);
     None forces nothing beyond FLASHGEN_FAMILY. A call the forced family
-    cannot serve raises NotImplementedError naming what it lacks. ValueError for an unknown
-    name."""
-    fam = get(name) if name is not None else None
+    cannot serve raises NotImplementedError naming what it lacks and ``origin`` (what forced it,
+    e.g. the CLI's --family). ValueError for an unknown name."""
+    fam = get(name, origin) if name is not None else None
     _forced.append(name)
+    _origins.append(origin)
     try:
         yield fam
     finally:
         _forced.pop()
+        _origins.pop()
 
 
 @dataclass(frozen=True)
@@ -136,12 +140,12 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
     else:
         family = _forced[-1] if _forced else None
         if family is not None:
-            origin = "flashgen.use_family"
+            origin = _origins[-1]
         else:
             family = env.family()
             origin = "FLASHGEN_FAMILY" if family is not None else None
     if family is not None:
-        fam = get(family)
+        fam = get(family, origin if origin != "family=" else "family")
         why = fam.declines(spec, call)
         if why:
             raise NotImplementedError(f"family {fam.name} ({origin}) cannot serve this call of spec "

@@ -318,20 +318,20 @@ def _check_inputs(op, q, k, v, packed: bool) -> None:
             hint = " (or 3 dims with cu_seqlens_q and cu_seqlens_k: packed layout)" if t.dim() == 3 else ""
             raise ValueError(f"{name}: expected 4 dims [batch, {heads}, {what}, head_dim], "
                              f"got shape {tuple(t.shape)}{hint}")
-    for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
     backend = q.device.type
     if not any(f.device == backend for f in families.FAMILIES.values()):
         raise ValueError(f"q: device type '{backend}' is not supported (expected cpu or cuda)")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
     allowed = spec_dtypes(op.spec, backend)
-    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
+    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:  # q's own dtype first, then k's and v's
         names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
         raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{op.spec.name}' on {backend} "
                          f"(expected one of: {names})")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
     Hq, d = q.shape[-3 if not packed else 1], q.shape[-1]
     Hkv = k.shape[-3 if not packed else 1]
     if not packed and k.shape[0] != q.shape[0]:

@@ -380,7 +380,13 @@ class AttentionOp:
         device = torch.device(device)
         if layout not in ("padded", "packed"):
             raise ValueError(f"layout: unknown layout {layout!r} (expected 'padded' or 'packed')")
-        dt = as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device: CUDA is not available in this torch build or machine (a CUDA call's family "
+                             "depends on the device's architecture)")
+        try:
+            dt = as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
+        except ValueError:
+            raise ValueError(f"dtype: unknown dtype {dtype!r} (expected fp16, bf16 or fp32)") from None
         return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
