@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from . import ir
-from .runtime.checks import eval_dim
+from .runtime.checks import PARAM_TORCH_DTYPE, eval_dim
 
-TORCH_DTYPES = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
 
 
 def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:
@@ -45,7 +44,7 @@ def example_params(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_
         shape = shape_of(p, sizes)
         if any(n < 1 for n in shape):
             raise ValueError(f"{p.name}: its shape {shape} for these sizes and parameters has a dim below 1")
-        dtype = TORCH_DTYPES[p.dtype]
+        dtype = PARAM_TORCH_DTYPE[p.dtype]
         if value is not None:
             out[p.name] = torch.full(shape, value, dtype=dtype, device=device)
         elif p.dtype == "f32":

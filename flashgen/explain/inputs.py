@@ -9,7 +9,8 @@ import torch
 
 from .. import ir, ops
 from ..expr import MAX_SEQLEN, check_positive
-from ..params import TORCH_DTYPES, example_params, parse_params, shape_of
+from ..params import example_params, parse_params, shape_of
+from ..runtime.checks import PARAM_TORCH_DTYPE
 from ..sparsity import mask_names
 
 
@@ -75,7 +76,7 @@ def spec_params(spec: ir.Spec, given: dict, batch: int, heads: int, nq: int, nk:
             if any(n < 1 for n in shape):
                 raise ValueError(f"params: {p.name}: its shape {shape} for these sizes and parameters has a dim "
                                  "below 1")
-            shaped[p.name] = torch.empty(shape, dtype=TORCH_DTYPES[p.dtype], device="meta")
+            shaped[p.name] = torch.empty(shape, dtype=PARAM_TORCH_DTYPE[p.dtype], device="meta")
     gen = torch.Generator().manual_seed(0)
     try:
         check_positive(spec, given)

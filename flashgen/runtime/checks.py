@@ -35,15 +35,16 @@ FLOAT32_MAX = 3.4028234663852886e38
 PARAM_TORCH_DTYPE = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}
 
 
-def as_dtype(d) -> ir.DType:
-    """An ir.DType from a flashgen, torch or spelled ('bf16', 'float16', ...) dtype."""
+def as_dtype(d, what: str = "dtypes") -> ir.DType:
+    """An ir.DType from a flashgen, torch or spelled ('bf16', 'float16', ...) dtype; ValueError
+    naming ``what`` (the caller's argument) otherwise."""
     if isinstance(d, ir.DType):
         return d
     if isinstance(d, torch.dtype) and d in IR_DTYPE:
         return IR_DTYPE[d]
     if isinstance(d, str) and d in DTYPE_NAMES:
         return DTYPE_NAMES[d]
-    raise ValueError(f"dtypes: unknown dtype {d!r} (expected fp16, bf16 or fp32)")
+    raise ValueError(f"{what}: unknown dtype {d!r} (expected fp16, bf16 or fp32)")
 
 
 def ranges_text(dims: tuple[int, ...]) -> str:

@@ -245,11 +245,9 @@ class AttentionOp:
                 and dropout_seed is None and deterministic is False and type(return_lse) is bool
                 and (scale is None or type(scale) is float) and _direct(q, k, v, ())):
             # the common eager call, launched from its plan when its metadata ran before
-            plan = self.plans.get(launch.plan_key(self, q, k, v, scale, ()))
-            if plan is not None:
-                res = launch.planned_forward(self, plan, q, k, v, ())
-                if res is not None:
-                    return res if return_lse else res[0]
+            _, res = self._from_plan(q, k, v, scale, ())
+            if res is not None:
+                return res if return_lse else res[0]
         # Only translation here: every check of the call runs once, in the registered op's
         # implementation (``_register``), which the torch op and the direct path below share.
         dropout_p = check_dropout_p(dropout_p)
@@ -299,12 +297,9 @@ class AttentionOp:
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
         direct = _direct(q, k, v, values)
         if direct and not varlen and not blocks and not dropout_p:  # a call whose metadata ran before
-            key = launch.plan_key(self, q, k, v, scale, values)
-            plan = self.plans.get(key)
-            if plan is not None:
-                res = launch.planned_forward(self, plan, q, k, v, values)
-                if res is not None:
-                    return res if return_lse else res[0]
+            key, res = self._from_plan(q, k, v, scale, values)
+            if res is not None:
+                return res if return_lse else res[0]
             out, lse = self.implementation(q, k, v, scale, deterministic, *values, *dropout)
             plan = launch.forward_plan(self, q, k, v, scale, values, out)
             if plan is not None:
@@ -322,6 +317,12 @@ class AttentionOp:
         else:
             out, lse = self.torch_op(q, k, v, scale, deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
+
+    def _from_plan(self, q, k, v, scale, values) -> tuple[tuple, tuple | None]:
+        """(plan key, (out, lse) launched from the call's plan, or None without one)."""
+        key = launch.plan_key(self, q, k, v, scale, values)
+        plan = self.plans.get(key)
+        return key, (launch.planned_forward(self, plan, q, k, v, values) if plan is not None else None)
 
     def generation(self) -> int:
         """The generation of family and library choices (``invalidate_libraries`` bumps it)."""
@@ -383,10 +384,7 @@ class AttentionOp:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: CUDA is not available in this torch build or machine (a CUDA call's family "
                              "depends on the device's architecture)")
-        try:
-            dt = as_dtype(dtype) if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
-        except ValueError:
-            raise ValueError(f"dtype: unknown dtype {dtype!r} (expected fp16, bf16 or fp32)") from None
+        dt = as_dtype(dtype, "dtype") if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
         return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
