@@ -14,9 +14,10 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from . import expr as X
 from . import flops as flop_count
-from . import ir, reference
+from . import reference
+from .lang import expr as X
+from .lang import ir
 from .ops import TORCH_DTYPE, AttentionOp
 from .params import example_params
 

@@ -14,12 +14,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import aot, bench, build, check, families, ir
-from . import build as build_mod
+from . import bench, check, env, families
 from . import explain as ex
 from . import flops as flop_count
 from .bench import time_fn
+from .build import aot, cache
 from .errors import FlashgenError
+from .lang import ir
 from .ops import TORCH_DTYPE, announce
 from .ops import compile as fg_compile
 from .params import example_params, parse_params
@@ -166,7 +167,7 @@ def cmd_build(args) -> int:
     try:
         if args.out is not None or args.arch:
             return _build_aot(args, console)
-        return _build_cache(args, console, torch, build_mod, fg_compile)
+        return _build_cache(args, console, torch, fg_compile)
     except ValueError as e:  # the API names its arguments; name the options instead
         text = str(e)
         for api, opt in (("dtypes:", "--dtype:"), ("head_dims:", "--head-dim:"), ("layouts:", "--layouts:"),
@@ -176,7 +177,7 @@ def cmd_build(args) -> int:
         raise
 
 
-def _build_cache(args, console, torch, build_mod, fg_compile) -> int:
+def _build_cache(args, console, torch, fg_compile) -> int:
     """``build`` into the kernel cache (no --out, no --arch)."""
     device = torch.device(args.device or "cpu")
     if device.type == "cpu" and (args.head_dim or args.layouts != ["padded"] or args.sparse):
@@ -191,7 +192,7 @@ def _build_cache(args, console, torch, build_mod, fg_compile) -> int:
                              sparse=(False, True) if args.sparse else (False,))
         dt = time.perf_counter() - t0
         for inst in insts:
-            entry = build_mod.env.cache_dir() / inst.name
+            entry = env.cache_dir() / inst.name
             print(f"{inst.name}\n    {entry / 'lib.so'}")
         print(f"{op.spec.name}: {len(insts)} instantiation(s) ready in {dt:.1f} s")
     return 0
@@ -201,7 +202,7 @@ def _build_aot(args, console) -> int:
     """``build --out DIR`` (an ahead-of-time directory) or ``build --arch ...`` (into the cache)."""
     dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
     sparse = (False, True) if args.sparse else (False,)
-    where = args.out if args.out is not None else build.env.cache_dir()
+    where = args.out if args.out is not None else env.cache_dir()
     t0 = time.perf_counter()
     with console.status(f"building {len(args.specs)} spec(s) into {where} …"):
         if args.out is None:  # --arch without --out: into the cache
@@ -210,7 +211,7 @@ def _build_aot(args, console) -> int:
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=len(planned) or 1) as pool:
-                list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
+                list(pool.map(lambda p: cache.load_cached(p.inst, announce), planned))
             rows = [(p.inst.spec.name, p.inst.name, aot.describe_instantiation(p.inst)) for p in planned]
         else:
             entries = aot_build.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),

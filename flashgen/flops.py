@@ -10,7 +10,8 @@ the work); masked entries a tile computes anyway do not.
 
 from __future__ import annotations
 
-from . import ir, reference
+from . import reference
+from .lang import ir
 
 # Half-multiples of the forward's 2 · d FLOPs per pair: kept integral so that integer pair
 # counts give integer FLOPs.

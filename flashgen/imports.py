@@ -1,6 +1,6 @@
 """The package's own import graph, read from the source (nothing is imported).
 
-Two users: the build cache key (flashgen/build.py hashes every module the code generator
+Two users: the build cache key (flashgen/build/artifact.py hashes every module the code generator
 imports, so an edit to any emitter changes the key) and the import-cycle test
 (tests/test_architecture.py), which fails on a cycle and names it.
 """

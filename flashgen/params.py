@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from . import ir
+from .lang import ir
 from .runtime.checks import PARAM_TORCH_DTYPE, eval_dim
-
 
 
 def shape_of(p: ir.Param, sizes: dict) -> tuple[int, ...]:

@@ -15,9 +15,10 @@ import operator
 
 import torch
 
-from . import expr as X
-from . import ir, philox
-from .frontend import evaluate_scale, parse
+from . import philox
+from .lang import expr as X
+from .lang import ir
+from .lang.frontend import evaluate_scale, parse
 from .sparsity import BlockMask
 
 
@@ -27,7 +28,7 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
 
     ``env`` holds the position tensors (b, h, q, kv as broadcastable int64 aranges), seqlen_q,
     seqlen_k and, for score expressions, ``score``; ``params`` the call's parameters. Semantics
-    as flashgen/expr.py states (floor division and modulo on ints; an index outside a tensor
+    as flashgen/lang/expr.py states (floor division and modulo on ints; an index outside a tensor
     parameter raises IndexError naming it, where the kernels would clamp; with ``check_bounds``
     False — inside traced code such as FlexAttention's mods — indices are clamped like the
     kernels do).

@@ -28,8 +28,8 @@ import weakref
 
 import torch
 
-from . import expr as X
-from . import ir
+from .lang import expr as X
+from .lang import ir
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 MAX_BLOCK = 4096  # block sizes: positive multiples of 8 up to this

@@ -30,8 +30,9 @@ from typing import ClassVar
 
 import torch
 
-from . import env, ir
+from . import env
 from .archs import cuda_arch
+from .lang import ir
 from .tune import store as tune_store
 
 REG_LIMIT = 255  # registers per thread (sm_80 … sm_120)

@@ -52,11 +52,17 @@ sys.meta_path = [f for f in sys.meta_path if "editable" not in getattr(f, "__nam
 import flashgen
 from flashgen import paths
 assert str(paths.templates_dir()).startswith(sys.argv[2]), (paths.templates_dir(), sys.argv[2])
-from flashgen import build, frontend, ir
+try:  # the package layout with lang/ and build/
+    from flashgen.build.artifact import Instantiation, Target
+    from flashgen.lang import frontend, ir
+except ImportError:  # a checkout from before it
+    from flashgen.build import Instantiation, Target
+    from flashgen import frontend, ir
 assert flashgen.__file__.startswith(sys.argv[2]), (flashgen.__file__, sys.argv[2])
 spec, kind, dtype, hd, config, out = json.loads(sys.argv[1])
-inst = build.Instantiation(frontend.parse(f"specs/{spec}.attn"), build.Target("cuda", "sm_90a"),
-                           ir.DType(dtype), hd, tuple(config.items()))
+# Target(family, arch, device) since kernel families; Target(backend, arch) before
+target = Target("sm80", "sm_90a", "cuda") if "family" in Target.__dataclass_fields__ else Target("cuda", "sm_90a")
+inst = Instantiation(frontend.parse(f"specs/{spec}.attn"), target, ir.DType(dtype), hd, tuple(config.items()))
 open(out, "w").write(inst.sources()[inst.source_name(kind)])
 """
 

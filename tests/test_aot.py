@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import aot, build, families, ir
+from flashgen import families
+from flashgen.build import aot, artifact, cache
+from flashgen.lang import ir
 from flashgen.runtime import loader
 from flashgen.tools import aot_build
 
@@ -33,7 +35,9 @@ import jinja2
 import torch
 import torch.utils.cpp_extension as ce
 import flashgen
-from flashgen import build, check, codegen
+from flashgen import check
+from flashgen.build import artifact, cache
+from flashgen.codegen import render
 
 cfg = json.loads(sys.argv[1])
 
@@ -42,9 +46,9 @@ def forbidden(*a, **k):
 
 ce.load = ce.load_inline = ce._jit_compile = forbidden
 jinja2.Environment.get_template = forbidden
-codegen.render = codegen.render_instantiation = forbidden
-build._build_and_publish = build.load_cached = forbidden
-build.Instantiation._key_fields = forbidden  # the cache key (it may run nvcc --version)
+render.render = render.render_instantiation = forbidden
+cache._build_and_publish = cache.load_cached = forbidden
+artifact.Instantiation.key_fields = forbidden  # the cache key (it may run nvcc --version)
 subprocess.Popen = subprocess.run = subprocess.call = subprocess.check_output = forbidden
 for name in ("system", "popen", "fork", "posix_spawn", "posix_spawnp", "execv", "execve"):
     setattr(os, name, forbidden)
@@ -110,8 +114,8 @@ def cpu_dir(tmp_path_factory):
     return out, entries
 
 
-def fp32_cpu(spec_path=SPEC, dtype=ir.DType.FP32) -> build.Instantiation:
-    return CPU.instantiation(flashgen.compile(spec_path).spec, build.cpu_arch(), dtype, None)
+def fp32_cpu(spec_path=SPEC, dtype=ir.DType.FP32) -> artifact.Instantiation:
+    return CPU.instantiation(flashgen.compile(spec_path).spec, artifact.cpu_arch(), dtype, None)
 
 
 def jit_off(monkeypatch, aot_dirs, cache: Path) -> None:
@@ -129,11 +133,11 @@ def test_directory_layout_and_index(cpu_dir):
     assert index["entries"] == [entry]
     inst = fp32_cpu()
     assert entry["variant"] == inst.variant_id() and entry["artifact"] == inst.name
-    assert entry["target"] == ["cpu", build.cpu_arch(), "cpu"] and entry["dtype"] == "fp32"
+    assert entry["target"] == ["cpu", artifact.cpu_arch(), "cpu"] and entry["dtype"] == "fp32"
     assert entry["kinds"] == ["fwd", "bwd"] and entry["spec"] == "causal"
     folder = out / entry["artifact"]
     assert {p.name for p in folder.iterdir()} == {"lib.so", "manifest.json", "src"}
-    assert build.sha256_of(folder / "lib.so") == entry["sha256"]
+    assert cache.sha256_of(folder / "lib.so") == entry["sha256"]
     assert not list(out.glob(".*.tmp")) and not list(out.glob(".*.old"))
 
 
@@ -155,7 +159,7 @@ def test_missing_variant_error_names_it(cpu_dir, tmp_path, monkeypatch):
         loader.load(inst)
     text = str(e.value)
     assert isinstance(e.value, flashgen.BuildError)
-    assert f"causal: cpu {build.cpu_arch()}, bf16" in text
+    assert f"causal: cpu {artifact.cpu_arch()}, bf16" in text
     assert inst.variant_id() in text and str(out) in text
     assert "hold for spec 'causal'" in text and "fp32" in text  # what the directory does have
     assert "flashgen build " in text and f"causal.attn --out {out} --device cpu --dtype bf16" in text
@@ -176,7 +180,7 @@ def test_found_in_directory_without_a_cache_key(cpu_dir, tmp_path, monkeypatch):
     out, _ = cpu_dir
     monkeypatch.setenv("FLASHGEN_AOT_DIR", str(out))
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(build.Instantiation, "_key_fields", lambda self: pytest.fail("cache key computed"))
+    monkeypatch.setattr(artifact.Instantiation, "key_fields", lambda self: pytest.fail("cache key computed"))
     lib = loader.load(fp32_cpu())
     assert lib.path.parent.parent == out and lib.fwd is not None and lib.bwd is not None
     assert not (tmp_path / "cache").exists()
@@ -244,14 +248,14 @@ def test_building_into_an_existing_directory_adds_and_replaces(cpu_dir, tmp_path
     written = aot_build.build_dir([SPEC], again, device="cpu", dtypes=["fp32"])
     entries = json.loads((again / "index.json").read_text())["entries"]
     assert written == [entry] and sorted(e["variant"] for e in entries) == sorted(["0" * 64, entry["variant"]])
-    assert build.sha256_of(again / entry["artifact"] / "lib.so") == entry["sha256"]
+    assert cache.sha256_of(again / entry["artifact"] / "lib.so") == entry["sha256"]
 
 
 def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
     """--arch plans (and names) CUDA variants on any machine; a spec whose mask needs per-call
     block lists brings its block-sparse kernels and the block classifier along."""
-    monkeypatch.setattr(build, "cuda_version", lambda: pytest.fail("toolkit version asked for"))
-    monkeypatch.setattr(build, "generator_hash", lambda *a: pytest.fail("generator hash asked for"))
+    monkeypatch.setattr(artifact, "cuda_version", lambda: pytest.fail("toolkit version asked for"))
+    monkeypatch.setattr(artifact, "generator_hash", lambda *a: pytest.fail("generator hash asked for"))
     monkeypatch.setattr(aot_build, "_gpus", dict)
     planned = aot_build.plan([ROOT / "specs" / "document.attn", SPEC], arches=["sm_80", "90"], dtypes=["bf16"],
                        head_dims=[64], layouts=["padded", "packed"])
@@ -279,7 +283,7 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
 def test_variant_id_is_what_the_artifact_is():
     spec = flashgen.compile(SPEC).spec
     a = SM80.instantiation(spec, "sm_90a", ir.DType.BF16, 64)
-    assert a.variant_id() == build.Instantiation(spec, SM80.target("sm_90a"), ir.DType.BF16, 64,
+    assert a.variant_id() == artifact.Instantiation(spec, SM80.target("sm_90a"), ir.DType.BF16, 64,
                                                  a.config).variant_id()
     others = [SM80.instantiation(spec, "sm_80", ir.DType.BF16, 64),
               SM80.instantiation(spec, "sm_90a", ir.DType.FP16, 64),

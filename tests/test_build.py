@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import flashgen
-from flashgen import build, families, ir
-from flashgen.runtime import loader
+from flashgen import families
+from flashgen.build import artifact
+from flashgen.build import cache as build_cache
 from flashgen.errors import BuildError
+from flashgen.lang import frontend, ir
+from flashgen.runtime import loader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -43,8 +45,8 @@ def forbidden(*a, **k):
 ce.load = forbidden
 t0 = time.perf_counter()
 import flashgen
-from flashgen import codegen
-codegen.render = codegen.render_instantiation = forbidden
+from flashgen.codegen import render
+render.render = render.render_instantiation = forbidden
 op = flashgen.compile(sys.argv[1])
 q = torch.randn(1, 2, 16, 32)
 out = op(q, q, q)
@@ -117,14 +119,14 @@ def test_corrupt_entry_is_rebuilt(tmp_path, spec_path, damage):
         lib.write_bytes(b"not a shared library")
     out, err = finish(spawn(RUN, cache, spec_path))
     assert "compiling fg_buildprobe" in err
-    assert build._entry_ok(entry, __import__("json").loads((entry / "manifest.json").read_text())["key"])
+    assert build_cache._entry_ok(entry, __import__("json").loads((entry / "manifest.json").read_text())["key"])
 
 
 def test_build_error_shows_compiler_output_and_source(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
-    spec = flashgen.frontend.parse("attention broken { dtype fp32 }")
-    inst = families.get("cpu").instantiation(spec, build.cpu_arch(), ir.DType.FP32, None)
-    monkeypatch.setattr(build.Instantiation, "sources", lambda self: {"broken.cpp": "int main( { this is not C++ }\n"})
+    spec = frontend.parse("attention broken { dtype fp32 }")
+    inst = families.get("cpu").instantiation(spec, artifact.cpu_arch(), ir.DType.FP32, None)
+    monkeypatch.setattr(artifact.Instantiation, "sources", lambda self: {"broken.cpp": "int main( { this is not C++ }\n"})
     with pytest.raises(BuildError) as e:
         loader.load(inst)
     text = str(e.value)

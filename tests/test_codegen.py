@@ -5,7 +5,10 @@ import shutil
 import pytest
 from conftest import ROOT, SPECS
 
-from flashgen import build, codegen, families, frontend, ir, paths, tiles
+from flashgen import families, paths, tiles
+from flashgen.build import artifact
+from flashgen.codegen import render
+from flashgen.lang import frontend, ir
 from flashgen.tools import generate
 
 
@@ -45,23 +48,23 @@ def test_hooks_follow_mask():
     dense = frontend.parse("attention d {}")
     causal = frontend.parse("attention c { mask = causal }")
     tl = frontend.parse("attention t { mask = causal_top_left }")
-    render = lambda s: codegen.render_instantiation(s, "cpu", "fwd", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
-    assert "kHasMask = false" in render(dense)
+    unit = lambda s: render.render_instantiation(s, "cpu", "fwd", ir.DType.FP32, None, "fg_x", {})  # noqa: E731
+    assert "kHasMask = false" in unit(dense)
     # positions are < 2^30, so the element mask is exact in 32-bit ints (expr.Cxx.narrow)
-    assert "return (kv <= (q + (seqlen_k - seqlen_q)));" in render(causal)
-    assert "return (kv <= q);" in render(tl)
-    assert "kRowExact = true" in render(causal)
+    assert "return (kv <= (q + (seqlen_k - seqlen_q)));" in unit(causal)
+    assert "return (kv <= q);" in unit(tl)
+    assert "kRowExact = true" in unit(causal)
     # the causal key range of a query tile ends after its last row's diagonal
-    assert "fg_clamp_kv(((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1), seqlen_k)" in render(causal)
+    assert "fg_clamp_kv(((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1), seqlen_k)" in unit(causal)
 
 
 def test_strict_undefined_names_template():
     import jinja2
 
-    env = codegen.environment()
+    env = render.environment()
     assert env.undefined is jinja2.StrictUndefined
     with pytest.raises(RuntimeError, match="variant.h.jinja"):
-        codegen.render("variant.h.jinja")  # no context: every name undefined
+        render.render("variant.h.jinja")  # no context: every name undefined
 
 
 def _inst(text, **kw):
@@ -87,40 +90,41 @@ def test_key_changes_with_a_template_edit(tmp_path, monkeypatch):
     shutil.copytree(paths.templates_dir(), copy)
     (copy / "variant.h.jinja").write_text((copy / "variant.h.jinja").read_text() + "\n// edited\n")
     monkeypatch.setattr(paths, "templates_dir", lambda: copy)
-    monkeypatch.setattr(build, "templates_dir", lambda: copy)
-    build.generator_hash.cache_clear()
+    monkeypatch.setattr(artifact, "templates_dir", lambda: copy)
+    artifact.generator_hash.cache_clear()
     try:
         assert _inst("attention c { mask = causal }").key != before
         # a CPU kernel header edit leaves the CUDA family's keys alone
-        cuda_before = build.generator_hash("cuda")
+        cuda_before = artifact.generator_hash("cuda")
         header = copy / "include" / "flashgen" / "cpu" / "fwd.h"
         header.write_text(header.read_text() + "\n// edited\n")
-        build.generator_hash.cache_clear()
-        assert build.generator_hash("cuda") == cuda_before
+        artifact.generator_hash.cache_clear()
+        assert artifact.generator_hash("cuda") == cuda_before
     finally:
-        build.generator_hash.cache_clear()
+        artifact.generator_hash.cache_clear()
 
 
 def test_key_covers_every_emitter_module(tmp_path, monkeypatch):
-    """The generator hash covers every module the code generator imports (expr.py emits each
+    """The generator hash covers every module the code generator imports (lang/expr.py emits each
     hook's C++): an edit to one in a copy of the package changes the key; the copy unedited
     does not."""
-    names = [m for m, _ in build.generator_modules()]
-    for must in ("flashgen.codegen", "flashgen.expr", "flashgen.ir", "flashgen.abi", "flashgen.build"):
+    names = [m for m, _ in artifact.generator_modules()]
+    for must in ("flashgen.codegen.render", "flashgen.codegen.variant", "flashgen.lang.expr", "flashgen.lang.ir",
+                 "flashgen.lang.keyrange", "flashgen.abi", "flashgen.build.artifact", "flashgen.build.cache"):
         assert must in names, names
     before = _inst("attention c { mask = causal }").key
     copy = tmp_path / "flashgen"
-    shutil.copytree(build.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(build, "PACKAGE", copy)
-    build.generator_hash.cache_clear()
+    shutil.copytree(artifact.PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(artifact, "PACKAGE", copy)
+    artifact.generator_hash.cache_clear()
     try:
         assert _inst("attention c { mask = causal }").key == before  # same content, same key
-        emitter = copy / "expr.py"
+        emitter = copy / "lang" / "expr.py"
         emitter.write_text(emitter.read_text() + "\n# an emitter change\n")
-        build.generator_hash.cache_clear()
+        artifact.generator_hash.cache_clear()
         assert _inst("attention c { mask = causal }").key != before
     finally:
-        build.generator_hash.cache_clear()
+        artifact.generator_hash.cache_clear()
 
 
 def test_artifact_names_are_readable():

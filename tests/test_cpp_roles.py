@@ -28,7 +28,8 @@ def test_dead_tile_knobs_are_gone():
 
 @pytest.mark.parametrize("kind", ["fwd", "bwd"])
 def test_no_tiles_export(kind):
-    from flashgen import families, frontend, ir
+    from flashgen import families
+    from flashgen.lang import frontend, ir
 
     inst = families.get("sm80").instantiation(frontend.parse(ROOT / "specs" / "document.attn"), "sm_90a",
                                               ir.DType("bf16"), 128, sparse=True)

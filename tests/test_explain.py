@@ -15,9 +15,11 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import build, cli, families, imports, ir, reference, tiles
-from flashgen.tune import resources
+from flashgen import cli, families, imports, reference, tiles
 from flashgen import explain as ex
+from flashgen.build import artifact
+from flashgen.lang import ir
+from flashgen.tune import resources
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -226,7 +228,7 @@ def test_registers_from_cached_library(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     op = flashgen.compile(SPECS / "causal.attn")
     choice = tiles.choose(op.spec, "sm_90a", ir.DType.BF16, 64, 1024)
-    inst = build.Instantiation(op.spec, families.get("sm80").target("sm_90a"), ir.DType.BF16, 64,
+    inst = artifact.Instantiation(op.spec, families.get("sm80").target("sm_90a"), ir.DType.BF16, 64,
                                tuple(choice.config().items()))
     entry = tmp_path / "cache" / inst.name
     entry.mkdir(parents=True)
@@ -588,9 +590,9 @@ ROW_EXACT_MASKS = [
 @pytest.mark.parametrize("spec,params", ROW_EXACT_MASKS)
 def test_row_exact_masks_closed_form_matches_evaluation(spec, params, monkeypatch):
     op = flashgen.compile(spec)
-    from flashgen import codegen
+    from flashgen.codegen import variant
 
-    assert codegen.hook_bodies(op.spec)["row_exact"]
+    assert variant.hook_bodies(op.spec)["row_exact"]
     for nq, nk, B, H in [(37, 53, 2, 3), (64, 20, 3, 2), (100, 100, 2, 4)]:
         vals = ex.spec_params(op.spec, dict(params), B, H, nq, nk)
         closed = ex.compute_geometry(op.spec, nq, nk, B, H, vals, ((16, 8),))

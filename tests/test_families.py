@@ -7,7 +7,9 @@ import torch
 from conftest import SPECS
 
 import flashgen
-from flashgen import build, cli, families, ir, ops
+from flashgen import cli, families, ops
+from flashgen.build import artifact
+from flashgen.lang import ir
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_family_is_in_artifact_names_and_keys(causal):
     cpu = families.get("cpu")
     inst = cpu.instantiation(causal.spec, "test", ir.DType.FP32, None)
     assert inst.name.startswith("fg_causal_cpu_fp32_hdany_test_")
-    other = build.Instantiation(causal.spec, build.Target("cpu2", "test", "cpu"), ir.DType.FP32, None)
+    other = artifact.Instantiation(causal.spec, artifact.Target("cpu2", "test", "cpu"), ir.DType.FP32, None)
     assert other.key != inst.key and other.variant_id() != inst.variant_id()
     sm80 = families.get("sm80").instantiation(causal.spec, "sm_90a", ir.DType.BF16, 64)
     assert sm80.name.startswith("fg_causal_sm80_bf16_hd64_sm_90a_")
@@ -102,8 +104,9 @@ def test_planned_eager_calls_match_the_full_path(name, monkeypatch):
     """A repeated eager call with the same input metadata launches from its plan (runtime/
     launch.py, ForwardPlan): same output bits as the validated full path, parameter values
     read per call, a new scale or shape a new plan, a misaligned pointer back to the full path."""
-    from flashgen.runtime import launch
     from variant_cases import op as spec_op
+
+    from flashgen.runtime import launch
 
     monkeypatch.setattr(launch, "poison_outputs", False)  # planned launches skip the NaN fill pass
     op = spec_op(name)

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import bench, cli, flops, ir, reference
-from flashgen.tune import timing
+from flashgen import bench, cli, flops, reference
 from flashgen import explain as ex
+from flashgen.lang import ir
+from flashgen.tune import timing
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

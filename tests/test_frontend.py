@@ -2,8 +2,8 @@
 
 import pytest
 
-from flashgen import frontend, ir
 from flashgen.errors import SpecError
+from flashgen.lang import frontend, ir
 
 
 def parse(text, file="t.attn"):

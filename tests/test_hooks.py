@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashgen import codegen, frontend, ops, reference
+from flashgen import ops, reference
+from flashgen.codegen import render, variant
+from flashgen.lang import frontend
 from flashgen.params import example_params
 from flashgen.paths import include_dir
 
@@ -129,9 +131,9 @@ def libs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("hooks")
     procs = {}
     for name, spec in ALL.items():
-        ctx = codegen.variant_context(spec)
+        ctx = variant.variant_context(spec)
         src = out_dir / f"{name}.cpp"
-        src.write_text(DRIVER % {"variant": codegen.render("variant.h.jinja", **ctx), "struct": ctx["struct"]})
+        src.write_text(DRIVER % {"variant": render.render("variant.h.jinja", **ctx), "struct": ctx["struct"]})
         procs[name] = subprocess.Popen(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{include_dir()}",
                                         str(src), "-o", str(out_dir / f"{name}.so")], stderr=subprocess.PIPE)
     result = {}
@@ -224,7 +226,7 @@ def test_score_and_derivative_match_reference(libs, name):
         grads = {}
         for p in spec.params:
             f = f"{p.name}_grad"
-            if any(fl.name == f for fl in codegen.param_fields(spec)):
+            if any(fl.name == f for fl in variant.param_fields(spec)):
                 # param_grad_enabled (kernels skip param_grad without it) follows the pointers
                 assert ptr is None or not lib.param_grad_enabled(ptr), f"{name}: enabled before {f} is set"
                 grads[p.name] = torch.zeros(params[p.name].shape)

@@ -1,4 +1,4 @@
-"""flashgen.keyrange.key_range as the one source of a mask's per-row key range: codegen prints it as
+"""flashgen.lang.keyrange.key_range as the one source of a mask's per-row key range: codegen prints it as
 C++ (tests/test_codegen.py keeps those renders fixed), explain evaluates it, and both agree with
 the reference mask row by row."""
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import flashgen
-from flashgen import ir, keyrange, reference
 from flashgen import explain as ex
+from flashgen import reference
+from flashgen.lang import ir, keyrange
 from flashgen.params import example_params
 from flashgen.sparsity import mask_extents
 

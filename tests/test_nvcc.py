@@ -52,7 +52,8 @@ PACKED = [("causal", "fwd", 72, {"varlen": 1}), ("alibi", "bwd", 128, {"varlen":
 def test_packed_cuda_compiles(spec, kind, head_dim, config, tmp_path):
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
-    from flashgen import families, frontend, ir
+    from flashgen import families
+    from flashgen.lang import frontend, ir
 
     sm80, parsed = families.get("sm80"), frontend.parse(ROOT / "specs" / f"{spec}.attn")
     inst = (sm80.classifier(parsed, "sm_90a") if "mask" in config else  # tiles: the sm_90a table's

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from flashgen import frontend, reference
+from flashgen import reference
+from flashgen.lang import frontend
 
 DENSE = frontend.parse("attention d {}")
 CAUSAL = frontend.parse("attention c { mask = causal }")

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from flashgen import families, frontend, ir, tiles
+from flashgen import families, tiles
+from flashgen.lang import frontend, ir
 
 SM80 = families.get("sm80")
 
@@ -170,8 +171,8 @@ def test_cuda_builds_need_a_cuda_torch(tmp_path, monkeypatch):
     written (not cpp_extension's CUDA_HOME message)."""
     import torch
 
-    from flashgen.tools import aot_build
     from flashgen.errors import BuildError
+    from flashgen.tools import aot_build
 
     monkeypatch.setattr(torch.version, "cuda", None)
     out = tmp_path / "aot"

@@ -15,11 +15,13 @@ import torch
 from conftest import ROOT, SPECS
 
 import flashgen
-from flashgen import build, families, frontend, ir, tiles
+from flashgen import families, tiles
+from flashgen.build import artifact
+from flashgen.errors import BuildError
+from flashgen.lang import frontend, ir
 from flashgen.runtime import loader
 from flashgen.tune import resources, timing, tuner
 from flashgen.tune import store as tune_store
-from flashgen.errors import BuildError
 
 BF16 = ir.DType.BF16
 TUNING = families.get("sm80").tuning  # the sm80 family's candidates (families/sm80_tuning.py)
@@ -314,7 +316,7 @@ def test_a_recorded_winner_reaches_the_next_call(store, causal_op, monkeypatch):
 
     monkeypatch.delenv("FLASHGEN_AUTOTUNE", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(build, "cuda_arch_of", lambda index: "sm_90a")
+    monkeypatch.setattr(artifact, "cuda_arch_of", lambda index: "sm_90a")
 
     class FakeLib:
         def __init__(self, inst):
@@ -423,7 +425,7 @@ def test_tune_many_orchestration_without_a_gpu(store, causal_op, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(build, "cuda_arch_of", lambda index: "sm_90a")
+    monkeypatch.setattr(artifact, "cuda_arch_of", lambda index: "sm_90a")
     built, insts = [], {}
 
     class FakeLib:
@@ -524,7 +526,9 @@ SUBPROCESS = r"""
 import json, sys
 import torch
 import flashgen
-from flashgen import build, check
+from flashgen import check
+from flashgen.build import artifact
+from flashgen.lang import ir
 from flashgen.tune import timing, tuner
 
 calls = []
@@ -539,13 +543,13 @@ def forbid(name):
 
 want = op_inst = None
 op = flashgen.compile(sys.argv[1])
-op_inst = op.instantiation("cuda", flashgen.ir.DType.BF16, 64, seqlen=1024)
-print("child instantiation", op_inst.name, json.dumps(op_inst._key_fields(), sort_keys=True), file=sys.stderr)
+op_inst = op.instantiation("cuda", ir.DType.BF16, 64, seqlen=1024)
+print("child instantiation", op_inst.name, json.dumps(op_inst.key_fields(), sort_keys=True), file=sys.stderr)
 timing.time_calls = forbid("timing")
 tuner.tune_many = forbid("tuning")
-build._build_and_publish = forbid("compiling")
+cache._build_and_publish = forbid("compiling")
 op = flashgen.compile(sys.argv[1])
-choice = op.tiles("cuda", flashgen.ir.DType.BF16, 64, 1024)
+choice = op.tiles("cuda", ir.DType.BF16, 64, 1024)
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, dout = (torch.randn(2, 4, 1024, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(4))
 qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -587,7 +591,7 @@ def test_tune_then_a_second_process_uses_the_stored_result(tmp_path, monkeypatch
                               check=False, capture_output=True, text=True, timeout=600)
         mine = causal_op.instantiation("cuda", ir.DType.BF16, 64, seqlen=1024)
         assert proc.returncode == 0, (f"parent instantiation {mine.name} "
-                                      f"{json.dumps(mine._key_fields(), sort_keys=True)}\n{proc.stderr}")
+                                      f"{json.dumps(mine.key_fields(), sort_keys=True)}\n{proc.stderr}")
         got = json.loads(proc.stdout.strip().splitlines()[-1])
         assert got["calls"] == [], got
         assert (got["fwd"], got["bwd"]) == ("tuned", "tuned")

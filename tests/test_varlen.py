@@ -304,8 +304,8 @@ def test_kernel_refuses_inconsistent_metadata():
     """The CPU kernels re-check the metadata they index by (FG_ERR_BAD_SHAPE, never a stray read)."""
     import ctypes
 
-    from flashgen import ir
     from flashgen.abi import FgFwdArgs
+    from flashgen.lang import ir
 
     c = op("causal")
     q, k, v, cq, ck = _meta_inputs()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from variant_cases import make_params, op
 
-from flashgen import check, ir
+from flashgen import check
+from flashgen.lang import ir
 
 # Cross-check tolerance (packed op vs padded op per sequence): the two may pick other tiles, so
 # they agree to a few roundings of the output dtype, not bit for bit.

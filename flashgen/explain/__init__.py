@@ -52,7 +52,7 @@ its element size times the elements of the visited tiles (forward: Σ_i rows of 
 keys it loads; backward: the same with the backward's query tiles), per (batch, query head) work
 item — dims broadcast over batch or heads are re-read by every work item. Other tensors (per
 batch or head vectors, small tables, document ids) are read once per kernel. With ``backward``,
-each f32 tensor that gets a gradient (flashgen.expr.grad_params: it enters the score) costs a
+each f32 tensor that gets a gradient (flashgen.lang.expr.grad_params: it enters the score) costs a
 torch.zeros fill of its fp32 gradient (4 bytes per element) and fp32 atomics (read + write, 2 · 4
 bytes) per visited element and read of it in the score. Terms: "tensor param NAME: ...". Only the
 parameters the mask reads are evaluated (mask geometry, visible pairs); the others need only their
@@ -88,7 +88,7 @@ estimate, ≤ ``floor_ms``).
 
 How the mask is counted: no mask and the causal masks in closed form; a mask with a closed-form
 key range per row (``kRowExact``: windows, chunks, prefix-LM, key padding, ...) from its per-row
-bounds — the symbolic range flashgen.keyrange.key_range derives, which the kernels print as C++,
+bounds — the symbolic range flashgen.lang.keyrange.key_range derives, which the kernels print as C++,
 evaluated over every query row with flashgen.reference.evaluate: O(Nq) time and memory; any
 other mask evaluated element by element in chunks of query rows (O(Nq · Nk) time, bounded
 memory).

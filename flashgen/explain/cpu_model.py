@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .. import expr, ir
+from ..lang import expr, ir
 from .geometry import Geometry, mask_geometry, tile_hulls
 from .inputs import as_op, check_sizes, given_params, spec_params
 from .report import TileReport, fmt_bytes

@@ -9,8 +9,9 @@ import math
 
 import torch
 
-from .. import families, ir
+from .. import families
 from ..bench import time_fn
+from ..lang import ir
 from ..ops import TORCH_DTYPE, ranges_text
 from . import cpu_model, sm80_model
 from .geometry import count_visits
@@ -18,7 +19,6 @@ from .inputs import as_dtype, as_op, check_sizes, given_params, materialize, spe
 from .report import Report, fmt_bytes
 from .target import ModelCall, Target, resolve
 from .traffic import ELEMENT_BYTES, bwd_traffic, fwd_traffic, tensor_params
-
 
 # The model of each kernel family, by the family's name (flashgen.families).
 MODELS = {"sm80": sm80_model, "cpu": cpu_model}

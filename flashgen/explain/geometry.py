@@ -1,5 +1,5 @@
 """The mask's geometry for explain: which keys each query row keeps (from the closed-form
-key range of flashgen.keyrange.key_range where the mask has one, else the mask evaluated in chunks
+key range of flashgen.lang.keyrange.key_range where the mask has one, else the mask evaluated in chunks
 of rows), block occupancy, and the tile visits a kernel with given tiles makes.
 """
 
@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .. import ir, keyrange, reference
+from .. import reference
+from ..lang import ir, keyrange
 from ..sparsity import mask_extents
-
 
 CHUNK_ELEMS = 1 << 22  # elements of one evaluated mask chunk (rows x keys x batch x heads)
 
@@ -37,7 +37,7 @@ class Geometry:
 
 def row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict):
     """Per query row, the key range [lo, hi) int64 [bp, hp, Nq] of the mask, from the symbolic
-    range flashgen.keyrange.key_range derives (the one the kernels print as C++), evaluated here
+    range flashgen.lang.keyrange.key_range derives (the one the kernels print as C++), evaluated here
     over every row at once with flashgen.reference.evaluate and the call's parameter values;
     None when the mask has no closed form (``key_range(spec).exact`` is false). The row keeps
     exactly [lo, hi) ∩ [0, Nk)."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import ir, ops
-from ..expr import MAX_SEQLEN, check_positive
+from .. import ops
+from ..lang import ir
+from ..lang.expr import MAX_SEQLEN, check_positive
 from ..params import example_params, parse_params, shape_of
 from ..runtime.checks import PARAM_TORCH_DTYPE
 from ..sparsity import mask_names

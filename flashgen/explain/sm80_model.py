@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import aot, build, env, families, tiles
-from ..tune import resources
+from .. import env, families, tiles
+from ..build import aot
+from ..errors import BuildError
 from ..ops import announce
 from ..runtime import loader
+from ..tune import resources
 from .geometry import mask_geometry
 from .report import TileReport
 from .target import FamilyPart, ModelCall, Target, nearest_known_arch
@@ -64,7 +66,7 @@ def registers(op, target: Target, dt, d, choice, listed: bool, compile_it: bool,
     if path is None and compile_it:
         try:
             loader.load(inst, announce=announce)
-        except (OSError, build.BuildError):
+        except (OSError, BuildError):
             pass  # built but not loadable here (no GPU of that arch): the entry may still exist
         path = library_path(inst)
         if path is None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import ir, tiles
-from ..build import cpu_arch, cuda_arch_of
+from .. import tiles
+from ..build.artifact import cpu_arch, cuda_arch_of
+from ..lang import ir
 from .geometry import Geometry
 from .report import TileReport
 

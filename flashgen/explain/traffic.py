@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import expr, ir
 from .. import flops as flop_count
+from ..lang import expr, ir
 from .geometry import Visits
 from .report import Traffic
-
 
 ELEMENT_BYTES = {ir.DType.FP16: 2, ir.DType.BF16: 2, ir.DType.FP32: 4}
 

@@ -13,7 +13,8 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from .. import env, ir
+from .. import env
+from ..lang import ir
 from . import cpu, sm80
 from .base import FEATURES, Call, Family
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import build, ir
+from ..build import artifact
+from ..lang import ir
 
 # What a call may need beyond the forward of the padded layout.
 FEATURES = ("backward", "dropout", "varlen", "sparse")
@@ -91,11 +92,11 @@ class Family:
 
     # ------------------------------------------------------------ builds
 
-    def target(self, arch: str) -> build.Target:
+    def target(self, arch: str) -> artifact.Target:
         """The build target of this family for ``arch``."""
-        return build.Target(self.name, arch, self.device)
+        return artifact.Target(self.name, arch, self.device)
 
-    def device_target(self, index: int | None) -> build.Target:
+    def device_target(self, index: int | None) -> artifact.Target:
         """The build target for the live device ``index`` (None: the CPU)."""
         raise NotImplementedError
 
@@ -107,16 +108,16 @@ class Family:
 
     def instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *,
                       packed: bool = False, sparse: bool = False, tiles: dict | None = None,
-                      extra: dict | None = None) -> build.Instantiation:
+                      extra: dict | None = None) -> artifact.Instantiation:
         """The artifact of ``spec`` for (arch, dtype, head_dim, layout), its config filled in
         here (the build stage below never chooses tiles). ``extra``: further config entries
         (e.g. the tuner's fwd_only / bwd_only)."""
         hd = None if self.runtime_head_dim else head_dim
         cfg = dict(self.config(spec, arch, dtype, hd, packed=packed, sparse=sparse, tiles=tiles))
         cfg.update(extra or {})
-        return build.Instantiation(spec, self.target(arch), dtype, hd, tuple(sorted(cfg.items())))
+        return artifact.Instantiation(spec, self.target(arch), dtype, hd, tuple(sorted(cfg.items())))
 
-    def classifier(self, spec: ir.Spec, arch: str) -> build.Instantiation:
+    def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""
         raise NotImplementedError(f"family {self.name} has no block classifier")
 

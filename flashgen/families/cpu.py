@@ -3,8 +3,9 @@ at run time (templates/include/flashgen/cpu), so the whole pipeline runs without
 
 from __future__ import annotations
 
-from .. import build, ir
-from ..frontend import HEAD_DIM_MAX
+from ..build import artifact
+from ..lang import ir
+from ..lang.frontend import HEAD_DIM_MAX
 from .base import FEATURES, Family
 
 
@@ -22,8 +23,8 @@ class CpuFamily(Family):
     features = frozenset(FEATURES)
     runtime_head_dim = True  # one library per dtype takes every head dim and both layouts
 
-    def device_target(self, index: int | None) -> build.Target:
-        return self.target(build.cpu_arch())
+    def device_target(self, index: int | None) -> artifact.Target:
+        return self.target(artifact.cpu_arch())
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         # The kernels take a divisor of the block size as their tiles, so tiles nest in blocks.

@@ -4,9 +4,10 @@ fallback for what a newer family does not serve. Its tiles are flashgen/tiles.py
 
 from __future__ import annotations
 
-from .. import build, ir
 from .. import tiles as tile_rules
-from ..frontend import HEAD_DIM_MAX
+from ..build import artifact
+from ..lang import ir
+from ..lang.frontend import HEAD_DIM_MAX
 from .base import FEATURES, Family
 from .sm80_tuning import Sm80Tuning
 
@@ -33,8 +34,8 @@ class Sm80Family(Family):
             return f"needs compute capability 8.0 or newer (mma.sync bf16), not {arch}"
         return None
 
-    def device_target(self, index: int | None) -> build.Target:
-        return self.target(build.cuda_arch_of(index))
+    def device_target(self, index: int | None) -> artifact.Target:
+        return self.target(artifact.cuda_arch_of(index))
 
     def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
                sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:
@@ -50,10 +51,10 @@ class Sm80Family(Family):
             cfg["sparse"] = 1
         return tuple(sorted(cfg.items()))
 
-    def classifier(self, spec: ir.Spec, arch: str) -> build.Instantiation:
+    def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` (flashgen.block_mask and per-call block lists on
         CUDA): a small library of its own."""
-        return build.Instantiation(spec, self.target(arch), self.dtypes[0], None, (("mask", 1),))
+        return artifact.Instantiation(spec, self.target(arch), self.dtypes[0], None, (("mask", 1),))
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         fwd, bwd, dq = tile_rules.from_config(config())

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-from .. import build, ir, tiles
+from .. import tiles
+from ..build import artifact
+from ..lang import ir
 from .base import Family
 
 KINDS = ("fwd", "bwd")
@@ -98,8 +100,8 @@ class Sm80Tuning:
         self.family = family  # whose instantiations the candidates are
 
     def instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, tile, kind: str,
-                      info: tiles.ArchInfo | None = None) -> build.Instantiation:
-        """The family's build.Instantiation for ``arch`` that compiles only ``kind``'s
+                      info: tiles.ArchInfo | None = None) -> artifact.Instantiation:
+        """The family's artifact.Instantiation for ``arch`` that compiles only ``kind``'s
         translation unit (config ``<kind>_only``) with ``tile``; the other tile keys are the
         default choice's (``info``: the device's figures, default the arch's table figures)."""
         cfg = tiles.default_choice(spec, arch, head_dim, info).config()

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import expr as X
-from .. import families, ir
+from .. import families
 from ..abi import FgBlockLists
 from ..errors import did_you_mean
-from ..frontend import DTYPE_NAMES
+from ..lang import expr as X
+from ..lang import ir
+from ..lang.frontend import DTYPE_NAMES
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
 

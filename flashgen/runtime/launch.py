@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import build, env, families, ir, philox
+from .. import env, families, philox
 from ..abi import FgBwdArgs, FgClassifyArgs, FgFwdArgs, status_name
-from ..codegen import param_fields
+from ..build import cache
+from ..codegen.variant import param_fields
 from ..errors import KernelError
+from ..lang import ir
 from .checks import IR_DTYPE, Blocks, Packed, check_dropout_seed, dense_rows, dims, row_shape
 
 # Fill outputs with NaN before each launch, so an element the kernel fails to write shows.
@@ -67,7 +69,7 @@ def _set_dropout(args, dropout_p: float, state: torch.Tensor | None) -> None:
         args.dropout_scale = 1.0 / (1.0 - dropout_p)
 
 
-def check_status(lib: build.LoadedLibrary, kind: str, status: int) -> None:
+def check_status(lib: cache.LoadedLibrary, kind: str, status: int) -> None:
     if status:
         detail = lib.error(kind)
         # the artifact's folder name (inst.name), read from its path: no cache key is computed
@@ -150,7 +152,7 @@ class ForwardPlan:
     tuning store's generation: ``plan_key``) is the same passed the same validation, so it only
     checks what the metadata does not fix (pointer alignment, scalar parameter values)."""
 
-    lib: build.LoadedLibrary
+    lib: cache.LoadedLibrary
     args: bytes
     lse_shape: tuple[int, ...]
 
@@ -204,7 +206,7 @@ def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tenso
 def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
              dropout_state: torch.Tensor | None = None, *,
              packed: Packed | None = None, blocks: Blocks | None = None,
-             lib: build.LoadedLibrary | None = None,
+             lib: cache.LoadedLibrary | None = None,
              family: families.Family | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one forward launch. ``lib``: run this loaded library instead of the
     call's own (flashgen.tune times candidate tiles this way)."""
@@ -243,7 +245,7 @@ def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
 
 def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, deterministic: bool, values=(),
               need_param_grads=(), dropout_p: float = 0.0, dropout_state: torch.Tensor | None = None, *,
-              packed: Packed | None = None, blocks: Blocks | None = None, lib: build.LoadedLibrary | None = None,
+              packed: Packed | None = None, blocks: Blocks | None = None, lib: cache.LoadedLibrary | None = None,
               family: families.Family | None = None):
     """dq, dk, dv by recomputation (FlashAttention-2 Alg. 2) from the saved out and lse, and
     the gradients of the float tensor parameters in ``op.grad_params`` (an empty tensor

@@ -1,5 +1,5 @@
 """Loading an instantiation's library: the loader sits above the build cache
-(flashgen/build.py) and the ahead-of-time directories (flashgen/aot.py), which know nothing of
+(flashgen/build/cache.py) and the ahead-of-time directories (flashgen/build/aot.py), which know nothing of
 each other.
 """
 
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .. import aot, build, env
+from .. import env
+from ..build import aot, artifact, cache
 from ..errors import NotBuiltError
 
 
-def load(inst: build.Instantiation, *, announce: Callable[[str], None] | None = None) -> build.LoadedLibrary:
+def load(inst: artifact.Instantiation, *, announce: Callable[[str], None] | None = None) -> cache.LoadedLibrary:
     """The loaded library for ``inst``: from an ahead-of-time directory (FLASHGEN_AOT_DIR,
-    flashgen.aot), this process, the cache, or a fresh build.
+    flashgen.build.aot), this process, the cache, or a fresh build.
 
     ``announce`` is called with a message before a compile starts (a cache miss). With JIT
     disabled (FLASHGEN_JIT=0) only the ahead-of-time directories are searched: nothing is
@@ -32,4 +33,4 @@ def load(inst: build.Instantiation, *, announce: Callable[[str], None] | None = 
             return lib
         if not env.jit():
             raise NotBuiltError(aot.not_built_message(inst, dirs, notes))
-    return build.load_cached(inst, announce)
+    return cache.load_cached(inst, announce)

@@ -10,8 +10,8 @@ import numbers
 
 import torch
 
-from .. import expr as X
-from .. import ir
+from ..lang import expr as X
+from ..lang import ir
 from ..reference import evaluate, positions
 from ..sparsity import EMPTY, FULL, PARTIAL, BlockMask, cdiv, check_block_size, mask_extents, mask_has_float
 from .checks import dim_text

@@ -20,12 +20,15 @@ from pathlib import Path
 
 import torch
 
-from .. import build, codegen, env, families, ir, tiles
-from .. import expr as X
-from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float
+from .. import env, families, tiles
+from ..build import artifact, cache
+from ..codegen import variant
 from ..errors import did_you_mean
-from ..frontend import parse
+from ..lang import expr as X
+from ..lang import ir
+from ..lang.frontend import parse
 from ..reference import default_scale
+from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float
 from ..tune import store as tune_store
 from . import checks, launch, loader
 from .checks import (
@@ -122,12 +125,12 @@ class AttentionOp:
         self.spec = spec
         self.fingerprint = spec.fingerprint()  # (block masks compare it, also under torch.compile)
         self.name = f"flashgen::{qualname}"
-        self._libs: dict[tuple, build.LoadedLibrary] = {}
+        self._libs: dict[tuple, cache.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
         self._head_dims = {f: self.head_dims(f) for f in families.FAMILIES}
         self._dtypes = {f: self.dtypes(f) for f in families.FAMILIES}
         self._scales: dict[int, float] = {}  # head dim -> the spec's default scale
-        self._libraries: dict[tuple, build.LoadedLibrary] = {}  # every key that selects a library
+        self._libraries: dict[tuple, cache.LoadedLibrary] = {}  # every key that selects a library
         self._choices: dict[tuple, families.Choice] = {}
         self.checked_inputs: set[tuple] = set()  # input metadata check_inputs accepted
         self.plans: dict[tuple, launch.ForwardPlan] = {}  # launch plans of eager calls (runtime/launch.py)
@@ -393,7 +396,7 @@ class AttentionOp:
                families.forced_block(), env.library_selection()[0], _generation[0])
         hit = self._choices.get(key)
         if hit is None:
-            arch = build.cuda_arch_of(_index(device)) if device.type == "cuda" else None
+            arch = artifact.cuda_arch_of(_index(device)) if device.type == "cuda" else None
             feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout)) if on)
             hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats), family)
             self._choices[key] = hit
@@ -476,7 +479,7 @@ class AttentionOp:
 
     def instantiation(self, device: torch.device | str, dtype: ir.DType, head_dim: int,
                       packed: bool = False, sparse: bool = False, seqlen: int | None = None, *,
-                      family: families.Family | str | None = None) -> build.Instantiation:
+                      family: families.Family | str | None = None) -> artifact.Instantiation:
         """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
         the packed (varlen) layout with ``packed``, on ``family`` (default: the family the call
         would run on). Families with ``split_layouts`` build the layouts apart, so padded calls
@@ -528,13 +531,13 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine; pass arch= "
                              "(e.g. 'sm_90a') for the tables' and derived tiles")
         index = _index(device)
-        return tiles.choose(self.spec, build.cuda_arch_of(index), dt, head_dim, seqlen, device_index=index,
+        return tiles.choose(self.spec, artifact.cuda_arch_of(index), dt, head_dim, seqlen, device_index=index,
                             fingerprint=self.fingerprint)
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
               layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,),
-              family: str | None = None) -> list[build.Instantiation]:
+              family: str | None = None) -> list[artifact.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
@@ -564,7 +567,7 @@ class AttentionOp:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: CUDA is not available in this torch build or machine")
         index = _index(device) if device.type == "cuda" else None
-        arch = build.cuda_arch_of(index) if index is not None else None
+        arch = artifact.cuda_arch_of(index) if index is not None else None
         if family is not None:
             fam = families.get(family)
             if fam.device != device.type or fam.arch_reason(arch):
@@ -618,7 +621,7 @@ class AttentionOp:
                 self._remember(fam, device, dt, hd, pk, sp, n, lib)
         return insts
 
-    def mask_library(self, fam: families.Family, device: torch.device) -> build.LoadedLibrary:
+    def mask_library(self, fam: families.Family, device: torch.device) -> cache.LoadedLibrary:
         """The block classifier of this spec on ``fam`` (a small library of its own, built at first
         use)."""
         key = ("mask", fam.name, device.index)
@@ -634,7 +637,7 @@ class AttentionOp:
         """Whether CUDA calls without a block_mask build block lists per call: the spec's mask
         has no closed-form key range per row (e.g. document ids), so the tiles it rules out are
         found by the classifier instead of being visited."""
-        return self.spec.mask is not None and not codegen.hook_bodies(self.spec)["row_exact"]
+        return self.spec.mask is not None and not variant.hook_bodies(self.spec)["row_exact"]
 
     def auto_blocks(self, fam: families.Family, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
         """Block lists for a call without a block_mask on a family with a block classifier, at
@@ -668,7 +671,7 @@ class AttentionOp:
         return mask_extents(self.spec)
 
     def _remember(self, fam: families.Family, device, dtype, head_dim, packed: bool, sparse: bool, seqlen,
-                  lib: build.LoadedLibrary) -> None:
+                  lib: cache.LoadedLibrary) -> None:
         """Record ``lib`` as the library of a call with these keys (``op.build`` and first use)."""
         with self._libs_lock:
             self._libraries[self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)] = lib
@@ -688,7 +691,7 @@ class AttentionOp:
                 _generation[0])
 
     def library(self, fam: families.Family, device: torch.device, dtype: ir.DType, head_dim: int,
-                 packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> build.LoadedLibrary:
+                 packed: bool = False, sparse: bool = False, seqlen: int | None = None) -> cache.LoadedLibrary:
         """The loaded library for a call on ``fam``, looked up under ``_library_key``; on sm80 with
         the tiles tuned nearest ``seqlen`` (block-sparse calls take the tuned winner of the
         longest length, seqlen None, so that lists made for one call's tiles serve every

@@ -1,7 +1,7 @@
 """Writing ahead-of-time kernel directories (``flashgen build SPEC... --out DIR``): which
 instantiations a build holds (``plan``), compiling them and copying them with the tuning they
 follow into the directory, and its ``index.json`` (``build_dir``). The directory format and
-the lookup are flashgen/aot.py's.
+the lookup are flashgen/build/aot.py's.
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from pathlib import Path
 import filelock
 import torch
 
-from .. import aot, build, families, tiles
-from ..tune import store as tune_store
+from .. import families, tiles
+from ..archs import cuda_arch
+from ..build import aot, artifact, cache
 from ..errors import BuildError
 from ..paths import write_json_atomic
 from ..runtime.checks import as_dtype, ranges_text
 from ..runtime.op import AttentionOp
 from ..runtime.op import compile as compile_spec
+from ..tune import store as tune_store
+
 
 @dataclass(frozen=True)
 class Planned:
@@ -33,7 +36,7 @@ class Planned:
     tuning it follows (None: no such GPU here, or CPU), and where its tiles came from."""
 
     op: object  # flashgen.ops.AttentionOp
-    inst: build.Instantiation
+    inst: artifact.Instantiation
     device_index: int | None = None
     origin: tuple[str, str] | None = None
     tuned_seqlen: tuple[int | None, int | None] | None = None
@@ -45,7 +48,7 @@ def _gpus() -> dict[str, int]:
         return {}
     out: dict[str, int] = {}
     for i in range(torch.cuda.device_count()):
-        out.setdefault(build.cuda_arch(torch.cuda.get_device_capability(i)), i)
+        out.setdefault(cuda_arch(torch.cuda.get_device_capability(i)), i)
     return out
 
 
@@ -61,13 +64,13 @@ def targets(device=None, arches: Iterable[str] = ()) -> list[tuple[str, str, int
     if device is not None:
         dev = torch.device(device)
         if dev.type == "cpu":
-            out.append(("cpu", build.cpu_arch(), None))
+            out.append(("cpu", artifact.cpu_arch(), None))
         elif dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise ValueError(f"device: {device}: CUDA is not available here (use --arch to build for an "
                                  "architecture without its GPU)")
             index = dev.index if dev.index is not None else torch.cuda.current_device()
-            arch = build.cuda_arch_of(index)
+            arch = artifact.cuda_arch_of(index)
             gpus = {arch: index} | {a: i for a, i in _gpus().items() if a != arch}
             if not arches:
                 out.append(("cuda", arch, index))
@@ -79,7 +82,7 @@ def targets(device=None, arches: Iterable[str] = ()) -> list[tuple[str, str, int
             arch = tiles.normalize_arch(a)
             out.append(("cuda", arch, gpus.get(arch)))
     if not out:
-        out.append(("cpu", build.cpu_arch(), None))
+        out.append(("cpu", artifact.cpu_arch(), None))
     return list(dict.fromkeys(out))
 
 
@@ -107,7 +110,7 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
         raise TypeError(f"sparse: expected bools, got {sparse!r}")
     want_dts = [as_dtype(d) for d in dtypes] if dtypes is not None else None
     want_hds = list(head_dims) if head_dims is not None else None
-    out: dict[build.Instantiation, Planned] = {}
+    out: dict[artifact.Instantiation, Planned] = {}
 
     def add(p: Planned) -> None:
         out.setdefault(p.inst, p)
@@ -163,12 +166,12 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
 # ---------------------------------------------------------------- writing a directory
 
 
-def _entry(p: Planned, artifact: Path, sha256: str) -> dict:
+def _entry(p: Planned, folder: Path, sha256: str) -> dict:
     inst = p.inst
     cfg = dict(inst.config)
     e = {
         "variant": inst.variant_id(),
-        "artifact": artifact.name,
+        "artifact": folder.name,
         "sha256": sha256,
         "spec": inst.spec.name,
         "fingerprint": inst.spec.fingerprint(),
@@ -180,7 +183,7 @@ def _entry(p: Planned, artifact: Path, sha256: str) -> dict:
         "key": inst.key,
     }
     if inst.target.backend == "cuda":
-        e["cuda"] = build.cuda_version()
+        e["cuda"] = artifact.cuda_version()
         if p.origin is not None:
             e["tiles_origin"] = list(p.origin)
             e["tuned_seqlen"] = list(p.tuned_seqlen or (None, None))
@@ -192,10 +195,10 @@ def _copy_artifact(src: Path, out: Path, name: str) -> tuple[Path, str]:
     BuildError when the copy does not verify against the entry's manifest."""
     dest = out / name
     if dest.exists() and os.path.samefile(src, dest):
-        return dest, build.sha256_of(dest / "lib.so")
+        return dest, cache.sha256_of(dest / "lib.so")
     tmp = out / f".{name}-{uuid.uuid4().hex[:8]}.tmp"
     shutil.copytree(src, tmp)
-    sha = build.sha256_of(tmp / "lib.so")
+    sha = cache.sha256_of(tmp / "lib.so")
     try:
         manifest = json.loads((tmp / "manifest.json").read_text())
     except (OSError, ValueError):
@@ -299,15 +302,15 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
     planned = plan(specs, device=device, arches=arches, dtypes=dtypes, head_dims=head_dims, layouts=layouts,
                    sparse=sparse)
     out = Path(out)
-    build.check_toolchain(p.inst.target for p in planned)  # before DIR is created
+    cache.check_toolchain(p.inst.target for p in planned)  # before DIR is created
     out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=jobs or max(1, min(len(planned), os.cpu_count() or 1))) as pool:
-        libs = list(pool.map(lambda p: build.load_cached(p.inst, announce), planned))
+        libs = list(pool.map(lambda p: cache.load_cached(p.inst, announce), planned))
     with filelock.FileLock(str(out / ".index.lock")):
         entries = []
         for p, lib in zip(planned, libs, strict=True):
-            artifact, sha = _copy_artifact(lib.path.parent, out, p.inst.name)
-            entries.append(_entry(p, artifact, sha))
+            folder, sha = _copy_artifact(lib.path.parent, out, p.inst.name)
+            entries.append(_entry(p, folder, sha))
         _copy_tuning(out, planned)
         _update_index(out, entries)
     aot.forget(out)

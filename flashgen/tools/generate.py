@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import families, frontend
+from .. import families
+from ..lang import frontend
 from ..runtime.checks import spec_dtypes
 
 

@@ -8,7 +8,7 @@ sequence length::
     {"meta": {...}, "entries": {"<fingerprint>|bf16|hd64|fwd": {"1024": {"config": {...}, "ms": ...}}}}
 
 A file whose metadata differs from the running process is ignored. Ahead-of-time directories
-(FLASHGEN_AOT_DIR, flashgen.aot) carry such a file too and are read first. A call uses the
+(FLASHGEN_AOT_DIR, flashgen.build.aot) carry such a file too and are read first. A call uses the
 winner tuned at the sequence length nearest (in log2) to its max(seqlen_q, seqlen_k).
 
 The files are read once per process (``reload()`` forgets them; ``record`` writes and reloads).
@@ -32,10 +32,11 @@ from pathlib import Path
 import filelock
 import torch
 
-from .. import env, ir
-from ..version import __version__
+from .. import env
 from ..archs import cuda_arch
+from ..lang import ir
 from ..paths import write_json_atomic
+from ..version import __version__
 
 BUCKET_MIN, BUCKET_MAX, BUCKET_DEFAULT = 256, 65536, 4096
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import flops as flop_count
-from .. import ir, reference
-from ..runtime import launch
+from .. import reference
 from ..bench import time_fn
+from ..lang import ir
 from ..ops import TORCH_DTYPE
 from ..params import example_params, shape_of
+from ..runtime import launch
 
 TOKENS = 16384  # B·N of the timed inputs (FlashAttention's benchmark grid, as flashgen.bench)
 HIDDEN = 2048  # H·d of the timed inputs

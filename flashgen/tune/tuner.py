@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import build, env, families, ir, ops, tiles
+from .. import env, families, ops, tiles
+from ..build import artifact
+from ..lang import ir
 from ..runtime import loader
 from ..runtime import op as runtime_op
 from . import resources, store, timing
@@ -174,7 +176,7 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
     seqlens = sorted({int(n) for n in seqlens})
     if not seqlens or seqlens[0] < 1:
         raise ValueError(f"seqlens: expected positive sequence lengths, got {seqlens}")
-    fam = families.for_arch("cuda", build.cuda_arch_of(index))
+    fam = families.for_arch("cuda", artifact.cuda_arch_of(index))
     if fam.tuning is None:
         raise ValueError(f"family: {fam.name} has no tuning candidates (its tiles are not tuned)")
     kinds = tuple(dict.fromkeys(kinds))

@@ -81,7 +81,7 @@ FG_HD int imax(int a, int b) { return a > b ? a : b; }
 // reference); tensor indices are clamped into range.
 //
 // Every kernel rejects seqlen_q or seqlen_k above FG_MAX_SEQLEN before launch: the generator's
-// range analysis assumes 0 <= q, kv < FG_MAX_SEQLEN (flashgen/expr.py, MAX_SEQLEN).
+// range analysis assumes 0 <= q, kv < FG_MAX_SEQLEN (flashgen/lang/expr.py, MAX_SEQLEN).
 #define FG_MAX_SEQLEN (1LL << 30)
 typedef long long fg_int;
 FG_HD fg_int fg_floordiv(fg_int a, fg_int b) {
@@ -98,7 +98,7 @@ FG_HD fg_int fg_mini(fg_int a, fg_int b) { return a < b ? a : b; }
 FG_HD fg_int fg_maxi(fg_int a, fg_int b) { return a > b ? a : b; }
 FG_HD fg_int fg_absi(fg_int a) { return a < 0 ? -a : a; }
 // 32-bit overloads: the generator computes an int subexpression in 32 bits only where interval
-// analysis proves that its value and operands fit (flashgen/expr.py, Cxx), so these never overflow.
+// analysis proves that its value and operands fit (flashgen/lang/expr.py, Cxx), so these never overflow.
 FG_HD int fg_floordiv(int a, int b) {
   if (b == 0) return 0;
   int q = a / b;

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import did_you_mean
 from . import ir
-from .errors import did_you_mean
 
 INT, FLOAT, BOOL = "int", "float", "bool"
 

@@ -1,23 +1,16 @@
-"""IR → C++ sources: lower a spec to hook bodies, render the Jinja2 templates strictly.
+"""IR → the spec's C++ variant: the Params struct's fields and every hook's body.
 
-The kernel skeletons are hand-written headers (templates/include/flashgen/{cpu,cuda}); a spec
-only becomes a small ``Variant`` struct (templates/variant.h.jinja) spliced into one translation
-unit per instantiation (templates/cpu_fwd.cpp.jinja, templates/cuda_fwd.cu.jinja).
+What ``templates/variant.h.jinja`` is rendered from (``variant_context``), and the Params layout
+the runtime mirrors with ctypes (flashgen/runtime/launch.py). The hook expressions are emitted by
+flashgen/lang/expr.py (``Cxx``) and the key-range bounds by flashgen/lang/keyrange.py.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-from . import expr, ir, keyrange
-from .version import __version__
-from .paths import templates_dir
-
-# Element type spelled per family (tables, not if-chains).
-CPU_ELEMENT = {ir.DType.FP32: "float", ir.DType.BF16: "c10::BFloat16", ir.DType.FP16: "c10::Half"}
-CUDA_ELEMENT = {ir.DType.BF16: "__nv_bfloat16", ir.DType.FP16: "__half"}
-
+from ..lang import expr, ir, keyrange
+from ..version import __version__
 
 # C++ element type of a tensor parameter (bool is read as one byte, torch's layout).
 PARAM_CTYPE = {"f32": "float", "i32": "int32_t", "i64": "int64_t", "bool": "uint8_t"}
@@ -25,7 +18,7 @@ PARAM_CTYPE = {"f32": "float", "i32": "int32_t", "i64": "int64_t", "bool": "uint
 
 @dataclass(frozen=True)
 class Field:
-    """One member of a variant's Params struct (mirrored by ops.py with ctypes)."""
+    """One member of a variant's Params struct (mirrored by flashgen/runtime/launch.py with ctypes)."""
 
     name: str
     ctype: str  # 'int64', 'float', 'ptr', 'gradptr', 'int64[N]'
@@ -89,32 +82,6 @@ def hook_bodies(spec: ir.Spec) -> dict[str, str]:
     return out
 
 
-@functools.cache
-def environment():
-    """The one Jinja2 environment: strict undefined names, block whitespace trimmed."""
-    import jinja2  # imported on first render only: a cached load never renders
-
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-
-
-def render(template: str, **context) -> str:
-    """Render one template strictly; an undefined name raises, naming template and line."""
-    import jinja2  # lazily, as in environment()
-
-    try:
-        return environment().get_template(template).render(**context)
-    except jinja2.TemplateError as e:
-        where = f"{getattr(e, 'filename', None) or template}:{getattr(e, 'lineno', '?')}"
-        raise RuntimeError(f"template error in {where}: {e}") from e
-
-
 def variant_context(spec: ir.Spec) -> dict:
     """What variant.h.jinja needs: the spec's name, where mask/score came from, the hook bodies."""
 
@@ -131,19 +98,3 @@ def variant_context(spec: ir.Spec) -> dict:
         "fingerprint": spec.fingerprint()[:12],
         "version": __version__,
     }
-
-
-def render_instantiation(spec: ir.Spec, backend: str, kind: str, dtype: ir.DType, head_dim: int | None,
-                         symbol: str, config: dict) -> str:
-    """One translation unit ('fwd' or 'bwd') of an instantiation: header comment, variant struct,
-    entry points."""
-    ctx = variant_context(spec) | {
-        "symbol": symbol,
-        "kind": kind,
-        "dtype": dtype.value,
-        "head_dim": head_dim,
-        "config": config,
-    }
-    if backend == "cpu":
-        return render(f"cpu_{kind}.cpp.jinja", element=CPU_ELEMENT[dtype], **ctx)
-    return render(f"cuda_{kind}.cu.jinja", element=CUDA_ELEMENT[dtype], **ctx)

@@ -13,9 +13,9 @@ from pathlib import Path
 import lark
 from lark import Lark, Token, Tree
 
+from ..errors import SpecError, did_you_mean
 from . import expr as X
 from . import ir
-from .errors import SpecError, did_you_mean
 
 STATEMENTS = ("head_dim", "dtype", "scale", "mask", "score", "param", "dropout", "block_size")
 

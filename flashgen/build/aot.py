@@ -38,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-from . import build, env, tiles
-from .abi import ABI_VERSION
-from .errors import NotBuiltError  # noqa: F401 - raised for this module's lookups (runtime/loader.py)
-from .version import __version__
+from .. import env, tiles
+from ..abi import ABI_VERSION
+from ..errors import NotBuiltError  # noqa: F401 - raised for this module's lookups (runtime/loader.py)
+from ..version import __version__
+from . import artifact, cache
 
 FORMAT = 2  # 2: the kernel family is part of every artifact (its name, key and index entry)
 INDEX = "index.json"
@@ -63,7 +64,7 @@ class _Dir:
 
 _lock = threading.RLock()
 _dirs: dict[Path, _Dir] = {}
-_libs: dict[Path, build.LoadedLibrary] = {}  # lib.so path -> loaded library
+_libs: dict[Path, cache.LoadedLibrary] = {}  # lib.so path -> loaded library
 _bad: dict[Path, str] = {}  # lib.so path -> why it is not used
 _warned: set[str] = set()
 
@@ -155,7 +156,7 @@ def forget(path: Path) -> None:
             _bad.pop(p, None)
 
 
-def _open(inst: build.Instantiation, path: Path, sha256) -> tuple[build.LoadedLibrary | None, str]:
+def _open(inst: artifact.Instantiation, path: Path, sha256) -> tuple[cache.LoadedLibrary | None, str]:
     """The verified, loaded artifact at ``path`` (None and why not)."""
     with _lock:
         if path in _libs:
@@ -163,13 +164,13 @@ def _open(inst: build.Instantiation, path: Path, sha256) -> tuple[build.LoadedLi
         if path in _bad:
             return None, _bad[path]
         try:
-            ok = build.sha256_of(path) == sha256
+            ok = cache.sha256_of(path) == sha256
             why = "" if ok else "its lib.so does not match the index's sha256 (modified or damaged)"
         except OSError as e:
             why = f"its lib.so does not read ({e.strerror or e})"
         if not why:
             try:
-                _libs[path] = build.LoadedLibrary(inst, path)
+                _libs[path] = cache.LoadedLibrary(inst, path)
                 return _libs[path], ""
             except (OSError, AttributeError) as e:
                 why = f"its lib.so does not load: {e}"
@@ -178,7 +179,7 @@ def _open(inst: build.Instantiation, path: Path, sha256) -> tuple[build.LoadedLi
     return None, why
 
 
-def find(inst: build.Instantiation, dirs: Iterable[Path] | None = None) -> tuple[build.LoadedLibrary | None, list[str]]:
+def find(inst: artifact.Instantiation, dirs: Iterable[Path] | None = None) -> tuple[cache.LoadedLibrary | None, list[str]]:
     """The library of ``inst`` from the first of ``dirs`` (default FLASHGEN_AOT_DIR) that holds
     a verified copy, or None; with notes on directories and artifacts that were skipped.
     Computes no cache key, renders nothing, starts no process. Raises nothing for a bad
@@ -228,12 +229,12 @@ def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_di
     return f"{spec_name}: " + ", ".join(parts + only + ([tiles] if tiles else []))
 
 
-def describe_instantiation(inst: build.Instantiation) -> str:
+def describe_instantiation(inst: artifact.Instantiation) -> str:
     return describe(inst.spec.name, (inst.target.family, inst.target.arch), inst.dtype.value, inst.head_dim,
                     dict(inst.config))
 
 
-def build_command(inst: build.Instantiation, out: str | Path = "DIR") -> str:
+def build_command(inst: artifact.Instantiation, out: str | Path = "DIR") -> str:
     """The ``flashgen build`` command line that puts ``inst`` into the directory ``out``."""
     span = inst.spec.span
     spec = span.file if span is not None and str(span.file).endswith(".attn") else f"{inst.spec.name}.attn"
@@ -252,7 +253,7 @@ def build_command(inst: build.Instantiation, out: str | Path = "DIR") -> str:
     return " ".join(shlex.quote(c) for c in cmd)
 
 
-def _tiles_note(inst: build.Instantiation) -> str | None:
+def _tiles_note(inst: artifact.Instantiation) -> str | None:
     """Why a CUDA variant's tiles may not come from a plain ``--arch`` build, or None."""
     cfg = dict(inst.config)
     if inst.target.backend != "cuda" or inst.head_dim is None or cfg.get("mask"):
@@ -268,7 +269,7 @@ def _tiles_note(inst: build.Instantiation) -> str | None:
             "and keep the directory's tuning/ files")
 
 
-def not_built_message(inst: build.Instantiation, dirs: list[Path], notes: list[str]) -> str:
+def not_built_message(inst: artifact.Instantiation, dirs: list[Path], notes: list[str]) -> str:
     """The NotBuiltError text for ``inst``: the variant, where it was looked for, what the
     directories hold for its spec, and the command that builds it."""
     lines = [f"no ahead-of-time kernel for {describe_instantiation(inst)}, and JIT is disabled (FLASHGEN_JIT=0)",
