@@ -16,6 +16,7 @@ import torch
 
 import flashgen
 from flashgen import cli, families, imports, reference, tiles
+from flashgen.families.sm90 import smem_bytes as sm90_smem
 from flashgen import explain as ex
 from flashgen.build import artifact
 from flashgen.lang import ir
@@ -104,7 +105,14 @@ def test_per_batch_mask_flops():
 # ---------------------------------------------------------------- bytes
 
 
-def test_dense_hbm_bytes_table_tile():
+@pytest.fixture
+def sm80():
+    """Explain the sm80 family's model at sm_90a (where the sm90 family would take the forward)."""
+    with flashgen.use_family("sm80"):
+        yield
+
+
+def test_dense_hbm_bytes_table_tile(sm80):
     # sm_90a, d = 128, bf16: the table's forward tile is 128 queries x 64 keys, so every
     # (batch, head) reads K and V once per query tile: ceil(1000 / 128) = 8 times.
     B, H, nq, nk, d, e = 2, 3, 1000, 777, 128, 2
@@ -125,7 +133,7 @@ def test_dense_hbm_bytes_table_tile():
     (300, 200, 28 + 156 + 200, 300),
     (300, 100, 0 + 56 + 100, 128 + 44),  # the first query tile sees no key: no Q, K, V loads
 ])
-def test_causal_hbm_bytes_tile_granularity(nq, nk, kv_rows, q_rows):
+def test_causal_hbm_bytes_tile_granularity(nq, nk, kv_rows, q_rows, sm80):
     d, e = 64, 2
     rep = ex.explain(SPECS / "causal.attn", nq, nk, head_dim=d, arch="sm_90a")
     assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (128, 64)
@@ -172,7 +180,7 @@ def test_dense_backward_bytes_hand_count():
     assert rep.bwd.compulsory_bytes == 8 * n * d * e + 4 * n
 
 
-def test_document_mask_counts_occupied_tiles():
+def test_document_mask_counts_occupied_tiles(sm80):
     # No closed-form key range: the CUDA kernel visits the key tiles that keep any pair of the
     # query tile (block lists) and loads each whole (clipped to Nk). Counted here by brute force.
     op = flashgen.compile(SPECS / "document.attn")
@@ -197,7 +205,7 @@ def test_document_mask_counts_occupied_tiles():
 # ---------------------------------------------------------------- targets, tiles, errors
 
 
-def test_arch_from_tables_without_gpu():
+def test_arch_from_tables_without_gpu(sm80):
     rep = ex.explain(SPECS / "causal.attn", 4096, head_dim=128, batch=2, heads=16, arch="90")
     info = tiles.ARCHS["sm_90a"]
     assert (rep.family, rep.device, rep.arch, rep.gpu) == ("sm80", "cuda", "sm_90a", info.name)
@@ -215,7 +223,7 @@ def test_arch_from_tables_without_gpu():
     assert rep.measured_ms is None and rep.fraction_of_floor is None
 
 
-def test_env_tile_override_shows_as_origin(monkeypatch):
+def test_env_tile_override_shows_as_origin(monkeypatch, sm80):
     monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "64x32x4")
     rep = ex.explain(SPECS / "dense.attn", 512, head_dim=64, arch="sm_90a")
     fwd = rep.tiles["fwd"]
@@ -223,7 +231,7 @@ def test_env_tile_override_shows_as_origin(monkeypatch):
     assert rep.fwd.terms["K, V reads"] == 8 * 512 * 64 * 2 * 2  # 512 / 64 query tiles
 
 
-def test_registers_from_cached_library(tmp_path, monkeypatch):
+def test_registers_from_cached_library(tmp_path, monkeypatch, sm80):
     # A cache entry for exactly the instantiation explain describes, and a stand-in cuobjdump.
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
     op = flashgen.compile(SPECS / "causal.attn")
@@ -660,17 +668,34 @@ def test_measure_backward_cli_json(capsys):
 
 def test_report_names_the_family_that_serves_the_call(capsys):
     rep = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a")
-    assert (rep.family, rep.device) == ("sm80", "cuda")
-    assert rep.family_why.startswith("sm80 (the first family that serves the call")
+    assert (rep.family, rep.device) == ("sm90", "cuda")
+    assert rep.family_why.startswith("sm90 (the first family that serves the call")
+    both = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
+    assert both.family == "sm80" and "sm90 has no backward kernels" in both.family_why
+    at80 = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_80")
+    assert at80.family == "sm80" and "sm90 needs compute capability 9.0" in at80.family_why
     cpu = ex.explain(SPECS / "causal.attn", 256, head_dim=64, device="cpu")
     assert (cpu.family, cpu.device) == ("cpu", "cpu") and cpu.family_why.startswith("cpu (the first family")
     assert "sm80 runs on cuda tensors, not cpu" in cpu.family_why
     rc = cli.main(["explain", str(SPECS / "causal.attn"), "--seqlen", "256", "--head-dim", "64", "--arch", "sm_90a",
                    "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert rc == 0 and (d["family"], d["device"]) == ("sm80", "cuda") and d["family_why"] == rep.family_why
+    assert rc == 0 and (d["family"], d["device"]) == ("sm90", "cuda") and d["family_why"] == rep.family_why
     rc = cli.main(["explain", str(SPECS / "causal.attn"), "--seqlen", "256", "--head-dim", "64", "--device", "cpu"])
     assert rc == 0 and f"kernel family: {cpu.family_why}" in " ".join(capsys.readouterr().out.split())
+
+
+def test_sm90_model_counts_its_own_forward_tile():
+    """The sm90 forward tile (128 x 128 at d 128) sets the K/V re-reads: ceil(1000 / 128) = 8
+    query tiles each read K and V once; shared memory is the family's formula."""
+    B, H, nq, nk, d, e = 2, 3, 1000, 777, 128, 2
+    rep = ex.explain(SPECS / "dense.attn", nq, nk, head_dim=d, batch=B, heads=H, arch="sm_90a")
+    fwd = rep.tiles["fwd"]
+    assert (rep.family, fwd.block_m, fwd.block_n, fwd.warps) == ("sm90", 128, 128, 12)
+    assert fwd.smem_bytes == sm90_smem(d, 128, 2)
+    assert rep.fwd.terms["K, V reads"] == B * H * 8 * nk * d * e * 2
+    doc = ex.explain(SPECS / "document.attn", 1024, head_dim=64, arch="sm_90a")
+    assert doc.family == "sm90" and "key ranges" in doc.model  # sm90 builds no block lists
 
 
 def test_family_model_is_chosen_by_the_family_name(monkeypatch):

@@ -18,21 +18,67 @@ def causal():
 
 
 def test_registry_order_and_features():
-    assert list(families.FAMILIES) == ["sm80", "cpu"]
-    sm80, cpu = families.get("sm80"), families.get("cpu")
-    assert (sm80.device, cpu.device) == ("cuda", "cpu")
+    assert list(families.FAMILIES) == ["sm90", "sm80", "cpu"]
+    sm90, sm80, cpu = families.get("sm90"), families.get("sm80"), families.get("cpu")
+    assert (sm90.device, sm80.device, cpu.device) == ("cuda", "cuda", "cpu")
     assert ir.DType.FP32 in cpu.dtypes and ir.DType.FP32 not in sm80.dtypes
-    assert ops.DROPOUT_BACKENDS == ("sm80", "cpu") == ops.VARLEN_BACKENDS
-    with pytest.raises(ValueError, match="family: unknown kernel family 'sm70' .*sm80, cpu"):
+    assert ops.DROPOUT_BACKENDS == ("sm90", "sm80", "cpu")
+    assert ops.VARLEN_BACKENDS == ("sm80", "cpu")
+    with pytest.raises(ValueError, match="family: unknown kernel family 'sm70' .*sm90, sm80, cpu"):
         families.get("sm70")
+    # A device type names its complete family (the one that serves every call there).
     assert families.of("cuda") is sm80 and families.of("cpu") is cpu and families.of(sm80) is sm80
+    assert not families.complete(sm90) and families.complete(sm80) and families.complete(cpu)
+
+
+def test_sm90_declares_what_it_serves(causal):
+    """sm90 serves the padded forward (dropout too) at head dims up to 128 on sm_90a; the rest
+    goes to sm80, and the choice names what sm90 lacks."""
+    sm90 = families.get("sm90")
+    assert sm90.head_dims == tuple(range(8, 129, 8))
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 128)
+    assert families.choose(causal.spec, call).family is sm90
+    assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, 64,
+                                                      frozenset({"dropout"}))).family is sm90
+    for feats, lacks in ((("backward",), "backward kernels"), (("varlen",), "packed"), (("sparse",), "block-sparse")):
+        choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 128, frozenset(feats)))
+        assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
+    choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 256))
+    assert choice.family.name == "sm80" and "head_dim 256" in choice.why()
+    choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
+    assert choice.family.name == "sm80" and "needs compute capability 9.0" in choice.why()
+    assert families.for_arch("cuda", "sm_90a").name == "sm80"
+    assert [f.name for f in families.for_arch_all("cuda", "sm_90a")] == ["sm90", "sm80"]
+    assert [f.name for f in families.for_arch_all("cuda", "sm_86")] == ["sm80"]
+    with flashgen.use_family("sm90"):
+        assert [f.name for f in families.for_arch_all("cuda", "sm_90a")] == ["sm90"]
+
+
+def test_sm90_tiles_are_its_own(causal):
+    sm90 = families.get("sm90")
+    # another family's tile keys are dropped; its own are checked
+    cfg = dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_m": 64, "fwd_block_n": 64}))
+    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_only": 1}
+    inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
+    assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
+    src = next(iter(inst.sources().values()))
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2>" in src
+    with pytest.raises(ValueError, match="fwd_block_n: expected a multiple of 16"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_block_n": 100})
+    with pytest.raises(ValueError, match="fwd_stages"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_stages": 5})
+    with pytest.raises(ValueError, match="shared memory"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_n": 256})
+    with pytest.raises(NotImplementedError, match="packed"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, packed=True)
 
 
 def test_family_for_says_which_and_why(causal):
     choice = causal.family_for("cpu", torch.float32, 64)
     assert choice.family.name == "cpu" and choice.forced is None
-    assert choice.tried == (("sm80", "runs on cuda tensors, not cpu"),)
-    assert "cpu (the first family that serves the call; sm80 runs on cuda tensors, not cpu)" == choice.why()
+    assert choice.tried == (("sm90", "runs on cuda tensors, not cpu"), ("sm80", "runs on cuda tensors, not cpu"))
+    assert ("cpu (the first family that serves the call; sm90 runs on cuda tensors, not cpu; sm80 runs on cuda "
+            "tensors, not cpu)") == choice.why()
     call = families.Call("cuda", "sm_75", ir.DType.BF16, 64)
     with pytest.raises(NotImplementedError, match="sm80 needs compute capability 8.0 or newer"):
         families.choose(causal.spec, call)

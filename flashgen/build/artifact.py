@@ -158,7 +158,8 @@ class Instantiation:
         (compiled in parallel, linked into one library)."""
         return {
             self.source_name(kind): render.render_instantiation(
-                self.spec, self.target.backend, kind, self.dtype, self.head_dim, self.symbol(kind), dict(self.config))
+                self.spec, self.target.backend, kind, self.dtype, self.head_dim, self.symbol(kind), dict(self.config),
+                self.target.family)
             for kind in self.kinds
         }
 

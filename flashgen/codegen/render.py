@@ -45,10 +45,15 @@ def render(template: str, **context) -> str:
         raise RuntimeError(f"template error in {where}: {e}") from e
 
 
+# Translation-unit templates of families whose kernels are not their device type's default
+# (cpu_<kind>.cpp.jinja, cuda_<kind>.cu.jinja): (family, kind) -> template.
+FAMILY_TEMPLATES = {("sm90", "fwd"): "sm90_fwd.cu.jinja"}
+
+
 def render_instantiation(spec: ir.Spec, backend: str, kind: str, dtype: ir.DType, head_dim: int | None,
-                         symbol: str, config: dict) -> str:
-    """One translation unit ('fwd' or 'bwd') of an instantiation: header comment, variant struct,
-    entry points."""
+                         symbol: str, config: dict, family: str | None = None) -> str:
+    """One translation unit ('fwd' or 'bwd') of an instantiation of ``family``'s kernels:
+    header comment, variant struct, entry points."""
     ctx = variant_context(spec) | {
         "symbol": symbol,
         "kind": kind,
@@ -58,4 +63,5 @@ def render_instantiation(spec: ir.Spec, backend: str, kind: str, dtype: ir.DType
     }
     if backend == "cpu":
         return render(f"cpu_{kind}.cpp.jinja", element=CPU_ELEMENT[dtype], **ctx)
-    return render(f"cuda_{kind}.cu.jinja", element=CUDA_ELEMENT[dtype], **ctx)
+    template = FAMILY_TEMPLATES.get((family, kind), f"cuda_{kind}.cu.jinja")
+    return render(template, element=CUDA_ELEMENT[dtype], **ctx)

@@ -13,7 +13,7 @@ from .. import families
 from ..bench import time_fn
 from ..lang import ir
 from ..ops import TORCH_DTYPE, ranges_text
-from . import cpu_model, sm80_model
+from . import cpu_model, sm80_model, sm90_model
 from .geometry import count_visits
 from .inputs import as_dtype, as_op, check_sizes, given_params, materialize, spec_params
 from .report import Report, fmt_bytes
@@ -21,7 +21,7 @@ from .target import ModelCall, Target, resolve
 from .traffic import ELEMENT_BYTES, bwd_traffic, fwd_traffic, tensor_params
 
 # The model of each kernel family, by the family's name (flashgen.families).
-MODELS = {"sm80": sm80_model, "cpu": cpu_model}
+MODELS = {"sm90": sm90_model, "sm80": sm80_model, "cpu": cpu_model}
 
 
 def family_choice(op, target: Target, dtype: ir.DType, head_dim: int, backward: bool) -> families.Choice:

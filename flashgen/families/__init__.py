@@ -15,11 +15,11 @@ from dataclasses import dataclass, replace
 
 from .. import env
 from ..lang import ir
-from . import cpu, sm80
+from . import cpu, sm80, sm90
 from .base import FEATURES, Call, Family
 
-# The order families are tried in. ('sm90', the Hopper family, goes first once it exists.)
-_ORDER: tuple[Family, ...] = (sm80.FAMILY, cpu.FAMILY)
+# The order families are tried in: the Hopper family first, then mma.sync, then the CPU.
+_ORDER: tuple[Family, ...] = (sm90.FAMILY, sm80.FAMILY, cpu.FAMILY)
 FAMILIES: dict[str, Family] = {f.name: f for f in _ORDER}
 
 # The call argument that asks for each feature, and how a message names the feature.
@@ -31,8 +31,8 @@ _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q
 _forced: list[str | None] = []
 _origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
-__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "for_arch", "forced", "get", "of", "use_family",
-           "with_feature"]
+__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "complete", "for_arch", "for_arch_all", "forced",
+           "get", "of", "use_family", "with_feature"]
 
 
 def get(name: str, what: str = "family") -> Family:
@@ -44,13 +44,24 @@ def get(name: str, what: str = "family") -> Family:
     return fam
 
 
+def complete(fam: Family) -> bool:
+    """Whether ``fam`` has every feature (FEATURES): it serves every kind of call its dtypes and
+    head dims allow, so it is what a device falls back to (sm80, cpu); a partial family (sm90,
+    forward only) serves what it declares and leaves the rest to the next family."""
+    return fam.features == frozenset(FEATURES)
+
+
 def of(what: Family | str) -> Family:
-    """A family from itself, its name, or a device type ('cpu', 'cuda': the first family of the
-    registry's order for that device)."""
+    """A family from itself, its name, or a device type ('cpu', 'cuda': the first complete
+    family of the registry's order for that device, whose dtypes and head dims are the device's:
+    a partial family's are a subset of the family after it)."""
     if isinstance(what, Family):
         return what
     if what in FAMILIES:
         return FAMILIES[what]
+    for fam in _ORDER:
+        if fam.device == what and complete(fam):
+            return fam
     for fam in _ORDER:
         if fam.device == what:
             return fam
@@ -64,18 +75,29 @@ def with_feature(feature: str) -> tuple[str, ...]:
 
 
 def for_arch(device: str, arch: str | None) -> Family:
-    """The first family in the registry's order that runs on ``device`` ('cpu' or 'cuda') and
-    ``arch`` whatever the call (ahead-of-time builds, tuning and explain name a target before
-    any call exists); the forced family when one is forced. ValueError when none does."""
+    """The first complete family (``complete``) in the registry's order that runs on ``device``
+    ('cpu' or 'cuda') and ``arch``: the one that serves every call there (tuning names a target
+    before any call exists); the forced family when one is forced. ValueError when none does."""
+    return for_arch_all(device, arch)[-1]
+
+
+def for_arch_all(device: str, arch: str | None) -> tuple[Family, ...]:
+    """Every family a call on ``device`` and ``arch`` may run on, in the registry's order: the
+    partial families that run there, then the first complete one (ahead-of-time builds and
+    ``op.build`` build for each); only the forced family when one is forced. ValueError when
+    none runs there."""
     name = forced()
     if name is not None:
         fam = get(name, _origins[-1] if _forced else "FLASHGEN_FAMILY")
         if fam.device == device and fam.arch_reason(arch) is None:
-            return fam
+            return (fam,)
         raise ValueError(f"family: the forced family {name} does not run on {device} {arch or ''}".rstrip())
+    out = []
     for fam in _ORDER:
         if fam.device == device and fam.arch_reason(arch) is None:
-            return fam
+            out.append(fam)
+            if complete(fam):
+                return tuple(out)
     raise ValueError(f"arch: no kernel family runs on {device} {arch or ''}".rstrip())
 
 

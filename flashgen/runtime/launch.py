@@ -283,9 +283,9 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
     dlse = dlse.float().contiguous() if dlse is not None else None
     if lib is None:
         fam = family or op.choose_family(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
-                                     bool(dropout_p)).family
+                                         bool(dropout_p), backward=True).family
         lib = op.library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
-                            max(Nq, Nk))
+                         max(Nq, Nk))
     if lib.bwd is None:
         raise NotImplementedError(f"{op.name}: the backward pass is not implemented in this version "
                                   "(forward only); call the op under torch.no_grad() or on inputs "

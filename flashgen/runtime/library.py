@@ -81,7 +81,8 @@ def register(op, qualname: str):
         B, Hq, _, Nq, Nk, d = dims(q, k, packed)
         dtype = IR_DTYPE[q.dtype]
         p = bool(dropout and dropout[0])
-        fam = op.choose_family(q.device, dtype, d, packed is not None, bool(block_lists[3]), p).family
+        fam = op.choose_family(q.device, dtype, d, packed is not None, bool(block_lists[3]), p,
+                               backward=kind == "bwd").family
         blocks = check_blocks(kind, *block_lists, B, Hq, Nq, Nk, q.device, fam.dq_lists)
         scale = op.scale_for(scale, d)
         values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},

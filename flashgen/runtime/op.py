@@ -391,13 +391,16 @@ class AttentionOp:
         return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
-                dropout: bool, family: str | None = None) -> families.Choice:
+                dropout: bool, family: str | None = None, backward: bool = False) -> families.Choice:
+        """The family of one pass of a call (``backward``: the backward's, which may differ from
+        the forward's: it recomputes from q, k, v, out and LSE, which every family defines alike)."""
         key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
-               families.forced_block(), env.library_selection()[0], _generation[0])
+               families.forced_block(), env.library_selection()[0], _generation[0], backward)
         hit = self._choices.get(key)
         if hit is None:
             arch = artifact.cuda_arch_of(_index(device)) if device.type == "cuda" else None
-            feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout)) if on)
+            feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout),
+                                              ("backward", backward)) if on)
             hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats), family)
             self._choices[key] = hit
         return hit
@@ -494,8 +497,10 @@ class AttentionOp:
         target = fam.device_target(_index(device) if device.type == "cuda" else None)
         if fam.runtime_head_dim:
             return fam.instantiation(self.spec, target.arch, dtype, None)
+        # flashgen.tiles' choice (tables, tuning, FLASHGEN_CUDA_*_TILE) is the tuned family's; any
+        # other family fills in its own defaults.
         return fam.instantiation(self.spec, target.arch, dtype, head_dim, packed=packed, sparse=sparse,
-                                 tiles=self.tiles(device, dtype, head_dim, seqlen).config())
+                                 tiles=self.tiles(device, dtype, head_dim, seqlen).config() if fam.tuned else None)
 
     def tiles(self, device: torch.device | str | None = "cuda", dtype=ir.DType.BF16, head_dim: int = 128,
               seqlen: int | None = None, *, arch: str | None = None):
@@ -575,7 +580,20 @@ class AttentionOp:
                                  + (f" ({fam.arch_reason(arch)})" if fam.device == device.type else
                                     f" (it runs on {fam.device} tensors)"))
         else:
-            fam = families.for_arch(device.type, arch)
+            fams = families.for_arch_all(device.type, arch)
+            if len(fams) > 1:  # partial families first (what they serve of the request), then the complete one
+                lays = (layouts,) if isinstance(layouts, str) else tuple(layouts)
+                sps = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
+                insts = []
+                for part in fams[:-1]:
+                    hd_p = [h for h in (head_dims if head_dims is not None else (64, 128)) if h in self.head_dims(part)]
+                    dt_p = [d for d in (dtypes if dtypes is not None else self.dtypes(part))
+                            if as_dtype(d) in self.dtypes(part)]
+                    if hd_p and dt_p and "padded" in lays and False in sps:
+                        insts += self.build(device, dt_p, hd_p, jobs=jobs, family=part.name)
+                return insts + self.build(device, dtypes, head_dims, jobs=jobs, layouts=layouts, sparse=sparse,
+                                          family=fams[-1].name)
+            fam = fams[0]
         name = fam.name
         dts = [as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
         for dt in dts:

@@ -126,7 +126,15 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                 if dt not in op.dtypes(backend):
                     raise ValueError(f"dtypes: {dt.value} is not supported by spec '{spec.name}' on {backend} "
                                      f"(it allows {', '.join(d.value for d in op.dtypes(backend)) or 'none'})")
-            fam = families.for_arch(backend, arch)
+            fams = families.for_arch_all(backend, arch)
+            fam = fams[-1]  # the complete family; the partial ones before it get what they serve
+            for part in fams[:-1]:
+                part_hds = want_hds if want_hds is not None else [d for d in (64, 128) if d in op.head_dims(part)]
+                if "padded" in layouts and False in sparse:
+                    for dt in dts:
+                        for hd in part_hds:
+                            if dt in op.dtypes(part) and hd in op.head_dims(part):
+                                add(Planned(op, part.instantiation(spec, arch, dt, hd), index))
             if fam.runtime_head_dim:
                 for dt in dts:
                     add(Planned(op, fam.instantiation(spec, arch, dt, None)))

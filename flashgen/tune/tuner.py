@@ -274,8 +274,11 @@ def _winner(cands: list[Candidate], ms: list[float], rows: list[dict], flops) ->
 
 
 def _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress) -> None:
-    """Compile (or load) the instantiations calls at the tuned lengths will use, in parallel."""
-    insts = list(dict.fromkeys(op.instantiation(device, dtype, hd, seqlen=n) for hd in head_dims for n in seqlens))
+    """Compile (or load) the instantiations of the tuned family (the complete one of the device)
+    that calls at the tuned lengths will use, in parallel."""
+    fam = families.for_arch("cuda", artifact.cuda_arch_of(torch.device(device).index))
+    insts = list(dict.fromkeys(op.instantiation(device, dtype, hd, seqlen=n, family=fam)
+                               for hd in head_dims for n in seqlens))
     timing.report(progress, "prebuild", 0, len(insts), "")
     done = [0]
 

@@ -213,26 +213,30 @@ __global__ void __launch_bounds__(Kernel::kThreads, Kernel::kMinBlocks)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// The forward with the tile the generated translation unit names (flashgen/tiles.py chose it).
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
-          bool kSparse = false>
-int launch_fwd_tiled(const FgFwdArgs& a) {
-  using K = FwdKernel<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
-  using P = typename K::Params;
+// The host prelude of a forward launch, shared by every forward kernel family (this file's and
+// sm90/fwd.cuh): the size, packed-metadata, block-list, pointer and alignment checks, then the
+// kernel's by-value Params p (a FwdParams, fwd_mainloop.cuh) for query tiles of kBlockM rows and
+// key tiles of kBlockN keys. Returns an FgStatus; sets `empty` when there is nothing to compute
+// (FG_OK and no launch), `dev` to the current device.
+template <class Variant, class Element, int kHeadDim, bool kPacked, bool kSparse, int kBlockM,
+          int kBlockN, class P>
+int fwd_prelude(const FgFwdArgs& a, P& p, int& dev, bool& empty) {
   detail::reference_hooks<Variant>();
   detail::clear_error();
+  empty = false;
   int st = detail::check_sizes(a, kHeadDim, kPacked, false);
   if (st != FG_OK) return st;
   const bool packed = a.cu_seqlens_q != nullptr;
-  int dev = 0;
+  dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
   // Block sparsity: the lists must be made for this kernel's tiles.
   st = detail::check_tile_lists(a.kv_blocks, kSparse, "kv_blocks", a.seqlen_q, a.seqlen_k,
-                                K::kBlockM, K::kBlockN);
+                                kBlockM, kBlockN);
   if (st != FG_OK) return st;
   if (a.batch == 0 || a.heads_q == 0 || a.seqlen_q == 0 || (packed && a.total_q == 0)) {
-    return FG_OK;  // nothing to compute
+    empty = true;  // nothing to compute
+    return FG_OK;
   }
 
   const bool reads_kv = a.seqlen_k > 0 && (!packed || a.total_k > 0);
@@ -256,7 +260,6 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
                                   kE16);
   }
 
-  P p;
   memset(&p, 0, sizeof(p));
   p.q = static_cast<const Element*>(a.q);
   p.k = static_cast<const Element*>(reads_kv ? a.k : a.q);  // never read when seqlen_k == 0
@@ -274,9 +277,24 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
   p.group = int(a.heads_q / a.heads_kv);
   p.seqlen_q = int(a.seqlen_q);
   p.seqlen_k = int(a.seqlen_k);
-  p.num_m_tiles = int((a.seqlen_q + K::kBlockM - 1) / K::kBlockM);
+  p.num_m_tiles = int((a.seqlen_q + kBlockM - 1) / kBlockM);
   p.total_work = int64_t(p.num_m_tiles) * a.heads_q * a.batch;
   detail::fill_common<Variant>(p, a, a.kv_blocks);
+  return FG_OK;
+}
+
+// The forward with the tile the generated translation unit names (flashgen/tiles.py chose it).
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false,
+          bool kSparse = false>
+int launch_fwd_tiled(const FgFwdArgs& a) {
+  using K = FwdKernel<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
+  using P = typename K::Params;
+  P p;
+  int dev = 0;
+  bool empty = false;
+  int st = fwd_prelude<Variant, Element, kHeadDim, kPacked, kSparse, K::kBlockM, K::kBlockN>(
+      a, p, dev, empty);
+  if (st != FG_OK || empty) return st;
 
   // Raise the dynamic shared-memory limit once per (instantiation, device).
   auto kernel = &fwd_kernel<K>;
@@ -286,7 +304,7 @@ int launch_fwd_tiled(const FgFwdArgs& a) {
 
   kernel<<<detail::grid_for(p.total_work, FLASHGEN_FWD_MAX_GRID), K::kThreads, K::kSmem,
            static_cast<cudaStream_t>(a.stream)>>>(p);
-  err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "forward kernel launch", err);
   return FG_OK;
 }

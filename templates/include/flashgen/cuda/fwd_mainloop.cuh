@@ -323,6 +323,36 @@ struct FwdMainloop {
     }
   }
 
+  // The tile class of key tile [kv0, kv0 + kBlockN) for the query rows [q_lo, q_hi) (see fwd.cuh,
+  // "Masking by tile class"), then softmax_tile with the mask that class needs. With a score mod,
+  // rows past seqlen_q must not reach score(): a query tile cut by seqlen_q is partial.
+  // listed_partial: a block list names this tile partial. q_row0: the warp's first query row.
+  // Shared with the sm90 family's consumer warpgroups (sm90/fwd.cuh), which pass their own
+  // 64-row share of the tile as [q_lo, q_hi).
+  static __device__ __forceinline__ void softmax_classed(const Params& p,
+                                                         float (&s)[kMAtoms][kNBlocks][4],
+                                                         Accum& acc, int b, int h, int q_lo,
+                                                         int q_hi, int Nq, int Nk, int kv0,
+                                                         int kv_begin, int kv_end,
+                                                         bool listed_partial, int q_row0,
+                                                         int lane) {
+    const bool q_partial = Variant::kHasScoreMod && (q_hi - q_lo < kBlockM);
+    const bool need_mask =
+        listed_partial || kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
+        (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
+         !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
+    if (!need_mask) {
+      softmax_tile<kNoMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
+                            kv_end, Nq, Nk, lane);
+    } else if constexpr (!Variant::kHasMask || Variant::kRowExact) {
+      softmax_tile<kRowMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
+                             kv_end, Nq, Nk, lane);
+    } else {
+      softmax_tile<kElemMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
+                              kv_end, Nq, Nk, lane);
+    }
+  }
+
   // One K/V tile [kv0, kv0 + kBlockN) against the warp's query rows (K and V landed in sK_cur /
   // sV_cur): S = Q K^T, the tile class, softmax with the O rescale, dropout, O += P V. kSparse:
   // the tile is entry `it` of a list row whose first n_part entries are partial; a listed-partial
@@ -365,24 +395,9 @@ struct FwdMainloop {
       }
     }
 
-    // Softmax, with the per-element mask only where this tile needs it. With a score mod, rows
-    // past seqlen_q must not reach score(): a query tile cut by seqlen_q is partial.
     const bool listed_partial = kSparse && it < n_part;
-    const bool q_partial = Variant::kHasScoreMod && (q_hi - q_lo < kBlockM);
-    const bool need_mask =
-        listed_partial || kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
-        (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
-         !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
-    if (!need_mask) {
-      softmax_tile<kNoMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_lo + warp_row0, kv0,
-                            kv_begin, kv_end, Nq, Nk, lane);
-    } else if constexpr (!Variant::kHasMask || Variant::kRowExact) {
-      softmax_tile<kRowMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_lo + warp_row0, kv0,
-                             kv_begin, kv_end, Nq, Nk, lane);
-    } else {
-      softmax_tile<kElemMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_lo + warp_row0, kv0,
-                              kv_begin, kv_end, Nq, Nk, lane);
-    }
+    softmax_classed(p, s, acc, b, h, q_lo, q_hi, Nq, Nk, kv0, kv_begin, kv_end, listed_partial,
+                    q_lo + warp_row0, lane);
 
     if constexpr (Variant::kHasDropout) {
       if (p.dropout.state) apply_dropout(p, s, b, h, q_lo + warp_row0, kv0, lane);

@@ -1,0 +1,29 @@
+"""The ``sm90`` family's model for explain: its forward tile (128 query rows in two consumer
+warpgroups × the family's key tile, flashgen/families/sm90.py) and shared memory; everything
+else — the mask geometry, the backward (which runs on sm80), the peaks — is the sm80 model's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..families import sm90
+from . import sm80_model
+from .geometry import mask_geometry
+from .report import TileReport
+from .target import FamilyPart, ModelCall
+
+
+def describe(call: ModelCall) -> FamilyPart:
+    """The sm80 model's part with the sm90 forward's tile in place of sm80's."""
+    part = sm80_model.describe(call)
+    if part.listed:  # sm90 builds no block lists: its tiles follow the key ranges
+        geo = mask_geometry(call.spec, call.nq, call.nk, call.batch, call.heads, call.values, call.given, ())
+        part = replace(part, geo=geo, listed=False, model="key ranges: each query tile loads the hull of its kept keys")
+    cfg = dict(sm90.FAMILY.config(call.spec, call.target.arch, call.dtype, call.head_dim))
+    bn, stages = cfg["fwd_block_n"], cfg["fwd_stages"]
+    fwd = TileReport(128, bn, 12, "family default",
+                     sm90.smem_bytes(call.head_dim, bn, stages), None,
+                     "not modelled (setmaxnreg: 240 per consumer thread, 24 per producer thread)",
+                     f"128x{bn}, {stages} K/V stages, 1 producer + 2 consumer warpgroups")
+    call.notes.append("forward: the sm90 family (wgmma, TMA); backward: the sm80 family")
+    return replace(part, tiles={**part.tiles, "fwd": fwd}, fwd_mn=(128, bn))

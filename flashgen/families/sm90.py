@@ -1,0 +1,86 @@
+"""The ``sm90`` family: the Hopper forward (templates/include/flashgen/sm90) — TMA copies into
+swizzled shared memory through an mbarrier pipeline, a producer warp and two consumer warpgroups
+of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatomy, Shah et al.
+2024), on sm_90a only. It serves the forward of the padded layout for every spec (mask and score
+hooks, tile classes, dropout with the sm80 family's Philox stream) at head dims up to 128; the
+backward, packed batches, block lists and larger head dims run on ``sm80`` (a backward recomputes
+from q, k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the
+sm80 backward)."""
+
+from __future__ import annotations
+
+from ..build import artifact
+from ..lang import ir
+from .base import Family
+
+# Per head dim: key tile (fwd_block_n) and K/V stages. The query tile is 128 rows (two consumer
+# warpgroups). Shared memory: Q 128·128 B per 64-column panel, 2 stages of K and V of
+# block_n·128 B per panel each, and 128 rows of O staging (pitch d + 8): 194 KiB at d = 128.
+SMEM_LIMIT = 227 * 1024
+
+
+def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
+    """Dynamic shared memory of the sm90 forward (bytes; sm90/fwd.cuh Sm90Fwd::kSmem)."""
+    kd = -(-head_dim // 16) * 16
+    panels = -(-kd // 64)
+    q = panels * 128 * 128
+    kv = panels * block_n * 128
+    o = -(-(128 * (kd + 8) * 2) // 16) * 16
+    return q + 2 * stages * kv + o + 8 * (3 + 4 * stages) + 1024
+
+
+TILE_KEYS = ("fwd_block_n", "fwd_stages")
+
+
+def check_tiles(cfg: dict, head_dim: int | None) -> None:
+    """ValueError naming the key when an sm90 tile config is illegal: fwd_block_n a multiple of
+    16 in [16, 256], fwd_stages in [2, 4], and (at ``head_dim``) within shared memory."""
+    bn, st = cfg.get("fwd_block_n", 128), cfg.get("fwd_stages", 2)
+    if not (isinstance(bn, int) and 16 <= bn <= 256 and bn % 16 == 0):
+        raise ValueError(f"fwd_block_n: expected a multiple of 16 in [16, 256] for the sm90 forward, got {bn!r}")
+    if not (isinstance(st, int) and 2 <= st <= 4):
+        raise ValueError(f"fwd_stages: expected 2, 3 or 4 for the sm90 forward, got {st!r}")
+    if head_dim is not None and smem_bytes(head_dim, bn, st) > SMEM_LIMIT:
+        raise ValueError(f"fwd_block_n: {bn} keys x {st} stages at head_dim {head_dim} need "
+                         f"{smem_bytes(head_dim, bn, st):,} B of shared memory, over the sm90 forward's "
+                         f"{SMEM_LIMIT:,} B")
+
+
+def default_tiles(head_dim: int) -> dict:
+    """The forward's tile config at ``head_dim``: 128-key tiles, two stages."""
+    return {"fwd_block_n": 128, "fwd_stages": 2}
+
+
+class Sm90Family(Family):
+    name = "sm90"
+    device = "cuda"
+    dtypes = (ir.DType.FP16, ir.DType.BF16)
+    head_dims = tuple(d for d in range(8, 129, 8) if smem_bytes(d, 128, 2) <= SMEM_LIMIT)
+    features = frozenset({"dropout"})
+
+    def arch_reason(self, arch: str | None) -> str | None:
+        if arch is None:
+            return "needs a CUDA architecture"
+        if arch not in ("sm_90a", "any"):
+            return f"needs compute capability 9.0 (sm_90a: wgmma, TMA, setmaxnreg), not {arch}"
+        return None
+
+    def device_target(self, index: int | None) -> artifact.Target:
+        return self.target(artifact.cuda_arch_of(index))
+
+    def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
+               sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:
+        if packed or sparse:
+            raise NotImplementedError("family sm90 has no packed (varlen) or block-sparse kernels")
+        # Only this family's own keys: a tile config of another family (the sm80 tiles a caller
+        # chose for the device) says nothing about these kernels.
+        cfg = {k: v for k, v in (tiles or {}).items() if k in TILE_KEYS}
+        if head_dim is not None:
+            for k, v in default_tiles(head_dim).items():
+                cfg.setdefault(k, v)
+        check_tiles(cfg, head_dim)
+        cfg["fwd_only"] = 1
+        return tuple(sorted(cfg.items()))
+
+
+FAMILY = Sm90Family()

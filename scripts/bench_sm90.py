@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Forward TFLOP/s of the sm90 and sm80 families next to SDPA (flash, cuDNN) and FlexAttention,
+all in one process and timed the same way (flashgen.bench.time_fn: CUDA events per call, median).
+
+Shapes follow the FlashAttention benchmarks: batch · seqlen = 16K tokens, heads · head_dim = 2048,
+bf16. FLOPs count visible pairs only (flashgen.flops). Usage:
+    python3 scripts/bench_sm90.py [--json OUT.json] [--specs dense,causal] [--seqlens 1024,4096,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+import flashgen
+from flashgen import bench, families, flops
+from flashgen.lang import ir
+from flashgen.runtime import loader
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--specs", default="dense,causal")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--seqlens", default="1024,4096,16384")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex")
+    ap.add_argument("--tiles", default="128x2,64x2", help="sm90 key tiles x stages to time, e.g. 128x2,176x2")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda")
+    for knob in ("cache_size_limit", "recompile_limit"):  # FlexAttention recompiles per shape
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, 256)
+    sm90 = families.get("sm90")
+    rows = []
+    for name in a.specs.split(","):
+        op = flashgen.compile(ROOT / "specs" / f"{name}.attn")
+        peer_fns = bench.peers(op.spec, dev)
+        for d in map(int, a.head_dims.split(",")):
+            for n in map(int, a.seqlens.split(",")):
+                b, h = max(1, 16384 // n), 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(n + d)
+                q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+                fl = flops.call_flops(op.spec, n, n, d, batch=b, heads=h)
+                row = {"spec": name, "d": d, "n": n, "b": b, "h": h}
+                with torch.no_grad():
+                    for fam in ("sm90", "sm80"):
+                        with flashgen.use_family(fam):
+                            ms = bench.time_fn(lambda: op(q, k, v), dev, warmup=3, reps=a.reps)
+                        row[fam] = fl / ms / 1e9
+                    for t in a.tiles.split(","):
+                        bn, st = map(int, t.split("x"))
+                        try:
+                            inst = sm90.instantiation(op.spec, "sm_90a", ir.DType.BF16, d,
+                                                      tiles={"fwd_block_n": bn, "fwd_stages": st})
+                        except ValueError:
+                            continue  # over shared memory at this head dim
+                        lib = loader.load(inst)
+                        sc = d ** -0.5
+                        ms = bench.time_fn(lambda lib=lib, sc=sc: op.launch_forward(q, k, v, sc, lib=lib), dev,
+                                           warmup=3, reps=a.reps)
+                        row[f"sm90:{t}"] = fl / ms / 1e9
+                    for peer in a.peers.split(","):
+                        fn = peer_fns.get(peer)
+                        if fn is None:
+                            continue
+                        try:
+                            ms = bench.time_fn(lambda fn=fn: fn(q, k, v, {}), dev, warmup=3, reps=a.reps)
+                            row[peer] = fl / ms / 1e9
+                        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported
+                            row[peer] = f"failed: {type(e).__name__}"
+                rows.append(row)
+                cells = " ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+                print(cells, flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

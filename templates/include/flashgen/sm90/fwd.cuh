@@ -1,0 +1,431 @@
+// flashgen sm90 forward: the Hopper family's attention forward (FlashAttention-3's anatomy, Shah
+// et al. 2024, arXiv 2407.08608, Sec. 3.1), specialised by a generated Variant (flashgen/variant.h).
+//
+//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim,
+//             class Tile /* Sm90FwdTile */, bool kSparse = false>
+//   int flashgen::sm90::launch_fwd(const FgFwdArgs& args);   // FgStatus; no host sync
+//
+// Padded layout only (the family declines packed batches; the host prelude refuses them here).
+// Head dims: every multiple of 8 up to 256 whose tiles fit shared memory (Sm90FwdTile::kSmem).
+//
+// ---------------------------------------------------------------------------------------------
+// CTA: three warpgroups (384 threads), one CTA per multiprocessor.
+//   warpgroup 0, the producer: its first warp issues the TMA copies (sm90/tma.cuh) of the Q tile
+//     (kBlockM = 128 rows) and of the K and V tiles (kBlockN keys each) into a kStages-deep ring,
+//     each completing on an mbarrier ("full"); it refills a stage once the consumers have
+//     released it ("empty"). It gives its registers away (setmaxnreg) to the consumers.
+//   warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile: S = Q K^T by wgmma with
+//     both operands in shared memory (fp32 accumulators in registers, the mma.sync C layout per
+//     warp of 16 rows), the variant's tile class, mask and score hooks and the online softmax
+//     (the sm80 family's FwdMainloop::softmax_classed, unchanged: one implementation of the
+//     semantics), dropout, then O += P V by wgmma with P straight from the S registers (the
+//     A-fragment trick of FlashAttention-2) and V from shared memory.
+//   The epilogue is the sm80 family's FwdEpilogue (O / l, LSE), staged through each warp's own
+//     rows of a separate buffer.
+// Work items are (batch, query head, query tile), the sm80 family's QTileScheduler order (query
+// tile fastest, heaviest first); each CTA loops over items (gridDim.x may be smaller than the
+// number of items), the producer running ahead into the next item's Q once the consumers have
+// released the previous one.
+//
+// Key range and tile classes are those of the sm80 forward (fwd.cuh): only the key tiles of the
+// item's [kv_lo, kv_hi) are visited, from the high end down (or the listed tiles, kSparse). TMA
+// loads whole tiles; rows past seqlen_k arrive as zeros, but rows inside the tensor and outside
+// the item's key range arrive as data, which a mask turns into P = 0 -- and 0 * NaN is NaN. So on
+// a tile that holds such V rows the producer waits for the copy, zero-fills those rows itself
+// (the swizzle permutes 16-byte chunks within a 128-byte row, so a row stays a row), fences the
+// generic-proxy writes against the tensor cores' reads and only then publishes the stage: what
+// lies outside the key range never reaches the output, as in the sm80 family.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "flashgen/args.h"
+#include "flashgen/cuda/epilogue.cuh"
+#include "flashgen/cuda/fwd.cuh"
+#include "flashgen/cuda/fwd_mainloop.cuh"
+#include "flashgen/cuda/host.cuh"
+#include "flashgen/cuda/scheduler.cuh"
+#include "flashgen/cuda/status.cuh"
+#include "flashgen/sm90/ptx.cuh"
+#include "flashgen/sm90/tma.cuh"
+#include "flashgen/sm90/wgmma.cuh"
+#include "flashgen/variant.h"
+
+#ifndef FLASHGEN_SM90_FWD_MAX_GRID
+#define FLASHGEN_SM90_FWD_MAX_GRID 2147483647
+#endif
+
+namespace flashgen {
+namespace sm90 {
+
+// kBlockN keys per K/V tile, kStages K/V stages; the query tile is 128 rows (two consumer
+// warpgroups of 64).
+template <int kBlockN_, int kStages_ = 2>
+struct Sm90FwdTile {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256, "kBlockN: 16..256, step 16");
+  static_assert(kStages >= 2 && kStages <= 4, "2 to 4 K/V stages");
+};
+
+template <class Element, class VParams>
+struct Sm90FwdParams {  // 64-byte aligned through CUtensorMap
+  CUtensorMap tq, tk, tv;  // TMA descriptors of q, k, v (sm90/tma.cuh)
+  cuda::FwdParams<Element, VParams> base;  // everything the sm80 forward's Params hold
+};
+
+template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false>
+struct Sm90Fwd {
+  static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
+                "the sm90 forward supports head_dim in {8, 16, ..., 256}");
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kD = cuda::HeadDim<kHeadDim>::kD;
+  static constexpr int kPitch = cuda::HeadDim<kHeadDim>::kPitch;
+  static constexpr int kPanels = (kD + 63) / 64;  // 64-column panels of a tile (one TMA box each)
+  static constexpr int kQPanel = kBlockM * 128;   // bytes
+  static constexpr int kKVPanel = kBlockN * 128;
+  static constexpr int kQBytes = kPanels * kQPanel;
+  static constexpr int kKVBytes = kPanels * kKVPanel;  // one K or V stage
+  // Shared memory (from a 1024-byte aligned base): Q, the K ring, the V ring, the O staging rows
+  // (pitch kPitch, as FwdEpilogue writes them), the mbarriers.
+  static constexpr int kOffK = kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;
+  static constexpr int kOffO = kOffV + kStages * kKVBytes;
+  static constexpr int kOffBar = kOffO + (kBlockM * kPitch * int(sizeof(Element)) + 15) / 16 * 16;
+  // full_q, empty_q, full_k[S], empty_k[S], full_v[S], empty_v[S], aux_v
+  static constexpr int kNumBars = 3 + 4 * kStages;
+  static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+  static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
+
+  // The sm80 family's mainloop for one consumer warpgroup (64 rows = 4 warps of 16): its
+  // softmax, tile classes, dropout and accumulator types.
+  using Base = cuda::FwdMainloop<Variant, Element, kHeadDim, cuda::FwdTile<64, kBlockN, 4>, kSparse>;
+  using Accum = typename Base::Accum;
+  using Epilogue = cuda::FwdEpilogue<Variant, Element, kHeadDim, 1, false>;
+  using BaseParams = cuda::FwdParams<Element, typename Variant::Params>;
+  using Params = Sm90FwdParams<Element, typename Variant::Params>;
+  using Scheduler = cuda::QTileScheduler;
+  using MmaS = Wgmma<Element, kBlockN>;
+  using MmaO = Wgmma<Element, kD>;
+
+  struct Bars {
+    uint32_t base;
+    __device__ uint32_t full_q() const { return base; }
+    __device__ uint32_t empty_q() const { return base + 8; }
+    __device__ uint32_t aux_v() const { return base + 16; }
+    __device__ uint32_t full_k(int s) const { return base + 24 + 8 * s; }
+    __device__ uint32_t empty_k(int s) const { return base + 24 + 8 * (kStages + s); }
+    __device__ uint32_t full_v(int s) const { return base + 24 + 8 * (2 * kStages + s); }
+    __device__ uint32_t empty_v(int s) const { return base + 24 + 8 * (3 * kStages + s); }
+  };
+
+  // The item's sizes and visit list, computed identically by producer and consumers.
+  struct Item {
+    int b, h, m_tile, q_lo, q_hi, kv_begin, kv_end, n_hi, n_tiles;
+    cuda::BlockRow blk;
+  };
+  static __device__ __forceinline__ Item item(const BaseParams& p, int iter) {
+    const cuda::QTileScheduler::Item w = Scheduler::decode(p.num_m_tiles, p.heads_q, iter);
+    Item it;
+    it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    it.q_lo = w.m_tile * kBlockM;
+    it.q_hi = imin(it.q_lo + kBlockM, Nq);
+    it.kv_begin = imin(imax(Variant::kv_lo(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
+    it.kv_end = imin(imax(Variant::kv_hi(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
+    it.n_hi = 0;
+    it.n_tiles = 0;
+    it.blk = cuda::BlockRow{nullptr, 0, 0};
+    if constexpr (kSparse) {
+      it.blk = cuda::block_row(p.blk, it.b, it.h, it.m_tile);
+      it.n_tiles = it.kv_end > it.kv_begin ? it.blk.n_all : 0;
+    } else if (it.kv_end > it.kv_begin) {
+      it.n_hi = (it.kv_end - 1) / kBlockN;
+      it.n_tiles = it.n_hi - it.kv_begin / kBlockN + 1;
+    }
+    return it;
+  }
+  static __device__ __forceinline__ int tile_of(const Item& it, int j) {
+    if constexpr (kSparse) {
+      return __ldg(it.blk.idx + j);
+    } else {
+      return it.n_hi - j;
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp zero-fills).
+  static __device__ __forceinline__ void produce(const Params& P, uint32_t s0, const Bars& bar,
+                                                 int lane) {
+    const BaseParams& p = P.base;
+    if (lane == 0) {
+      ptx::prefetch_tmap(&P.tq);
+      ptx::prefetch_tmap(&P.tk);
+      ptx::prefetch_tmap(&P.tv);
+    }
+    uint32_t cnt = 0, edges = 0;
+    int local = 0;
+    for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter, ++local) {
+      const Item it = item(p, iter);
+      const int h_kv = it.h / p.group;
+      // Q: the consumers released the previous item's Q after their last S GEMM.
+      if (local > 0) ptx::mbar_wait(bar.empty_q(), (local - 1) & 1);
+      if (lane == 0) {
+        ptx::mbar_arrive_expect_tx(bar.full_q(), kQBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) {
+          ptx::tma_load_4d(s0 + pn * kQPanel, &P.tq, bar.full_q(), pn * 64, it.q_lo, it.h, it.b);
+        }
+      }
+      for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
+        const int stage = int(cnt % kStages);
+        const uint32_t phase = (cnt / kStages) & 1;
+        const int kv0 = tile_of(it, j) * kBlockN;
+        const uint32_t sK = s0 + kOffK + stage * kKVBytes;
+        const uint32_t sV = s0 + kOffV + stage * kKVBytes;
+        if (cnt >= kStages) ptx::mbar_wait(bar.empty_k(stage), phase ^ 1);
+        if (lane == 0) {
+          ptx::mbar_arrive_expect_tx(bar.full_k(stage), kKVBytes);
+#pragma unroll
+          for (int pn = 0; pn < kPanels; ++pn) {
+            ptx::tma_load_4d(sK + pn * kKVPanel, &P.tk, bar.full_k(stage), pn * 64, kv0, h_kv, it.b);
+          }
+        }
+        if (cnt >= kStages) ptx::mbar_wait(bar.empty_v(stage), phase ^ 1);
+        // V rows of this tile inside the tensor but outside the key range (see the header).
+        const int in_hi = imin(kv0 + kBlockN, p.seqlen_k);
+        const int zlo_end = imin(it.kv_begin, in_hi);      // rows [kv0, zlo_end)
+        const int zhi_begin = imax(it.kv_end, kv0);        // rows [zhi_begin, in_hi)
+        const bool edge = zlo_end > kv0 || zhi_begin < in_hi;
+        const uint32_t done = edge ? bar.aux_v() : bar.full_v(stage);
+        if (lane == 0) {
+          ptx::mbar_arrive_expect_tx(done, kKVBytes);
+#pragma unroll
+          for (int pn = 0; pn < kPanels; ++pn) {
+            ptx::tma_load_4d(sV + pn * kKVPanel, &P.tv, done, pn * 64, kv0, h_kv, it.b);
+          }
+        }
+        if (edge) {
+          ptx::mbar_wait(bar.aux_v(), edges & 1);
+          ++edges;
+          const uint4 zero = make_uint4(0, 0, 0, 0);
+          // 16-byte chunks of the rows to clear, over all panels.
+          for (int r = lane / 8; r < kBlockN; r += 4) {
+            const int kv = kv0 + r;
+            if ((kv < zlo_end) || (kv >= zhi_begin && kv < in_hi)) {
+#pragma unroll
+              for (int pn = 0; pn < kPanels; ++pn) {
+                const uint32_t a = sV + pn * kKVPanel + r * 128 + (lane % 8) * 16;
+                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(zero.x),
+                             "r"(zero.y), "r"(zero.z), "r"(zero.w)
+                             : "memory");
+              }
+            }
+          }
+          ptx::fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(bar.full_v(stage));
+        }
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Consumers: warpgroup wg (0 or 1) owns query rows [64 wg, 64 wg + 64) of each item's tile.
+  static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
+                                                 const Bars& bar, int wg, int warp_in_wg,
+                                                 int lane) {
+    const BaseParams& p = P.base;
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    Element* sO = reinterpret_cast<Element*>(smem + kOffO);
+    const int warp_row0 = 64 * wg + 16 * warp_in_wg;  // this warp's first row in the tile
+    uint32_t cnt = 0;
+    int local = 0;
+    for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter, ++local) {
+      const Item it = item(p, iter);
+      const int wq_lo = it.q_lo + 64 * wg;                 // this warpgroup's rows
+      const int wq_hi = imin(wq_lo + 64, Nq);
+      Accum acc;
+      Base::init(acc);
+      ptx::mbar_wait(bar.full_q(), local & 1);
+      const uint32_t sQ = s0 + wg * (64 * 128);
+      if (it.n_tiles == 0) {
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(bar.empty_q());
+      }
+      for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
+        const int stage = int(cnt % kStages);
+        const uint32_t phase = (cnt / kStages) & 1;
+        const int kv0 = tile_of(it, j) * kBlockN;
+        const uint32_t sK = s0 + kOffK + stage * kKVBytes;
+        const uint32_t sV = s0 + kOffV + stage * kKVBytes;
+
+        // S = Q K^T (both K-major in shared memory).
+        float s[1][kBlockN / 8][4];
+        ptx::mbar_wait(bar.full_k(stage), phase);
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
+        }
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          const uint32_t off = (ks % 4) * 32;
+          const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
+          const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
+          MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          ptx::mbar_arrive(bar.empty_k(stage));
+          if (j + 1 == it.n_tiles) ptx::mbar_arrive(bar.empty_q());
+        }
+
+        // Tile class, mask / score hooks, online softmax (the sm80 family's, per warp).
+        const bool listed_partial = kSparse && j < it.blk.n_part;
+        Base::softmax_classed(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin,
+                              it.kv_end, listed_partial, it.q_lo + warp_row0, lane);
+        if constexpr (Variant::kHasDropout) {
+          if (p.dropout.state) Base::apply_dropout(p, s, it.b, it.h, it.q_lo + warp_row0, kv0, lane);
+        }
+
+        // O += P V: P from the S registers (A fragments), V N-major in shared memory.
+        uint32_t a[kBlockN / 16][4];
+#pragma unroll
+        for (int u = 0; u < kBlockN / 16; ++u) {
+          a[u][0] = cuda::ptx::pack2<Element>(s[0][2 * u][0], s[0][2 * u][1]);
+          a[u][1] = cuda::ptx::pack2<Element>(s[0][2 * u][2], s[0][2 * u][3]);
+          a[u][2] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][0], s[0][2 * u + 1][1]);
+          a[u][3] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][2], s[0][2 * u + 1][3]);
+        }
+        ptx::mbar_wait(bar.full_v(stage), phase);
+#pragma unroll
+        for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
+        }
+#pragma unroll
+        for (int u = 0; u < kBlockN / 16; ++u) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
+        }
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < kBlockN / 16; ++u) {
+          const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
+          MmaO::template rs<1>(a[u], db, acc.o[0], 1);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
+        }
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(bar.empty_v(stage));
+      }
+      __syncwarp();  // the warp's previous item left its staging rows
+      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, it.b, it.h, 0, it.q_lo, Nq, lane,
+                    warp_row0);
+    }
+  }
+
+  static __device__ __forceinline__ void run(const Params& P) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    const uint32_t s0 = ptx::smem_addr(smem);
+    const Bars bar{s0 + kOffBar};
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+    if (tid == 0) {
+      ptx::mbar_init(bar.full_q(), 1);
+      ptx::mbar_init(bar.empty_q(), kConsumerWarps);
+      ptx::mbar_init(bar.aux_v(), 1);
+      for (int s = 0; s < kStages; ++s) {
+        ptx::mbar_init(bar.full_k(s), 1);
+        ptx::mbar_init(bar.empty_k(s), kConsumerWarps);
+        ptx::mbar_init(bar.full_v(s), 1);
+        ptx::mbar_init(bar.empty_v(s), kConsumerWarps);
+      }
+      ptx::fence_barrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+      ptx::reg_dealloc<24>();
+      if (warp == 0) produce(P, s0, bar, lane);
+    } else {
+      ptx::reg_alloc<240>();
+      consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    fwd_kernel(const __grid_constant__ typename Kernel::Params params) {
+#if defined(FG_SM90A)
+  Kernel::run(params);
+#else
+  __trap();  // the sm90 family needs sm_90a (wgmma, setmaxnreg)
+#endif
+}
+
+template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false>
+int launch_fwd(const FgFwdArgs& a) {
+  using K = Sm90Fwd<Variant, Element, kHeadDim, Tile, kSparse>;
+  using P = typename K::Params;
+  static_assert(K::kSmem <= 227 * 1024, "the sm90 forward's tiles exceed shared memory");
+  P p;
+  memset(&p, 0, sizeof(p));
+  int dev = 0;
+  bool empty = false;
+  int st = cuda::fwd_prelude<Variant, Element, kHeadDim, false, kSparse, K::kBlockM, K::kBlockN>(
+      a, p.base, dev, empty);
+  if (st != FG_OK || empty) return st;
+  constexpr bool kBf16 = std::is_same<Element, __nv_bfloat16>::value;
+  st = detail::make_tmap(&p.tq, a.q, kBf16, a.batch, a.heads_q, a.seqlen_q, a.head_dim, a.q_stride_b,
+                         a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
+  if (st != FG_OK) return st;
+  if (a.seqlen_k > 0) {
+    st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, a.head_dim,
+                           a.k_stride_b, a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
+    if (st != FG_OK) return st;
+    st = detail::make_tmap(&p.tv, a.v, kBf16, a.batch, a.heads_kv, a.seqlen_k, a.head_dim,
+                           a.v_stride_b, a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
+    if (st != FG_OK) return st;
+  }
+  auto kernel = &fwd_kernel<K>;
+  static std::atomic<uint64_t> configured{0};
+  st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 forward kernel");
+  if (st != FG_OK) return st;
+  kernel<<<cuda::detail::grid_for(p.base.total_work, FLASHGEN_SM90_FWD_MAX_GRID), K::kThreads, K::kSmem,
+           static_cast<cudaStream_t>(a.stream)>>>(p);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "sm90 forward kernel launch", err);
+  return FG_OK;
+}
+
+}  // namespace sm90
+}  // namespace flashgen

@@ -1,0 +1,260 @@
+"""The sm90 (Hopper) forward against the float64 reference, next to the sm80 family in the same
+process (outputs poisoned with NaN before every launch). Every case forces the family with
+flashgen.use_family, so a call sm90 cannot serve raises instead of silently running elsewhere;
+the whole module skips on devices that are not compute capability 9.0."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import SPECS
+from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, run_case
+
+import flashgen
+from flashgen import check, philox
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+SEQLENS = [1, 7, 64, 127, 128, 129]
+# (batch, heads, kv_heads, transposed) cycled over the cross product: MHA, GQA 4:1, MQA, views.
+LAYOUTS = [(1, 1, 1, False), (3, 5, 5, True), (1, 4, 1, False), (3, 8, 2, False), (1, 5, 5, True), (3, 4, 1, True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on compute capability 9.0 only")
+
+
+@pytest.fixture(scope="module")
+def ops(dense_op, causal_op):
+    return {"dense": dense_op, "causal": causal_op}
+
+
+def make(b, hq, hkv, nq, nk, d, dtype, transposed, gen):
+    def one(h, n):
+        if transposed:
+            return torch.randn(b, n, h, d, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
+
+    return one(hq, nq), one(hkv, nk), one(hkv, nk)
+
+
+def check_case(op, q, k, v, family="sm90", **kw):
+    with flashgen.use_family(family):
+        assert op.family_for(q.device, q.dtype, q.shape[-1]).family.name == family
+        out, lse = op(q, k, v, return_lse=True, **kw)
+    cmp = check.compare(op.spec, q, k, v, out, lse, scale=kw.get("scale"))
+    assert cmp.ok, f"{family} {op.name} q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}: {cmp}"
+    return out, lse
+
+
+def test_sm90_is_chosen_first_for_the_forward(ops):
+    op = ops["causal"]
+    assert op.family_for("cuda", torch.bfloat16, 128).family.name == "sm90"
+    assert op.family_for("cuda", torch.float16, 64, dropout=True).family.name == "sm90"
+    # What sm90 does not serve yet runs on sm80, and the choice says why.
+    for kw in ({"layout": "packed"}, {"sparse": True}):
+        choice = op.family_for("cuda", torch.bfloat16, 128, **kw)
+        assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
+    choice = op.family_for("cuda", torch.bfloat16, 256)
+    assert choice.family.name == "sm80" and "head_dim 256" in choice.why()
+    # A forced sm90 never falls back.
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = make(1, 2, 2, 64, 64, 256, torch.bfloat16, False, gen)
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*head_dim 256"):
+        op(q, k, v)
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_seqlen_cross_product(ops, mask, d, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    for i, (nq, nk) in enumerate(itertools.product(SEQLENS, SEQLENS)):
+        b, hq, hkv, transposed = LAYOUTS[i % len(LAYOUTS)]
+        tensors = make(b, hq, hkv, nq, nk, d, DTYPES[dtype], transposed, gen)
+        out90, lse90 = check_case(ops[mask], *tensors)
+        out80, lse80 = check_case(ops[mask], *tensors, family="sm80")
+        torch.testing.assert_close(out90, out80, atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse90, lse80, atol=1e-3, rtol=0)
+
+
+LARGER = [(256, 256), (1000, 1000), (2048, 2048), (333, 4096), (4096, 333), (1025, 3000)]
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_larger_shapes(ops, mask, d):
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for i, (nq, nk) in enumerate(LARGER):
+        b, hq, hkv, transposed = LAYOUTS[(i + 1) % len(LAYOUTS)]
+        check_case(ops[mask], *make(b, hq, hkv, nq, nk, d, torch.bfloat16, transposed, gen))
+
+
+@pytest.mark.parametrize("d", [8, 40, 64, 96, 112, 128])
+def test_head_dims(ops, d):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    for nq, nk in [(65, 65), (300, 517), (1024, 1024)]:
+        check_case(ops["causal"], *make(2, 4, 2, nq, nk, d, torch.bfloat16, False, gen))
+        check_case(ops["dense"], *make(1, 3, 3, nq, nk, d, torch.float16, True, gen))
+
+
+@pytest.mark.parametrize("hq, hkv", [(5, 5), (8, 2), (8, 1)])
+def test_gqa(ops, hq, hkv):
+    gen = torch.Generator(device="cuda").manual_seed(hq * 10 + hkv)
+    for d in (64, 128):
+        check_case(ops["causal"], *make(2, hq, hkv, 777, 777, d, torch.bfloat16, False, gen))
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_specs(name):
+    """Every example spec at d 128 bf16 (and d 64 fp16), forward on sm90 (forced), with the
+    variant's parameters; then forward on sm90 + backward on sm80 unforced (the backward
+    recomputes from the sm90 forward's out and LSE)."""
+    seqlens = [(1, 1), (65, 65), (257, 257), (1000, 1000), (129, 257), (257, 129)]
+    for i, (nq, nk) in enumerate(seqlens):
+        if name in EQUAL_SEQLENS_ONLY and nq != nk:
+            continue
+        B, Hq, Hkv = [(1, 1, 1), (2, 4, 2), (2, 4, 1), (1, 6, 6)][i % 4]
+        with flashgen.use_family("sm90"):
+            run_case(name, B, Hq, Hkv, nq, nk, 128, torch.bfloat16, device="cuda", seed=i, variant=i, backward=False)
+            run_case(name, B, Hq, Hkv, nq, nk, 64, torch.float16, device="cuda", seed=i, variant=i, backward=False)
+        run_case(name, B, Hq, Hkv, nq, nk, 128, torch.bfloat16, device="cuda", seed=i, variant=i, backward=True)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_same_stream_as_sm80(d):
+    """Fused dropout with the sm80 family's Philox stream: the same keep mask, so the same output
+    (up to rounding), and the float64 reference with that mask."""
+    op = flashgen.compile(SPECS / "dropout.attn")
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    for nq, nk in [(64, 64), (129, 257), (1000, 1000)]:
+        q, k, v = make(2, 4, 2, nq, nk, d, torch.bfloat16, False, gen)
+        outs = {}
+        for fam in ("sm90", "sm80"):
+            with flashgen.use_family(fam):
+                outs[fam] = op(q, k, v, return_lse=True, dropout_p=0.3, dropout_seed=11)
+            cmp = check.compare(op.spec, q, k, v, *outs[fam], dropout_p=0.3, dropout_seed=11)
+            assert cmp.ok, f"{fam} {nq}x{nk} d{d}: {cmp}"
+        torch.testing.assert_close(outs["sm90"][0], outs["sm80"][0], atol=2e-2, rtol=0)
+        torch.testing.assert_close(outs["sm90"][1], outs["sm80"][1], atol=1e-3, rtol=0)
+    # the mask itself
+    N = 128
+    q = torch.zeros(1, 2, N, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.eye(N, device="cuda", dtype=torch.bfloat16).expand(1, 2, N, N).contiguous()
+    with flashgen.use_family("sm90"):
+        out = op(q, torch.randn_like(v), v, dropout_p=0.3, dropout_seed=99)
+    lower = torch.ones(N, N, dtype=torch.bool, device="cuda").tril()
+    assert torch.equal(out > 0, philox.keep_mask(99, 0, 1, 2, N, N, 0.3, "cuda") & lower)
+
+
+def test_keys_outside_the_key_range_holding_nan_do_not_leak(ops):
+    """K/V rows inside the tensor but outside a tile's key range reach shared memory through TMA;
+    they must not reach the output (edge-cases C05): masked keys holding NaN / inf (as the sm80
+    test: K, whose scores are replaced by selection) and V rows past each sequence's key range
+    (padded keys, which the producer zero-fills)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, False, gen)
+    k2 = k.clone()
+    k2[:, :, 150:] = float("nan")  # invisible to rows < 150
+    k2[:, :, 151, 5] = float("inf")
+    with flashgen.use_family("sm90"):
+        assert torch.equal(ops["causal"](q, k2, v)[:, :, :150], ops["causal"](q, k, v)[:, :, :150])
+    kp = flashgen.compile(SPECS / "key_padding.attn")
+    q, k, v = make(2, 2, 2, 77, 300, 128, torch.bfloat16, False, gen)
+    kv_len = torch.tensor([40, 300], dtype=torch.int32, device="cuda")
+    k[0, :, 40:] = float("nan")
+    v[0, :, 40:] = float("nan")
+    with flashgen.use_family("sm90"):
+        out, lse = kp(q, k, v, return_lse=True, kv_len=kv_len)
+    assert not out.isnan().any()
+    cmp = check.compare(kp.spec, q, k.nan_to_num(), v.nan_to_num(), out, lse, kv_len=kv_len)
+    assert cmp.ok, str(cmp)
+
+
+def test_memory_past_seqlen_is_never_read(ops):
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v = make(1, 2, 2, 70, 130, 128, torch.float16, False, gen)
+    big_k = torch.full((1, 2, 256, 128), float("nan"), dtype=torch.float16, device="cuda")
+    big_v = big_k.clone()
+    big_k[:, :, :130], big_v[:, :, :130] = k, v
+    with flashgen.use_family("sm90"):
+        assert torch.equal(ops["dense"](q, big_k[:, :, :130], big_v[:, :, :130]), ops["dense"](q, k, v))
+
+
+@pytest.mark.parametrize("nq, nk, b", [(0, 5, 1), (5, 0, 1), (0, 0, 1), (5, 5, 0)])
+def test_empty_sizes(ops, nq, nk, b):
+    q = torch.randn(b, 2, nq, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, 2, nk, 64, device="cuda", dtype=torch.bfloat16)
+    with flashgen.use_family("sm90"):
+        out, lse = ops["causal"](q, k, k.clone(), return_lse=True)
+    assert out.shape == q.shape and not out.isnan().any()
+    if nk == 0:
+        assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_broadcast_kv_and_many_heads(ops):
+    """Stride-0 (expanded) K/V and more work items than a grid needs for one wave."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(3, 4, 300, 64, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(1, 1, 300, 64, device="cuda", generator=gen).bfloat16().expand(3, 4, 300, 64)
+    v = torch.randn(1, 1, 300, 64, device="cuda", generator=gen).bfloat16().expand(3, 4, 300, 64)
+    check_case(ops["causal"], q, k, v)
+    check_case(ops["dense"], *make(1, 20000, 20000, 3, 5, 64, torch.float16, False, gen))
+
+
+def test_non_default_stream_and_no_host_sync(ops):
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), flashgen.use_family("sm90"):
+        q, k, v = make(2, 4, 4, 1024, 1024, 128, torch.bfloat16, False, gen)
+        ops["dense"](q, k, v)  # warm: loads the library
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, lse = ops["dense"](q, k, v, return_lse=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    stream.synchronize()
+    cmp = check.compare(ops["dense"].spec, q, k, v, out, lse)
+    assert cmp.ok, str(cmp)
+
+
+def test_cuda_graph_capture(ops):
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = make(1, 4, 4, 512, 512, 64, torch.float16, False, gen)
+    op = ops["causal"]
+    with flashgen.use_family("sm90"):
+        op(q, k, v)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(q, k, v)
+        q2, k2, v2 = make(1, 4, 4, 512, 512, 64, torch.float16, False, gen)
+        q.copy_(q2), k.copy_(k2), v.copy_(v2)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, op(q2, k2, v2), rtol=0, atol=0)
+
+
+def test_opcheck_and_compile(ops):
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, False, gen)
+    op = ops["causal"]
+    with flashgen.use_family("sm90"):
+        torch.library.opcheck(op.torch_op, (q, k, v))
+        compiled = torch.compile(lambda a, b, c: op(a, b, c), fullgraph=True)
+        torch.testing.assert_close(compiled(q, k, v), op(q, k, v), rtol=0, atol=0)
+
+
+def test_training_step_pairs_sm90_forward_with_sm80_backward(ops):
+    gen = torch.Generator(device="cuda").manual_seed(10)
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 128, torch.bfloat16, False, gen))
+    dout = torch.randn_like(q)
+    out = ops["causal"](q, k, v)
+    out.backward(dout)
+    gc = check.compare_grads(ops["causal"].spec, q.detach(), k.detach(), v.detach(), dout,
+                             (q.grad, k.grad, v.grad))
+    assert gc.ok, str(gc)
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*backward"):
+        ops["causal"](q, k, v).sum().backward()

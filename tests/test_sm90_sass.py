@@ -1,0 +1,111 @@
+"""Compile-only check of the sm90 (Hopper) forward (no GPU needed): the causal, ALiBi and document
+example specs at head_dim 128, bf16, rendered by the sm90 family and compiled for sm_90a with the
+flags a build uses. The SASS must issue wgmma (HGMMA) and TMA loads (UTMALDG) and touch no local
+memory (no LDL/STL), and ptxas must report no spills: an sm90 forward that falls back to
+mma.sync, to plain global loads or to spilling compiles cleanly and is still wrong, so only the
+machine code shows it. Each unit is compiled once for both checks. Skips where nvcc is absent;
+the SASS check alone skips where cuobjdump is (the spill check needs only nvcc)."""
+
+import re
+import shutil
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+from conftest import SPECS
+
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump as kernel resource reports find it (CUDA_HOME, PATH, beside nvcc), else from the
+    nvidia-cuda-cuobjdump wheel in this environment (as scripts/sass_compare.py looks for it)."""
+    from flashgen.tune.resources import find_cuobjdump
+
+    found = find_cuobjdump()
+    if found:
+        return found
+    wheels = sorted(Path(sysconfig.get_paths()["purelib"]).glob("nvidia/*/bin/cuobjdump"))
+    return str(wheels[-1]) if wheels else None
+
+
+CUOBJDUMP = _cuobjdump()
+SPEC_NAMES = ["causal", "alibi", "document"]
+# One SASS instruction line: /*0a70*/  [@!P0] OPCODE.MODS operands ;
+SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _opcodes(sass: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for line in sass.splitlines():
+        m = SASS_LINE.match(line)
+        if m:
+            counts[m.group(1)] = counts.get(m.group(1), 0) + 1
+    return counts
+
+
+def _spills(ptxas: str) -> dict[str, tuple[int, int]]:
+    """Kernel (mangled name) → (spill store bytes, spill load bytes) from ``-Xptxas -v``."""
+    res, cur = {}, None
+    for line in ptxas.splitlines():
+        m = PTXAS_ENTRY.search(line)
+        if m:
+            cur = m.group(1)
+            continue
+        m = PTXAS_SPILLS.search(line)
+        if m and cur is not None:
+            res[cur] = (int(m.group(1)), int(m.group(2)))
+    return res
+
+
+@pytest.fixture(scope="module", params=SPEC_NAMES)
+def sm90_unit(request, tmp_path_factory):
+    """The spec's sm90 forward unit compiled for sm_90a: (object file, ptxas report)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found")
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what a real build adds
+
+    from flashgen import families
+    from flashgen.build import artifact
+    from flashgen.lang import frontend, ir
+    from flashgen.paths import include_dir
+
+    inst = families.get("sm90").instantiation(frontend.parse(SPECS / f"{request.param}.attn"), "sm_90a",
+                                              ir.DType.BF16, 128)
+    assert inst.kinds == ("fwd",)
+    text = inst.sources()[inst.source_name("fwd")]
+    assert '#include "flashgen/sm90/fwd.cuh"' in text  # the Hopper kernel, not the sm80 one
+    work = tmp_path_factory.mktemp(f"sm90-{request.param}")
+    src, obj = work / "k.cu", work / "k.o"
+    src.write_text(text)
+    with pytest.MonkeyPatch.context() as mp:  # the release flags (-G would put everything in local memory)
+        mp.delenv("FLASHGEN_DEBUG", raising=False)
+        _, cuda_flags = artifact.compiler_flags(inst.target)
+    cmd = [NVCC, "-c", *cuda_flags, *COMMON_NVCC_FLAGS, "-Xptxas", "-v", "-I", str(include_dir()),
+           "-o", str(obj), str(src)]
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
+    assert "warning" not in res.stderr.lower(), res.stderr
+    return obj, res.stderr + res.stdout
+
+
+def test_sm90_fwd_no_spills(sm90_unit):
+    _, report = sm90_unit
+    spills = _spills(report)
+    assert any("fwd_kernel" in k for k in spills), f"no forward kernel in the ptxas report:\n{report}"
+    assert all(v == (0, 0) for v in spills.values()), f"spills (store, load bytes): {spills}"
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found (CUDA toolkit or nvidia-cuda-cuobjdump)")
+def test_sm90_fwd_sass(sm90_unit):
+    obj, _ = sm90_unit
+    dump = subprocess.run([CUOBJDUMP, "-sass", str(obj)], check=False, capture_output=True, text=True, timeout=120)
+    assert dump.returncode == 0, dump.stderr
+    ops = _opcodes(dump.stdout)
+    assert ops.get("HGMMA", 0) > 0, f"no wgmma (HGMMA) in the SASS: {sorted(ops)}"
+    assert ops.get("UTMALDG", 0) > 0, f"no TMA load (UTMALDG) in the SASS: {sorted(ops)}"
+    local = {op: n for op, n in ops.items() if op in ("LDL", "STL")}
+    assert not local, f"local memory accesses in the SASS: {local}"
