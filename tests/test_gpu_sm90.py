@@ -242,7 +242,7 @@ def test_opcheck_and_compile(ops):
     q, k, v = make(1, 2, 2, 200, 200, 64, torch.bfloat16, False, gen)
     op = ops["causal"]
     with flashgen.use_family("sm90"):
-        torch.library.opcheck(op.torch_op, (q, k, v))
+        torch.library.opcheck(op.torch_op, (q, k, v, 0.125, False))
         compiled = torch.compile(lambda a, b, c: op(a, b, c), fullgraph=True)
         torch.testing.assert_close(compiled(q, k, v), op(q, k, v), rtol=0, atol=0)
 

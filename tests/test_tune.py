@@ -527,7 +527,7 @@ import json, sys
 import torch
 import flashgen
 from flashgen import check
-from flashgen.build import artifact
+from flashgen.build import artifact, cache
 from flashgen.lang import ir
 from flashgen.tune import timing, tuner
 
@@ -566,6 +566,7 @@ print(json.dumps({"fwd": choice.fwd_origin, "bwd": choice.bwd_origin, "fwd_tile"
 @pytest.mark.gpu
 def test_tune_then_a_second_process_uses_the_stored_result(tmp_path, monkeypatch, causal_op):
     monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")  # the tuned family, in this process and the child
     monkeypatch.delenv("FLASHGEN_AOT_DIR", raising=False)
     monkeypatch.delenv("FLASHGEN_CUDA_FWD_TILE", raising=False)
     monkeypatch.delenv("FLASHGEN_CUDA_BWD_TILE", raising=False)
@@ -604,8 +605,11 @@ def test_tune_then_a_second_process_uses_the_stored_result(tmp_path, monkeypatch
 
 @pytest.mark.gpu
 def test_tuned_op_matches_the_reference_in_process(tmp_path, monkeypatch):
-    """With FLASHGEN_AUTOTUNE=1 the first call tunes (a small cap), later calls use the winner."""
+    """With FLASHGEN_AUTOTUNE=1 the first call tunes (a small cap), later calls use the winner
+    (on sm80, the tuned family: forced, so that on Hopper the forward does not take sm90)."""
     from flashgen import check
+
+    monkeypatch.setenv("FLASHGEN_FAMILY", "sm80")
 
     # An op of its own: the session's causal op must not keep libraries of this test's store.
     causal_op = flashgen.compile("attention causal_autotune {\n    mask = causal\n}\n")
