@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default="1024,4096,16384")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex")
-    ap.add_argument("--tiles", default="128x2,64x2", help="sm90 key tiles x stages to time, e.g. 128x2,176x2")
+    ap.add_argument("--tiles", default="128x2,64x2", help="sm90 tiles to time: keys x stages [x overlap 0/1], e.g. 128x2,128x2x1")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -55,10 +55,10 @@ def main(argv=None) -> int:
                             ms = bench.time_fn(lambda: op(q, k, v), dev, warmup=3, reps=a.reps)
                         row[fam] = fl / ms / 1e9
                     for t in a.tiles.split(","):
-                        bn, st = map(int, t.split("x"))
+                        bn, st, *ov = map(int, t.split("x"))
+                        tiles = {"fwd_block_n": bn, "fwd_stages": st} | ({"fwd_overlap": ov[0]} if ov else {})
                         try:
-                            inst = sm90.instantiation(op.spec, "sm_90a", ir.DType.BF16, d,
-                                                      tiles={"fwd_block_n": bn, "fwd_stages": st})
+                            inst = sm90.instantiation(op.spec, "sm_90a", ir.DType.BF16, d, tiles=tiles)
                         except ValueError:
                             continue  # over shared memory at this head dim
                         lib = loader.load(inst)

@@ -58,11 +58,14 @@ def test_sm90_tiles_are_its_own(causal):
     sm90 = families.get("sm90")
     # another family's tile keys are dropped; its own are checked
     cfg = dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_m": 64, "fwd_block_n": 64}))
-    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_only": 1}
+    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 0, "fwd_only": 1}
+    assert dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64))["fwd_overlap"] == 0
+    dense = flashgen.compile(SPECS / "dense.attn").spec
+    assert [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d))["fwd_overlap"] for d in (64, 128)] == [1, 0]
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
     assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
-    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2>" in src
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 0>" in src
     with pytest.raises(ValueError, match="fwd_block_n: expected a multiple of 16"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_block_n": 100})
     with pytest.raises(ValueError, match="fwd_stages"):

@@ -106,6 +106,25 @@ struct FwdMainloop {
     }
   }
 
+  // The O rescale a deferred softmax_tile leaves for later (alpha per row; any: some row of the
+  // warp moved its max, so O must be multiplied).
+  struct Rescale {
+    float alpha[kMAtoms][2];
+    bool any;
+  };
+  static __device__ __forceinline__ void apply_rescale(const Rescale& r, float (&o)[kMAtoms][kDBlocks][4]) {
+    if (r.any) {
+#pragma unroll
+      for (int ma = 0; ma < kMAtoms; ++ma) {
+#pragma unroll
+        for (int dn = 0; dn < kDBlocks; ++dn) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[ma][dn][e] *= r.alpha[ma][e >> 1];
+        }
+      }
+    }
+  }
+
   // K and V rows [kv0, kv0 + kBlockN) into one pipeline stage; interior tiles skip the row
   // predicates.
   static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const Element* k_g,
@@ -164,11 +183,15 @@ struct FwdMainloop {
   // kMask: kNoMask (every element of the tile is visible), kRowMask (visible iff
   // row_lo <= kv < row_hi, the per-row bounds of row_bounds) or kElemMask (bounds, then
   // Variant::keep per element).
-  template <int kMask>
+  //
+  // kDefer (the sm90 family, whose O is still being accumulated by an asynchronous PV GEMM of the
+  // previous tile): O is not touched; the factors are left in *defer (any: some row moved its
+  // max) for the caller to apply once that GEMM is done (apply_rescale).
+  template <int kMask, bool kDefer = false>
   static __device__ __forceinline__ void softmax_tile(
       const Params& p, float (&s)[kMAtoms][kNBlocks][4], float (&row_max)[kMAtoms][2],
       float (&row_sum)[kMAtoms][2], float (&o)[kMAtoms][kDBlocks][4], int b, int h, int q_row0,
-      int kv0, int kv_begin, int kv_end, int Nq, int Nk, int lane) {
+      int kv0, int kv_begin, int kv_end, int Nq, int Nk, int lane, Rescale* defer = nullptr) {
     constexpr bool kMasked = kMask != kNoMask;
     constexpr bool kRaw = !kMasked && !Variant::kHasScoreMod;
     const int g = lane >> 2, t = lane & 3;
@@ -257,15 +280,25 @@ struct FwdMainloop {
           row_sum[ma][half] *= alpha[ma][half];
         }
       }
+      if constexpr (kDefer) {
+        defer->any = true;
 #pragma unroll
-      for (int ma = 0; ma < kMAtoms; ++ma) {
+        for (int ma = 0; ma < kMAtoms; ++ma) {
+          defer->alpha[ma][0] = alpha[ma][0];
+          defer->alpha[ma][1] = alpha[ma][1];
+        }
+      } else {
 #pragma unroll
-        for (int dn = 0; dn < kDBlocks; ++dn) {
+        for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[ma][dn][e] *= alpha[ma][e >> 1];
+          for (int dn = 0; dn < kDBlocks; ++dn) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[ma][dn][e] *= alpha[ma][e >> 1];
+          }
         }
       }
     } else {
+      if constexpr (kDefer) defer->any = false;
 #pragma unroll
       for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
@@ -329,27 +362,28 @@ struct FwdMainloop {
   // listed_partial: a block list names this tile partial. q_row0: the warp's first query row.
   // Shared with the sm90 family's consumer warpgroups (sm90/fwd.cuh), which pass their own
   // 64-row share of the tile as [q_lo, q_hi).
+  template <bool kDefer = false>
   static __device__ __forceinline__ void softmax_classed(const Params& p,
                                                          float (&s)[kMAtoms][kNBlocks][4],
                                                          Accum& acc, int b, int h, int q_lo,
                                                          int q_hi, int Nq, int Nk, int kv0,
                                                          int kv_begin, int kv_end,
                                                          bool listed_partial, int q_row0,
-                                                         int lane) {
+                                                         int lane, Rescale* defer = nullptr) {
     const bool q_partial = Variant::kHasScoreMod && (q_hi - q_lo < kBlockM);
     const bool need_mask =
         listed_partial || kv0 < kv_begin || kv0 + kBlockN > kv_end || q_partial ||
         (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
          !Variant::tile_full(p.vp, b, h, q_lo, q_hi, kv0, kv0 + kBlockN, Nq, Nk));
     if (!need_mask) {
-      softmax_tile<kNoMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
-                            kv_end, Nq, Nk, lane);
+      softmax_tile<kNoMask, kDefer>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0,
+                            kv_begin, kv_end, Nq, Nk, lane, defer);
     } else if constexpr (!Variant::kHasMask || Variant::kRowExact) {
-      softmax_tile<kRowMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
-                             kv_end, Nq, Nk, lane);
+      softmax_tile<kRowMask, kDefer>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0,
+                             kv_begin, kv_end, Nq, Nk, lane, defer);
     } else {
-      softmax_tile<kElemMask>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0, kv_begin,
-                              kv_end, Nq, Nk, lane);
+      softmax_tile<kElemMask, kDefer>(p, s, acc.row_max, acc.row_sum, acc.o, b, h, q_row0, kv0,
+                              kv_begin, kv_end, Nq, Nk, lane, defer);
     }
   }
 

@@ -67,11 +67,14 @@ namespace sm90 {
 
 // kBlockN keys per K/V tile, kStages K/V stages; the query tile is 128 rows (two consumer
 // warpgroups of 64).
-template <int kBlockN_, int kStages_ = 2>
+template <int kBlockN_, int kStages_ = 2, int kOverlap_ = 0>
 struct Sm90FwdTile {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // 1: intra-warpgroup overlap (FlashAttention-3, Sec. 3.2): the S GEMM of tile j and the PV
+  // GEMM of tile j - 1 are in flight together while the softmax of tile j runs.
+  static constexpr bool kOverlap = kOverlap_ != 0;
   static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256, "kBlockN: 16..256, step 16");
@@ -244,6 +247,143 @@ struct Sm90Fwd {
   }
 
   // ---------------------------------------------------------------------------------------------
+  // wgmma issue helpers (fenced, committed as one group each; the caller waits).
+  static __device__ __forceinline__ void issue_s(uint32_t sQ, uint32_t sK, float (&s)[1][kBlockN / 8][4]) {
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
+    }
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+      const uint32_t off = (ks % 4) * 32;
+      const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
+      const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
+      MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
+    }
+    ptx::wgmma_commit();
+  }
+  static __device__ __forceinline__ void issue_pv(uint32_t (&a)[kBlockN / 16][4], uint32_t sV,
+                                                  float (&o)[1][kD / 8][4]) {
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(o[0][i][e]);
+    }
+#pragma unroll
+    for (int u = 0; u < kBlockN / 16; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
+    }
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < kBlockN / 16; ++u) {
+      const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
+      MmaO::template rs<1>(a[u], db, o[0], 1);
+    }
+    ptx::wgmma_commit();
+  }
+  // After the wait that completes them: S / O / the A fragments may be touched again (the
+  // fences keep the compiler from using their registers, or moving their accesses, earlier).
+  template <int N>
+  static __device__ __forceinline__ void fence_all(float (&x)[1][N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(x[0][i][e]);
+    }
+  }
+  static __device__ __forceinline__ void fence_a(uint32_t (&a)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int u = 0; u < kBlockN / 16; ++u) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
+    }
+  }
+  static __device__ __forceinline__ void pack_p(const float (&s)[1][kBlockN / 8][4], uint32_t (&a)[kBlockN / 16][4]) {
+#pragma unroll
+    for (int u = 0; u < kBlockN / 16; ++u) {
+      a[u][0] = cuda::ptx::pack2<Element>(s[0][2 * u][0], s[0][2 * u][1]);
+      a[u][1] = cuda::ptx::pack2<Element>(s[0][2 * u][2], s[0][2 * u][3]);
+      a[u][2] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][0], s[0][2 * u + 1][1]);
+      a[u][3] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][2], s[0][2 * u + 1][3]);
+    }
+  }
+
+  // The key loop of one item with intra-warpgroup overlap (Tile::kOverlap): per tile j >= 1,
+  // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs
+  // while the PV GEMM is still in flight (its O rescale is deferred until that GEMM is done).
+  // cnt: the pipeline count of the item's first tile.
+  static __device__ __forceinline__ void overlapped(const BaseParams& p, Accum& acc, const Item& it,
+                                                    uint32_t sQ, uint32_t s0, const Bars& bar,
+                                                    uint32_t cnt, int wq_lo, int wq_hi, int warp_row0,
+                                                    int lane) {
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k, n = it.n_tiles;
+    float s[1][kBlockN / 8][4];
+    uint32_t a[kBlockN / 16][4];
+    // Tile 0: S, softmax, P (O is still 0: its rescale is harmless).
+    {
+      const int stage = int(cnt % kStages);
+      ptx::mbar_wait(bar.full_k(stage), (cnt / kStages) & 1);
+      issue_s(sQ, s0 + kOffK + stage * kKVBytes, s);
+      ptx::wgmma_wait<0>();
+      fence_all(s);
+      __syncwarp();
+      if (lane == 0) {
+        ptx::mbar_arrive(bar.empty_k(stage));
+        if (n == 1) ptx::mbar_arrive(bar.empty_q());
+      }
+      const int kv0 = tile_of(it, 0) * kBlockN;
+      Base::softmax_classed(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin, it.kv_end,
+                            kSparse && 0 < it.blk.n_part, it.q_lo + warp_row0, lane);
+      if constexpr (Variant::kHasDropout) {
+        if (p.dropout.state) Base::apply_dropout(p, s, it.b, it.h, it.q_lo + warp_row0, kv0, lane);
+      }
+      pack_p(s, a);
+    }
+    for (int j = 1; j < n; ++j) {
+      const uint32_t c = cnt + j, cp = c - 1;
+      const int stage = int(c % kStages), pstage = int(cp % kStages);
+      ptx::mbar_wait(bar.full_k(stage), (c / kStages) & 1);
+      issue_s(sQ, s0 + kOffK + stage * kKVBytes, s);
+      ptx::mbar_wait(bar.full_v(pstage), (cp / kStages) & 1);
+      issue_pv(a, s0 + kOffV + pstage * kKVBytes, acc.o);
+      ptx::wgmma_wait<1>();  // S_j is done; the PV GEMM may still run
+      fence_all(s);
+      __syncwarp();
+      if (lane == 0) {
+        ptx::mbar_arrive(bar.empty_k(stage));
+        if (j + 1 == n) ptx::mbar_arrive(bar.empty_q());
+      }
+      const int kv0 = tile_of(it, j) * kBlockN;
+      typename Base::Rescale r;
+      Base::template softmax_classed<true>(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin,
+                                           it.kv_end, kSparse && j < it.blk.n_part, it.q_lo + warp_row0,
+                                           lane, &r);
+      if constexpr (Variant::kHasDropout) {
+        if (p.dropout.state) Base::apply_dropout(p, s, it.b, it.h, it.q_lo + warp_row0, kv0, lane);
+      }
+      ptx::wgmma_wait<0>();  // O += P_{j-1} V_{j-1} is done
+      fence_all(acc.o);
+      fence_a(a);
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(bar.empty_v(pstage));
+      Base::apply_rescale(r, acc.o);
+      pack_p(s, a);
+    }
+    const uint32_t cl = cnt + n - 1;
+    const int lstage = int(cl % kStages);
+    ptx::mbar_wait(bar.full_v(lstage), (cl / kStages) & 1);
+    issue_pv(a, s0 + kOffV + lstage * kKVBytes, acc.o);
+    ptx::wgmma_wait<0>();
+    fence_all(acc.o);
+    fence_a(a);
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(bar.empty_v(lstage));
+  }
+
+  // ---------------------------------------------------------------------------------------------
   // Consumers: warpgroup wg (0 or 1) owns query rows [64 wg, 64 wg + 64) of each item's tile.
   static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
                                                  const Bars& bar, int wg, int warp_in_wg,
@@ -266,85 +406,90 @@ struct Sm90Fwd {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(bar.empty_q());
       }
-      for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
-        const int stage = int(cnt % kStages);
-        const uint32_t phase = (cnt / kStages) & 1;
-        const int kv0 = tile_of(it, j) * kBlockN;
-        const uint32_t sK = s0 + kOffK + stage * kKVBytes;
-        const uint32_t sV = s0 + kOffV + stage * kKVBytes;
+      if constexpr (Tile::kOverlap) {
+        if (it.n_tiles > 0) overlapped(p, acc, it, sQ, s0, bar, cnt, wq_lo, wq_hi, warp_row0, lane);
+        cnt += it.n_tiles;
+      } else {
+        for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
+          const int stage = int(cnt % kStages);
+          const uint32_t phase = (cnt / kStages) & 1;
+          const int kv0 = tile_of(it, j) * kBlockN;
+          const uint32_t sK = s0 + kOffK + stage * kKVBytes;
+          const uint32_t sV = s0 + kOffV + stage * kKVBytes;
 
-        // S = Q K^T (both K-major in shared memory).
-        float s[1][kBlockN / 8][4];
-        ptx::mbar_wait(bar.full_k(stage), phase);
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
-        }
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int ks = 0; ks < kD / 16; ++ks) {
-          const uint32_t off = (ks % 4) * 32;
-          const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
-          const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
-          MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
-        }
-        __syncwarp();
-        if (lane == 0) {
-          ptx::mbar_arrive(bar.empty_k(stage));
-          if (j + 1 == it.n_tiles) ptx::mbar_arrive(bar.empty_q());
-        }
+          // S = Q K^T (both K-major in shared memory).
+          float s[1][kBlockN / 8][4];
+          ptx::mbar_wait(bar.full_k(stage), phase);
+  #pragma unroll
+          for (int i = 0; i < kBlockN / 8; ++i) {
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
+          }
+          ptx::wgmma_fence();
+  #pragma unroll
+          for (int ks = 0; ks < kD / 16; ++ks) {
+            const uint32_t off = (ks % 4) * 32;
+            const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
+            const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
+            MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
+          }
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
+  #pragma unroll
+          for (int i = 0; i < kBlockN / 8; ++i) {
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
+          }
+          __syncwarp();
+          if (lane == 0) {
+            ptx::mbar_arrive(bar.empty_k(stage));
+            if (j + 1 == it.n_tiles) ptx::mbar_arrive(bar.empty_q());
+          }
 
-        // Tile class, mask / score hooks, online softmax (the sm80 family's, per warp).
-        const bool listed_partial = kSparse && j < it.blk.n_part;
-        Base::softmax_classed(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin,
-                              it.kv_end, listed_partial, it.q_lo + warp_row0, lane);
-        if constexpr (Variant::kHasDropout) {
-          if (p.dropout.state) Base::apply_dropout(p, s, it.b, it.h, it.q_lo + warp_row0, kv0, lane);
-        }
+          // Tile class, mask / score hooks, online softmax (the sm80 family's, per warp).
+          const bool listed_partial = kSparse && j < it.blk.n_part;
+          Base::softmax_classed(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin,
+                                it.kv_end, listed_partial, it.q_lo + warp_row0, lane);
+          if constexpr (Variant::kHasDropout) {
+            if (p.dropout.state) Base::apply_dropout(p, s, it.b, it.h, it.q_lo + warp_row0, kv0, lane);
+          }
 
-        // O += P V: P from the S registers (A fragments), V N-major in shared memory.
-        uint32_t a[kBlockN / 16][4];
-#pragma unroll
-        for (int u = 0; u < kBlockN / 16; ++u) {
-          a[u][0] = cuda::ptx::pack2<Element>(s[0][2 * u][0], s[0][2 * u][1]);
-          a[u][1] = cuda::ptx::pack2<Element>(s[0][2 * u][2], s[0][2 * u][3]);
-          a[u][2] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][0], s[0][2 * u + 1][1]);
-          a[u][3] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][2], s[0][2 * u + 1][3]);
+          // O += P V: P from the S registers (A fragments), V N-major in shared memory.
+          uint32_t a[kBlockN / 16][4];
+  #pragma unroll
+          for (int u = 0; u < kBlockN / 16; ++u) {
+            a[u][0] = cuda::ptx::pack2<Element>(s[0][2 * u][0], s[0][2 * u][1]);
+            a[u][1] = cuda::ptx::pack2<Element>(s[0][2 * u][2], s[0][2 * u][3]);
+            a[u][2] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][0], s[0][2 * u + 1][1]);
+            a[u][3] = cuda::ptx::pack2<Element>(s[0][2 * u + 1][2], s[0][2 * u + 1][3]);
+          }
+          ptx::mbar_wait(bar.full_v(stage), phase);
+  #pragma unroll
+          for (int i = 0; i < kD / 8; ++i) {
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
+          }
+  #pragma unroll
+          for (int u = 0; u < kBlockN / 16; ++u) {
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
+          }
+          ptx::wgmma_fence();
+  #pragma unroll
+          for (int u = 0; u < kBlockN / 16; ++u) {
+            const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
+            MmaO::template rs<1>(a[u], db, acc.o[0], 1);
+          }
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<0>();
+  #pragma unroll
+          for (int i = 0; i < kD / 8; ++i) {
+  #pragma unroll
+            for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
+          }
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(bar.empty_v(stage));
         }
-        ptx::mbar_wait(bar.full_v(stage), phase);
-#pragma unroll
-        for (int i = 0; i < kD / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
-        }
-#pragma unroll
-        for (int u = 0; u < kBlockN / 16; ++u) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
-        }
-        ptx::wgmma_fence();
-#pragma unroll
-        for (int u = 0; u < kBlockN / 16; ++u) {
-          const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
-          MmaO::template rs<1>(a[u], db, acc.o[0], 1);
-        }
-        ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-#pragma unroll
-        for (int i = 0; i < kD / 8; ++i) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ptx::fence_operand(acc.o[0][i][e]);
-        }
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(bar.empty_v(stage));
       }
       __syncwarp();  // the warp's previous item left its staging rows
       Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, it.b, it.h, 0, it.q_lo, Nq, lane,
