@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""compute-sanitizer over small calls of every example spec on one kernel family.
+
+One process per tool (memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that torch's caching
+allocator does not hide out-of-bounds accesses inside its blocks; racecheck for shared-memory
+hazards). Each process runs this script with --worker: every spec in specs/ at two small shapes
+(a tile-aligned and a ragged one), bf16, d 64 and 128, forced onto ``--family`` (a forced family
+never falls back, so a call it cannot serve is reported as skipped, not run elsewhere). The
+kernels are built first in a plain process, so the sanitized processes only load them.
+
+    python3 scripts/sanitize.py --family sm90 [--tools memcheck,racecheck] [--out DIR]
+
+Exit status 0 when every tool reports no error. A report that is a known false positive of the
+tool (for example on wgmma operands in shared memory) must be shown with a minimal reproducer
+before it is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(1, 2, 2, 128, 128), (2, 4, 2, 77, 200)]  # (batch, heads, kv_heads, seqlen_q, seqlen_k)
+
+
+def worker(family: str) -> int:
+    import torch
+
+    import flashgen
+    from flashgen.params import example_params
+
+    ran = skipped = 0
+    for path in sorted((ROOT / "specs").glob("*.attn")):
+        op = flashgen.compile(path)
+        for d in (64, 128):
+            for b, h, hkv, nq, nk in SHAPES:
+                g = torch.Generator(device="cuda").manual_seed(nq + d)
+                q = torch.randn(b, h, nq, d, device="cuda", generator=g).bfloat16()
+                k = torch.randn(b, hkv, nk, d, device="cuda", generator=g).bfloat16()
+                v = torch.randn(b, hkv, nk, d, device="cuda", generator=g).bfloat16()
+                params = example_params(op.spec, b, h, nq, nk, device="cuda")
+                kw = {"dropout_p": 0.1, "dropout_seed": 1} if op.spec.dropout else {}
+                try:
+                    with flashgen.use_family(family), torch.no_grad():
+                        op(q, k, v, **params, **kw)
+                    torch.cuda.synchronize()
+                    ran += 1
+                except (NotImplementedError, ValueError) as e:  # not served, or params unfit for nq != nk
+                    skipped += 1
+                    print(f"skip {path.stem} d{d} {nq}x{nk}: {str(e).splitlines()[0][:120]}")
+    print(f"sanitize worker: {ran} calls ran on {family}, {skipped} skipped")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="sm90")
+    ap.add_argument("--tools", default="memcheck,racecheck")
+    ap.add_argument("--out", default=None, help="folder for the tools' logs")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a.family)
+    tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
+    if not Path(tool).exists():
+        print("compute-sanitizer not found (CUDA toolkit bin/)", file=sys.stderr)
+        return 2
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--family", a.family]
+    build = subprocess.run(me, check=False)  # build every kernel outside the sanitizer
+    if build.returncode != 0:
+        return build.returncode
+    out = Path(a.out) if a.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in a.tools.split(","):
+        env = dict(os.environ)
+        if name == "memcheck":
+            env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        cmd = [tool, "--tool", name, "--error-exitcode", "1", *(["--racecheck-report", "all"] if name == "racecheck" else []),
+               *me]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        text = res.stdout + res.stderr
+        if out:
+            (out / f"{name}.log").write_text(text)
+        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+        print(f"{name}: exit {res.returncode}; {summary[-1] if summary else 'no summary line'}")
+        if res.returncode != 0:
+            failed.append(name)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
