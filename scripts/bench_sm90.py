@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""Forward TFLOP/s of the sm90 and sm80 families next to SDPA (flash, cuDNN) and FlexAttention,
-all in one process and timed the same way (flashgen.bench.time_fn: CUDA events per call, median).
+"""Forward TFLOP/s of the sm90 and sm80 families next to SDPA and FlexAttention, in one process.
 
-Shapes follow the FlashAttention benchmarks: batch · seqlen = 16K tokens, heads · head_dim = 2048,
-bf16. FLOPs count visible pairs only (flashgen.flops). Usage:
-    python3 scripts/bench_sm90.py [--json OUT.json] [--specs dense,causal] [--seqlens 1024,4096,16384]
+Every implementation is timed the same way (flashgen.bench.time_fn: CUDA events per call,
+median). Shapes follow the FlashAttention benchmarks: batch · seqlen = 16K tokens,
+heads · head_dim = 2048, bf16. FLOPs count visible pairs only (flashgen.flops). Usage:
+    python3 scripts/bench_sm90.py [--specs dense,causal] [--head-dims 64,128]
+        [--seqlens 1024,4096,16384] [--reps 20] [--peers sdpa-flash,sdpa-cudnn,flex]
+        [--tiles 128x2,128x2x1] [--json OUT.json]
+Needs a CUDA device of compute capability 9.0.
 """
 
 from __future__ import annotations
@@ -25,14 +28,16 @@ ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--specs", default="dense,causal")
-    ap.add_argument("--head-dims", default="64,128")
-    ap.add_argument("--seqlens", default="1024,4096,16384")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex")
+    ap.add_argument("--specs", default="dense,causal", help="spec names in specs/ (comma-separated)")
+    ap.add_argument("--head-dims", default="64,128", help="head dims (comma-separated)")
+    ap.add_argument("--seqlens", default="1024,4096,16384", help="sequence lengths (comma-separated)")
+    ap.add_argument("--reps", type=int, default=20, help="timed calls per case (median reported)")
+    ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex", help="peers of flashgen.bench.peers to time")
     ap.add_argument("--tiles", default="128x2,64x2", help="sm90 tiles to time: keys x stages [x overlap 0/1], e.g. 128x2,128x2x1")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        ap.error("needs a CUDA device of compute capability 9.0 (the sm90 family)")
     dev = torch.device("cuda")
     for knob in ("cache_size_limit", "recompile_limit"):  # FlexAttention recompiles per shape
         if hasattr(torch._dynamo.config, knob):

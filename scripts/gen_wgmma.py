@@ -16,6 +16,7 @@ it with this script's output. Run: python3 scripts/gen_wgmma.py
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -84,8 +85,16 @@ def render() -> str:
     return "".join(parts)
 
 
-def main() -> int:
-    OUT.write_text(render())
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the checked-in header differs, write nothing")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        same = OUT.read_text() == text
+        print(f"{OUT}: {'up to date' if same else 'differs from scripts/gen_wgmma.py'}")
+        return 0 if same else 1
+    OUT.write_text(text)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes)")
     return 0
 

@@ -54,7 +54,7 @@ def worker(family: str) -> int:
                     skipped += 1
                     print(f"skip {path.stem} d{d} {nq}x{nk}: {str(e).splitlines()[0][:120]}")
     print(f"sanitize worker: {ran} calls ran on {family}, {skipped} skipped")
-    return 0
+    return 0 if ran else 1  # nothing ran: nothing was checked
 
 
 def main(argv=None) -> int:
@@ -64,6 +64,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for the tools' logs")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    from flashgen import families
+
+    fam = families.get(a.family, "--family")  # ValueError naming it for an unknown family
+    if fam.device != "cuda":
+        ap.error(f"--family: {fam.name} runs on {fam.device}; compute-sanitizer checks CUDA families")
     if a.worker:
         return worker(a.family)
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"

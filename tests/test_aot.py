@@ -345,3 +345,21 @@ def test_build_command_errors_name_the_options(tmp_path, capsys):
     assert cli.main(["build", str(SPEC), "--out", str(tmp_path / "d"), "--arch", "sm_75"]) == 2
     assert "--arch:" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def test_plan_for_hopper_builds_each_family_what_it_serves():
+    """On sm_90a a plan holds the sm90 forward (its own tiles) and the sm80 instantiations; a
+    forced sm90 plans only what sm90 serves and refuses the rest, naming it."""
+    plan = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128])
+    by_family = {p.inst.target.family: p.inst for p in plan}
+    assert set(by_family) == {"sm90", "sm80"}
+    assert by_family["sm90"].kinds == ("fwd",) and dict(by_family["sm90"].config)["fwd_block_n"] == 128
+    with flashgen.use_family("sm90"):
+        forced = aot_build.plan([SPEC, ROOT / "specs" / "document.attn"], arches=["sm_90a"], dtypes=["bf16"],
+                                head_dims=[128])
+        assert {p.inst.target.family for p in forced} == {"sm90"}
+        assert [p.inst.name for p in forced if p.inst.spec.name == "causal"] == [by_family["sm90"].name]
+        with pytest.raises(ValueError, match="head_dims: 256 is not served by family sm90"):
+            aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[256])
+        with pytest.raises(ValueError, match="family sm90 serves the padded, dense layout"):
+            aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128], layouts=["packed"])

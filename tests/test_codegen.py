@@ -100,6 +100,12 @@ def test_key_changes_with_a_template_edit(tmp_path, monkeypatch):
         header.write_text(header.read_text() + "\n// edited\n")
         artifact.generator_hash.cache_clear()
         assert artifact.generator_hash("cuda") == cuda_before
+        # every CUDA family's headers are in the CUDA keys: an sm90 header edit changes them
+        cpu_before = artifact.generator_hash("cpu")
+        header = copy / "include" / "flashgen" / "sm90" / "fwd.cuh"
+        header.write_text(header.read_text() + "\n// edited\n")
+        artifact.generator_hash.cache_clear()
+        assert artifact.generator_hash("cuda") != cuda_before and artifact.generator_hash("cpu") == cpu_before
     finally:
         artifact.generator_hash.cache_clear()
 

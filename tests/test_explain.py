@@ -675,7 +675,10 @@ def test_report_names_the_family_that_serves_the_call(capsys):
     assert (rep.family, rep.device) == ("sm90", "cuda")
     assert rep.family_why.startswith("sm90 (the first family that serves the call")
     both = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
-    assert both.family == "sm80" and "sm90 has no backward kernels" in both.family_why
+    assert both.family == "sm90" and both.tiles["fwd"].block_n == 128  # the forward's family and tile
+    assert any("backward: the sm80 family" in n for n in both.notes)
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="sm90 .*backward"):
+        ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
     at80 = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_80")
     assert at80.family == "sm80" and "sm90 needs compute capability 9.0" in at80.family_why
     cpu = ex.explain(SPECS / "causal.attn", 256, head_dim=64, device="cpu")
@@ -698,8 +701,12 @@ def test_sm90_model_counts_its_own_forward_tile():
     assert (rep.family, fwd.block_m, fwd.block_n, fwd.warps) == ("sm90", 128, 128, 12)
     assert fwd.smem_bytes == sm90_smem(d, 128, 2)
     assert rep.fwd.terms["K, V reads"] == B * H * 8 * nk * d * e * 2
+    # sm90 builds no block lists: a document mask visits its closed-form (causal) key range
     doc = ex.explain(SPECS / "document.attn", 1024, head_dim=64, arch="sm_90a")
-    assert doc.family == "sm90" and "key ranges" in doc.model  # sm90 builds no block lists
+    causal = ex.explain(SPECS / "causal.attn", 1024, head_dim=64, arch="sm_90a")
+    assert doc.family == "sm90" and "closed-form key range" in doc.model
+    assert doc.fwd.terms["K, V reads"] == causal.fwd.terms["K, V reads"]
+    assert doc.flops < causal.flops  # FLOPs count the kept pairs only
 
 
 def test_family_model_is_chosen_by_the_family_name(monkeypatch):

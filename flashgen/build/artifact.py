@@ -185,14 +185,18 @@ class Instantiation:
 
 @functools.cache
 def generator_hash(backend: str = "cpu", package: Path | None = None) -> str:
-    """sha256 over the templates, the shared headers, ``backend``'s kernel headers and the code
-    generator (``generator_modules`` of ``package``, default this package): editing any of them
-    changes every key of that family (and only that family)."""
+    """sha256 over the templates, the shared headers, the kernel headers of ``backend``'s device
+    type and the code generator (``generator_modules`` of ``package``, default this package):
+    editing any of them changes every key of that device type. The CPU's headers are
+    include/flashgen/cpu; a CUDA target's are every other header folder (cuda/, sm90/, ...: a CUDA
+    family's units include their own folder and cuda/'s), so an edit to one CUDA family's headers
+    also rebuilds the others' kernels, never stale ones."""
     h = hashlib.sha256()
     root = templates_dir()
     include = root / "include" / "flashgen"
     files = sorted(root.glob("*.jinja")) + sorted(include.glob("*.h"))
-    files += sorted(p for p in (include / backend).rglob("*") if p.is_file())
+    folders = [d for d in sorted(include.iterdir()) if d.is_dir() and (d.name == "cpu") == (backend == "cpu")]
+    files += sorted(p for d in folders for p in d.rglob("*") if p.is_file())
     files = [(str(p.relative_to(root)), p) for p in files]
     files += [(m, p) for m, p in generator_modules(package)]
     for name, p in files:

@@ -25,16 +25,20 @@ MODELS = {"sm90": sm90_model, "sm80": sm80_model, "cpu": cpu_model}
 
 
 def family_choice(op, target: Target, dtype: ir.DType, head_dim: int, backward: bool) -> families.Choice:
-    """The kernel family that serves the call and why: ``op.family_for`` on a live device, else
-    flashgen.families.choose for the target's architecture (the tables, no device). Raises
-    NotImplementedError when a forced family cannot serve it, ValueError when no model exists
-    for the family."""
+    """The kernel family that serves the call's forward and why: ``op.family_for`` on a live
+    device, else flashgen.families.choose for the target's architecture (the tables, no device).
+    With ``backward`` the backward's family is chosen too (each pass chooses its own: on sm_90a
+    the sm90 forward and the sm80 backward), so that a forced family without a backward raises.
+    Raises NotImplementedError when a forced family cannot serve a pass, ValueError when no model
+    exists for the family."""
+    call = families.Call(target.device_type, target.arch, dtype, head_dim)
     if target.device is not None:
         choice = op.family_for(target.device, dtype, head_dim)
     else:
-        features = frozenset({"backward"}) if backward else frozenset()
-        call = families.Call(target.device_type, target.arch, dtype, head_dim, features)
         choice = families.choose(op.spec, call)
+    if backward:
+        families.choose(op.spec, families.Call(target.device_type, target.arch, dtype, head_dim,
+                                               frozenset({"backward"})))
     if choice.family.name not in MODELS:
         raise ValueError(f"family: explain has no model of kernel family {choice.family.name} "
                          f"(it models {', '.join(MODELS)})")

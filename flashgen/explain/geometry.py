@@ -44,6 +44,14 @@ def row_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict):
     rng = keyrange.key_range(spec)
     if not rng.exact:
         return None
+    return closed_form_bounds(spec, nq, nk, bp, hp, params)
+
+
+def closed_form_bounds(spec: ir.Spec, nq: int, nk: int, bp: int, hp: int, params: dict):
+    """Per query row, the closed-form key range [lo, hi) int64 [bp, hp, Nq] that the kernels'
+    kv_lo / kv_hi hooks bound a tile's visits by, exact or not (a mask without an exact range,
+    such as document ids, keeps a subset of it)."""
+    rng = keyrange.key_range(spec)
     ar = lambda n: torch.arange(n, dtype=torch.int64)  # noqa: E731
     env = {"b": ar(bp).view(-1, 1, 1), "h": ar(hp).view(1, -1, 1), "q": ar(nq).view(1, 1, -1),
            "seqlen_q": nq, "seqlen_k": nk}

@@ -373,11 +373,12 @@ class AttentionOp:
 
     def family_for(self, device: torch.device | str = "cpu", dtype=None, head_dim: int = 128, *,
                    layout: str = "padded", sparse: bool = False, dropout: bool = False,
-                   family: str | None = None) -> families.Choice:
+                   family: str | None = None, backward: bool = False) -> families.Choice:
         """The kernel family a call on ``device`` with ``dtype`` (default the family's first the
         spec allows) and ``head_dim`` runs on, and why (``Choice.why()``): ``family`` or a forced
         one (FLASHGEN_FAMILY, ``flashgen.use_family``), else the first family that serves the
-        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0).
+        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0);
+        ``backward``: the family of the call's backward pass (each pass chooses its own).
 
         Raises ValueError for an unknown layout or family, NotImplementedError when the forced
         family, or every family, cannot serve the call (naming what it lacks)."""
@@ -388,7 +389,7 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine (a CUDA call's family "
                              "depends on the device's architecture)")
         dt = as_dtype(dtype, "dtype") if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
-        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family)
+        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
                 dropout: bool, family: str | None = None, backward: bool = False) -> families.Choice:
@@ -556,10 +557,11 @@ class AttentionOp:
                 unless built here. Ignored on cpu, whose kernels take both.
             sparse: False and/or True: the dense kernels and/or the block-sparse ones (calls with
                 block_mask=), each its own instantiation on sm80. Ignored on cpu.
-            family: the kernel family to build for (flashgen/families: 'sm80', 'cpu'); default
-                the forced one (FLASHGEN_FAMILY, flashgen.use_family), else the first family
-                that runs on ``device``. Calls then run on it while it is forced, or while it
-                is the first family that serves them.
+            family: the kernel family to build for (flashgen/families: 'sm90', 'sm80', 'cpu');
+                default the forced one (FLASHGEN_FAMILY, flashgen.use_family), else every family
+                a call on ``device`` may run on (families.for_arch_all: on sm_90a the sm90
+                forward for what it serves of the request, then sm80). Calls then run on it
+                while it is forced, or while it is the first family that serves them.
 
         Returns the instantiations, now loaded in this process.
 

@@ -127,14 +127,27 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                     raise ValueError(f"dtypes: {dt.value} is not supported by spec '{spec.name}' on {backend} "
                                      f"(it allows {', '.join(d.value for d in op.dtypes(backend)) or 'none'})")
             fams = families.for_arch_all(backend, arch)
-            fam = fams[-1]  # the complete family; the partial ones before it get what they serve
-            for part in fams[:-1]:
+            alone = len(fams) == 1  # forced, or the only family there: what it cannot serve is an error
+            for part in (f for f in fams if not families.complete(f)):
+                # A partial family (sm90: the padded forward) gets what it serves of the request,
+                # with its own tiles; forced alone, a request it cannot serve is refused.
                 part_hds = want_hds if want_hds is not None else [d for d in (64, 128) if d in op.head_dims(part)]
+                if alone:
+                    bad = [d for d in part_hds if d not in op.head_dims(part)]
+                    if bad:
+                        raise ValueError(f"head_dims: {bad[0]} is not served by family {part.name} (it serves "
+                                         f"{ranges_text(op.head_dims(part))})")
+                    if "padded" not in layouts or True in sparse:
+                        raise ValueError(f"layouts / sparse: family {part.name} serves the padded, dense layout "
+                                         "only (its kernels have no packed or block-sparse form)")
                 if "padded" in layouts and False in sparse:
                     for dt in dts:
                         for hd in part_hds:
                             if dt in op.dtypes(part) and hd in op.head_dims(part):
                                 add(Planned(op, part.instantiation(spec, arch, dt, hd), index))
+            if not families.complete(fams[-1]):
+                continue
+            fam = fams[-1]  # the complete family
             if fam.runtime_head_dim:
                 for dt in dts:
                     add(Planned(op, fam.instantiation(spec, arch, dt, None)))

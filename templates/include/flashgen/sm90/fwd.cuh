@@ -6,7 +6,8 @@
 //   int flashgen::sm90::launch_fwd(const FgFwdArgs& args);   // FgStatus; no host sync
 //
 // Padded layout only (the family declines packed batches; the host prelude refuses them here).
-// Head dims: every multiple of 8 up to 256 whose tiles fit shared memory (Sm90FwdTile::kSmem).
+// Head dims: the kernel compiles for every multiple of 8 up to 256 whose tiles fit shared memory
+// (the static_assert on kSmem); the family serves 8..128 (flashgen/families/sm90.py).
 //
 // ---------------------------------------------------------------------------------------------
 // CTA: three warpgroups (384 threads), one CTA per multiprocessor.
