@@ -14,7 +14,9 @@ _i64, _f32 = ctypes.c_int64, ctypes.c_float
 _DROPOUT = [("dropout_state", ctypes.c_void_p), ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", _f32)]
 # After them, in both blocks: packed (varlen) batches. cu_seqlens_q null: the padded layout.
 _VARLEN = [("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("total_q", _i64), ("total_k", _i64)]
-
+# At the end of both blocks: what the kernel family decides per call (the CPU tiles); FgBwdArgs adds the
+# CUDA backward's GQA split after them.
+_DECIDED = [("tile_q", ctypes.c_int32), ("tile_kv", ctypes.c_int32)]
 
 
 class FgBlockLists(ctypes.Structure):
@@ -49,6 +51,7 @@ class FgFwdArgs(ctypes.Structure):
         *_DROPOUT,
         *_VARLEN,
         ("kv_blocks", FgBlockLists),
+        *_DECIDED,
     ]  # fmt: skip
 
 
@@ -67,6 +70,7 @@ class FgBwdArgs(ctypes.Structure):
         *_DROPOUT,
         *_VARLEN,
         ("q_blocks", FgBlockLists), ("kv_blocks", FgBlockLists),
+        *_DECIDED, ("gqa_splits", ctypes.c_int32),
     ]
 
 

@@ -1,13 +1,14 @@
 """Every environment variable flashgen reads, in one place. Nothing else reads os.environ.
 
-Two tuning knobs are read by the CPU kernel header itself (templates/include/flashgen/cpu/fwd.h),
-for benchmarking only: FLASHGEN_CPU_TILES=qb,kvb forces the tile sizes, FLASHGEN_CPU_GEMM=blas
-forces MKL's sgemm instead of the built-in micro-kernels.
+One tuning knob is read by the CPU kernel headers themselves (templates/include/flashgen/cpu/
+gemm.h), for benchmarking only: FLASHGEN_CPU_GEMM=blas forces MKL's sgemm instead of the
+built-in micro-kernels.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 # The process environment as os.environ keeps it (a dict of bytes on POSIX): read directly on
@@ -119,6 +120,35 @@ def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
     checked by flashgen.tiles (BwdTile.legal)."""
     return _tile("FLASHGEN_CUDA_BWD_TILE", "BMxWxWDxWQ", ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"),
                  "64x8x1x2")
+
+
+def _strtol(text: str) -> tuple[int, int]:
+    """C's strtol(text, &end, 10): (value, characters consumed); (0, 0) without digits."""
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?[0-9]+)", text)
+    return (int(m.group(1)), m.end()) if m else (0, 0)
+
+
+def _cpu_tile(var: str) -> tuple[int, int] | None:
+    raw = os.environ.get(var)
+    if raw is None:
+        return None
+    qb, end = _strtol(raw)
+    kvb = _strtol(raw[end + 1:])[0] if raw[end:end + 1] == "," else 0
+    return qb, kvb
+
+
+def cpu_tiles() -> tuple[int, int] | None:
+    """FLASHGEN_CPU_TILES="qb,kvb": force the CPU forward's tiles (tuning experiments only). The raw
+    (qb, kvb) as C's strtol reads them (a missing or unreadable number is 0), None when unset;
+    which values apply is the CPU family's rule (flashgen/families/cpu_tiles.py, override_fwd:
+    qb in [1, 1024], kvb in [8, 8192])."""
+    return _cpu_tile("FLASHGEN_CPU_TILES")
+
+
+def cpu_bwd_tiles() -> tuple[int, int] | None:
+    """FLASHGEN_CPU_BWD_TILES="qb,kvb": force the CPU backward's tiles, as ``cpu_tiles`` (applied
+    by cpu_tiles.override_bwd: qb in [1, 1024], kvb in [8, 1024])."""
+    return _cpu_tile("FLASHGEN_CPU_BWD_TILES")
 
 
 def aot_dirs() -> list[Path]:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import flashgen
+from flashgen.families import cpu_tiles
 from flashgen.runtime import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +28,19 @@ def poison_outputs():
     launch.poison_outputs = True
     yield
     launch.poison_outputs = old
+
+
+@pytest.fixture
+def forced_cpu_tiles(monkeypatch):
+    """Sets FLASHGEN_CPU_TILES / FLASHGEN_CPU_BWD_TILES ("qb,kvb") for one test: they are read once
+    per process, so the CPU family's reading of them is cleared on the way in and out."""
+    def force(fwd: str, bwd: str) -> None:
+        monkeypatch.setenv("FLASHGEN_CPU_TILES", fwd)
+        monkeypatch.setenv("FLASHGEN_CPU_BWD_TILES", bwd)
+        cpu_tiles.overrides.cache_clear()
+
+    yield force
+    cpu_tiles.overrides.cache_clear()  # monkeypatch restores the environment after this
 
 
 @pytest.fixture(scope="session")

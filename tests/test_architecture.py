@@ -111,3 +111,39 @@ def test_modules_have_one_stage_each():
     """No module grows past ~800 lines again (ops.py had 1,376, explain.py 1,367)."""
     sizes = {m: len(p.read_text().splitlines()) for m, p in imports.module_graph(PACKAGE).paths.items()}
     assert max(sizes.values()) <= 800, sorted(sizes.items(), key=lambda x: -x[1])[:3]
+
+
+def test_former_mirrors_have_one_implementation():
+    """Rules the C++ applied and Python ported (for explain) live once, in Python in the kernel
+    family's module, and the kernels read the decision from their argument blocks (args.h):
+    the CPU tile choice (families/cpu_tiles.py: the runtime's launches fill tile_q / tile_kv
+    from it, explain's CPU model calls it; cpu/tiles.h only checks the fields) and the CUDA
+    backward's GQA split (families/sm80.py gqa_splits: the launch fills gqa_splits, explain
+    imports it; cuda/bwd.cuh reads it). The other former mirrors have their own tests: the
+    key ranges (tests/test_key_range.py), ABI_VERSION (test_codegen.py), tile legality
+    (test_tiles.py), the FLOP counter (test_flops.py)."""
+    from flashgen.explain import cpu_model, sm80_model
+    from flashgen.families import cpu_tiles, sm80
+    from flashgen.paths import include_dir
+
+    headers = include_dir() / "flashgen"
+    tiles_h = (headers / "cpu" / "tiles.h").read_text()
+    for gone in ("choose_tiles", "sparse_tiles", "bwd_choose_tiles", "getenv", "sysconf", "get_num_threads"):
+        assert gone not in tiles_h, gone
+    for header in (headers / "cpu").glob("*.h"):
+        text = header.read_text()
+        assert 'getenv("FLASHGEN_CPU_TILES")' not in text and 'getenv("FLASHGEN_CPU_BWD_TILES")' not in text
+    assert "a.tile_q" in tiles_h and "a.tile_kv" in tiles_h
+    bwd_cuh = (headers / "cuda" / "bwd.cuh").read_text()
+    assert "a.gqa_splits" in bwd_cuh and "items * s" not in bwd_cuh
+
+    # One implementation in Python, which its users import.
+    assert cpu_model.family_tiles is cpu_tiles and sm80_model.gqa_splits is sm80.gqa_splits
+    graph = imports.module_graph(PACKAGE)
+    assert "flashgen.families.cpu_tiles" in graph.edges["flashgen.families.cpu"]
+    assert "flashgen.families.cpu_tiles" in graph.edges["flashgen.explain.cpu_model"]
+    rules = {"qb_max": "flashgen.families.cpu_tiles", "2 * items <= sms": "flashgen.families.sm80"}
+    for mod, path in graph.paths.items():
+        text = path.read_text()
+        for marker, home in rules.items():
+            assert marker not in text or mod == home, f"{mod} implements {home}'s rule ({marker!r})"

@@ -152,10 +152,9 @@ def test_kernel_mask_is_the_reference_mask_and_unbiased():
     assert off_diagonal.abs().max() < 4 / math.sqrt(flat.shape[1])
 
 
-def test_tiling_never_changes_the_mask(monkeypatch):
+def test_tiling_never_changes_the_mask(forced_cpu_tiles):
     """Other tile sizes (forward and backward) cut the rows and keys elsewhere: same mask."""
-    monkeypatch.setenv("FLASHGEN_CPU_TILES", "40,24")
-    monkeypatch.setenv("FLASHGEN_CPU_BWD_TILES", "33,16")
+    forced_cpu_tiles("40,24", "33,16")
     got = extracted_mask(spec_op("dropout"), 1, 2, 1, 200, 0.5, seed=4)
     assert torch.equal(got, philox.keep_mask(4, 0, 1, 2, 200, 200, 0.5) & torch.ones(200, 200, dtype=torch.bool).tril())
     run_case("dropout", 2, 4, 2, 150, 150, 32, torch.float32, 0.5, seed=9)

@@ -328,7 +328,7 @@ def test_cpu_family_without_gpu_or_arch():
     assert d["tiles"]["fwd"]["origin"] == "derived (L2 cache)"
 
 
-def test_cpu_tiles_port_hand_derived():
+def test_cpu_tiles_hand_derived():
     # L2 = 512 KiB, d = 64: kvb = 512 (2·512·64·4 B fits), qb_max = 512 KiB / (4·512) = 256.
     # Dense Nq = 1024, one (batch, head): one thread → every candidate costs the same work, the
     # largest tile wins (256); 8 threads → 4 tasks of 256 rows leave 4 threads idle, 8 of 128

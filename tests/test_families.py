@@ -203,3 +203,27 @@ def test_messages_name_what_forced_the_family(causal, monkeypatch, capsys):
             causal.family_for("cuda", torch.bfloat16, 128)
     with pytest.raises(ValueError, match="^q: dtype torch.float64 is not supported"):
         causal(q.double(), q, q)
+
+
+def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
+    """sm80's per-call decision (families/sm80.py): FgBwdArgs.gqa_splits from the rule, with the key
+    tile of the library's backward kernel and the multiprocessor count; 1 when deterministic
+    (the CUDA launcher only reads and checks it)."""
+    from flashgen.abi import FgBwdArgs
+    from flashgen.families.sm80 import gqa_splits
+
+    sm80 = families.get("sm80")
+    inst = sm80.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
+    block_n = flashgen.tiles.from_config(dict(inst.config))[1].block_n
+    fields = sm80.launch_fields(causal.spec)
+    assert not fields.fills_fwd
+    for batch, hq, hkv, nk, sms, det in ((1, 8, 1, 256, 132, 0), (1, 8, 2, 4096, 132, 0), (2, 6, 2, 1000, 108, 0),
+                                         (1, 8, 1, 256, 132, 1), (1, 4, 4, 128, 132, 0)):
+        args = FgBwdArgs()
+        args.batch, args.heads_q, args.heads_kv, args.seqlen_k, args.num_sms, args.deterministic = \
+            batch, hq, hkv, nk, sms, det
+        fields.bwd(args, (), inst.config)
+        want = 1 if det else gqa_splits(-(-nk // block_n), hkv, batch, hq // hkv, sms)
+        assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
+    # 8 heads on one kv head, 2 key tiles of 128 on 132 SMs: the whole group is split 8 ways.
+    assert gqa_splits(2, 1, 1, 8, 132) == 8 and gqa_splits(40, 2, 1, 4, 132) == 1

@@ -318,7 +318,9 @@ def test_kernel_refuses_inconsistent_metadata():
     args.cu_seqlens_q, args.cu_seqlens_k, args.total_q, args.total_k = bad.data_ptr(), ck.data_ptr(), 8, 10
     assert lib.fwd(ctypes.byref(args)) == 5  # FG_ERR_BAD_SHAPE
     args.cu_seqlens_q = cq.data_ptr()
-    assert lib.fwd(ctypes.byref(args)) == 0
+    assert lib.fwd(ctypes.byref(args)) == 5  # the tiles (tile_q, tile_kv) are the host's to set: 0 is refused
+    c.launch_fields(lib).fwd(args, ())
+    assert (args.tile_q, args.tile_kv) != (0, 0) and lib.fwd(ctypes.byref(args)) == 0
 
 
 # ---------------------------------------------------------------- torch integration

@@ -95,10 +95,10 @@ memory).
 
 The kernel family that serves the call (flashgen.families.choose: the registry's order, or a
 forced family) picks the model of tiles and peaks: explain/sm80_model.py (flashgen.tiles'
-tiles, registers from the compiled library) or explain/cpu_model.py (the CPU kernels' own tile
-choice, templates/include/flashgen/cpu/tiles.h ``choose_tiles`` and ``bwd_choose_tiles``,
-ported: sized from the L2 cache, query tile by a load-balance cost model over
-torch.get_num_threads() threads; its bytes use the same model). The report names the family,
+tiles, registers from the compiled library, the GQA split of flashgen.families.sm80) or
+explain/cpu_model.py (the CPU family's tile choice, flashgen/families/cpu_tiles.py — the
+function its launches call: sized from the L2 cache, query tile by a load-balance cost model
+over torch.get_num_threads() threads; its bytes use the same model). The report names the family,
 the device type and why that family serves the call.
 
 Modules, one stage each: ``inputs`` (arguments and parameter values), ``target`` (device,
@@ -109,7 +109,7 @@ architecture and the family model's interface), ``geometry`` (mask geometry, til
 
 from __future__ import annotations
 
-from .cpu_model import cpu_bwd_tiles, cpu_fwd_tiles, cpu_l2_bytes, cpu_peaks, cpu_tiles
+from .cpu_model import cpu_l2_bytes, cpu_peaks, cpu_tiles
 from .entry import MODELS, explain
 from .geometry import Geometry, compute_geometry, row_bounds
 from .inputs import as_dtype, materialize, spec_params
@@ -118,6 +118,6 @@ from .sm80_model import resource_usage
 from .traffic import ACC_BYTES, ELEMENT_BYTES, LSE_BYTES, PARAM_BYTES
 
 __all__ = ["ACC_BYTES", "ELEMENT_BYTES", "LSE_BYTES", "MODELS", "PARAM_BYTES", "Geometry", "Report", "TileReport",
-           "Traffic", "as_dtype", "compute_geometry", "cpu_bwd_tiles", "cpu_fwd_tiles", "cpu_l2_bytes", "cpu_peaks",
+           "Traffic", "as_dtype", "compute_geometry", "cpu_l2_bytes", "cpu_peaks",
            "cpu_tiles", "explain", "fmt_bytes", "materialize", "render", "resource_usage", "row_bounds",
            "spec_params", "to_json"]

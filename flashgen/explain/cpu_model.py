@@ -1,7 +1,7 @@
-"""The ``cpu`` kernel family's model for explain: its tiles, ported from the kernels'
-own choice (templates/include/flashgen/cpu/tiles.h ``choose_tiles`` and ``bwd_choose_tiles``:
-sized from the L2 cache, the query tile by a load-balance cost model over
-torch.get_num_threads() threads), and this CPU's measured peaks.
+"""The ``cpu`` kernel family's model for explain: its tiles, from the family's own rule
+(flashgen/families/cpu_tiles.py, the function the runtime's launches call: sized from the L2
+cache, the query tile by a load-balance cost model over torch.get_num_threads() threads), and
+this CPU's measured peaks.
 """
 
 from __future__ import annotations
@@ -14,135 +14,40 @@ from pathlib import Path
 
 import torch
 
-from ..lang import expr, ir
-from .geometry import Geometry, mask_geometry, tile_hulls
+from ..families import cpu_tiles as family_tiles
+from .geometry import mask_geometry
 from .inputs import as_op, check_sizes, given_params, spec_params
 from .report import TileReport, fmt_bytes
 from .target import FamilyPart, ModelCall
 
-
-def cpu_l2_bytes() -> int:
-    """The L2 size the CPU kernels size their tiles from (bytes): the level-2 cache of cpu0 from
-    /sys/devices/system/cpu/cpu0/cache, kept if within [256 KiB, 8 MiB], else 512 KiB — the
-    clamp and fallback of templates/include/flashgen/cpu/fwd.h ``l2_bytes``."""
-    size = -1
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    try:
-        for idx in sorted(base.glob("index*")):
-            if (idx / "level").read_text().strip() == "2":
-                text = (idx / "size").read_text().strip().upper()
-                mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-                size = int(text.rstrip("KMG")) * mult
-                break
-    except (OSError, ValueError):
-        size = -1
-    return size if (256 << 10) <= size <= (8 << 20) else 512 << 10
+cpu_l2_bytes = family_tiles.l2_bytes  # the L2 size the tiles are sized from (explain's name for it)
 
 
-def round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
-
-
-def spans(geo: Geometry, nq: int, qc: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, key span) per query tile of ``qc`` rows at b = h = 0 (the kernels' cost models
-    evaluate kv_lo / kv_hi there)."""
-    lo, hi, rows = tile_hulls(geo.first[:1], geo.last[:1], nq, qc)
-    return rows, (hi - lo)[0]
-
-
-def cpu_fwd_tiles(geo: Geometry, batch_heads: int, nq: int, nk: int, d: int, l2: int, threads: int) -> tuple[int, int]:
-    """(qb, kvb) of the CPU forward: ``choose_tiles`` of cpu/tiles.h — kvb the largest power of two
-    ≤ 512 (≥ 128) whose K and V panels (2 · kvb · d fp32) fit L2, qb the candidate in
-    {qb_max, qb_max/2, ..., 32} (qb_max = L2 / (4 · kvb) in [32, 256]) minimising the makespan of
-    the B·Hq·⌈Nq/qb⌉ tasks over ``threads`` threads times (1 + 5/qb + 5/kvb)."""
-    nk8 = round_up(max(nk, 1), 8)
-    kvb = 512
-    while kvb > 128 and 2 * kvb * d * 4 > l2:
-        kvb //= 2
-    kvb = min(kvb, nk8)
-    qb_max = min(max(l2 // (4 * kvb), 32), 256)
-    qb = min(qb_max, nq)
-    if nq > 32:
-        best = -1.0
-        cand = qb_max
-        while cand >= 32:
-            qc = min(cand, nq)
-            nqt = -(-nq // qc)
-            rows, span = spans(geo, nq, qc)
-            cost_t = (rows * (span.clamp(min=0) + 8)).to(torch.float64)
-            prefix = [0.0] + torch.cumsum(cost_t, 0).tolist()
-            ntasks = batch_heads * nqt
-            nthr = min(threads, ntasks)
-            chunk = -(-ntasks // nthr)
-
-            def upto(x, prefix=prefix, nqt=nqt):
-                return (x // nqt) * prefix[nqt] + prefix[x % nqt]
-
-            makespan = 0.0
-            for i in range(nthr):
-                b0, b1 = i * chunk, min(i * chunk + chunk, ntasks)
-                if b0 >= b1:
-                    break
-                makespan = max(makespan, upto(b1) - upto(b0))
-            cost = makespan * (1.0 + 5.0 / qc + 5.0 / kvb)
-            if best < 0.0 or cost < best * 0.999:
-                best, qb = cost, qc
-            cand //= 2
-    return qb, kvb
-
-
-def cpu_bwd_tiles(geo: Geometry, nq: int, nk: int, d: int, l2: int, mod_path: bool, dropout: bool = False) -> tuple[int, int]:
-    """(qb, kvb) of the CPU backward: ``bwd_choose_tiles`` of cpu/tiles.h — kvb ≤ 128 with its five
-    kvb × d fp32 panels in half of L2, qb_max ≤ 128 with its q × kv tiles (2 with a score mod or
-    parameter gradient, +1 with dropout) and three q × d panels in half of L2, qb the candidate
-    minimising the visited area × (1 + 5/qb + 5/kvb)."""
-    tiles_qk = (2 if mod_path else 1) + (1 if dropout else 0)
-    kvb = 128
-    while kvb > 32 and 5 * kvb * d * 4 > l2 // 2:
-        kvb //= 2
-    qb_max = 128
-    while qb_max > 32 and (tiles_qk * qb_max * kvb + 3 * qb_max * d) * 4 > l2 // 2:
-        qb_max //= 2
-    kvb = min(kvb, round_up(max(nk, 1), 8))
-    qb = qb_max if qb_max < nq else max(nq, 1)
-    if nq > 32:
-        best = -1.0
-        cand = qb_max
-        while cand >= 32:
-            qc = min(cand, nq)
-            rows, span = spans(geo, nq, qc)
-            area = float((rows * span.clamp(min=0)).sum())
-            cost = area * (1.0 + 5.0 / qc + 5.0 / kvb)
-            if best < 0.0 or cost < best * 0.999:
-                best, qb = cost, qc
-            cand //= 2
-    return qb, kvb
-
-
-def tiles_for(spec: ir.Spec, geo: Geometry, batch: int, heads: int, nq: int, nk: int, d: int, l2: int,
-              threads: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((qb, kvb) forward, (qb, kvb) backward) of the CPU kernels for this call's geometry."""
-    mod_path = spec.score is not None or bool(expr.grad_params(spec))
-    return (cpu_fwd_tiles(geo, batch * heads, nq, nk, d, l2, threads),
-            cpu_bwd_tiles(geo, nq, nk, d, l2, mod_path))
+def cpu_tiles_for(spec, batch: int, heads: int, nq: int, nk: int, head_dim: int, values: dict, l2: int,
+                  threads: int) -> dict[str, tuple[tuple[int, int], str]]:
+    """{'fwd' | 'bwd': ((qb, kvb), origin)}: the tiles the CPU kernels receive for a padded call
+    without block lists or dropout, and where they came from (flashgen.families.cpu_tiles
+    fwd_tiles / bwd_tiles, the functions its launches use, overrides included)."""
+    return {"fwd": family_tiles.fwd_tiles(spec, batch * heads, nq, nk, head_dim, values, threads=threads, l2=l2),
+            "bwd": family_tiles.bwd_tiles(spec, nq, nk, head_dim, values, l2=l2)}
 
 
 def cpu_tiles(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim: int, batch: int = 1,
               heads: int = 1, params=None, l2_bytes: int | None = None,
               threads: int | None = None) -> tuple[tuple[int, int], tuple[int, int]]:
     """((qb, kvb) forward, (qb, kvb) backward): the CPU family's tiles for a call (the padded
-    layout, no block mask, no dropout), as its kernels choose them (``cpu_fwd_tiles``,
-    ``cpu_bwd_tiles``) with ``l2_bytes`` (default: this machine's, ``cpu_l2_bytes``) and
-    ``threads`` (default torch.get_num_threads()). ``params`` as in ``explain``."""
+    layout, no block mask, no dropout), as its launches choose them (``cpu_tiles_for``) with
+    ``l2_bytes`` (default: this machine's, ``cpu_l2_bytes``) and ``threads`` (default
+    torch.get_num_threads()). ``params`` as in ``explain``."""
     op = as_op(op_or_spec)
     nk = seqlen_q if seqlen_k is None else seqlen_k
     check_sizes(seqlen_q, nk, head_dim, batch, heads, heads)
     given = given_params(op.spec, params)
     values = spec_params(op.spec, given, batch, heads, seqlen_q, nk)
-    geo = mask_geometry(op.spec, seqlen_q, nk, batch, heads, values, given)
-    return tiles_for(op.spec, geo, batch, heads, seqlen_q, nk, head_dim,
-                      cpu_l2_bytes() if l2_bytes is None else l2_bytes,
-                      torch.get_num_threads() if threads is None else threads)
+    tiles = cpu_tiles_for(op.spec, batch, heads, seqlen_q, nk, head_dim, values,
+                          cpu_l2_bytes() if l2_bytes is None else l2_bytes,
+                          torch.get_num_threads() if threads is None else threads)
+    return tiles["fwd"][0], tiles["bwd"][0]
 
 
 @functools.cache
@@ -189,12 +94,10 @@ def describe(call: ModelCall) -> FamilyPart:
     geo = mask_geometry(spec, nq, nk, call.batch, call.heads, call.values, call.given)
     l2 = cpu_l2_bytes()
     threads = torch.get_num_threads()
-    (qb, kvb), (bqb, bkvb) = tiles_for(spec, geo, call.batch, call.heads, nq, nk, d, l2, threads)
-    origin = "derived (L2 cache)"
-    tile_rep = {
-        "fwd": TileReport(qb, kvb, None, origin, None, None, "n/a (CPU family)", f"{qb}x{kvb}"),
-        "bwd": TileReport(bqb, bkvb, None, origin, None, None, "n/a (CPU family)", f"{bqb}x{bkvb}"),
-    }
+    chosen = cpu_tiles_for(spec, call.batch, call.heads, nq, nk, d, call.values, l2, threads)
+    tile_rep = {kind: TileReport(m, n, None, origin, None, None, "n/a (CPU family)", f"{m}x{n}")
+                for kind, ((m, n), origin) in chosen.items()}
+    (qb, kvb), (bqb, bkvb) = chosen["fwd"][0], chosen["bwd"][0]
     peak, bw = cpu_peaks()
     call.notes.append("CPU family: bytes follow the same tile model with the CPU kernel's tiles; 'hbm' means DRAM")
     gpu = f"CPU: {cpu_name()}"

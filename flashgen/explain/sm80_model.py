@@ -1,8 +1,8 @@
 """The ``sm80`` kernel family's model for explain (FlashAttention-2 on tensor cores,
 templates/include/flashgen/cuda): its tiles and their origin (flashgen.tiles), registers read
 from the compiled library (ptxas' figures through cuobjdump) or the model's estimate, the GQA
-split of the backward, block lists for masks without a closed-form key range, and the
-architecture's datasheet peaks.
+split of the backward (flashgen.families.sm80.gqa_splits, the rule its launches use), block
+lists for masks without a closed-form key range, and the architecture's datasheet peaks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from .. import env, families, tiles
 from ..build import aot
 from ..errors import BuildError
+from ..families.sm80 import gqa_splits
 from ..ops import announce
 from ..runtime import loader
 from ..tune import resources
@@ -20,17 +21,6 @@ from .report import TileReport
 from .target import FamilyPart, ModelCall, Target, nearest_known_arch
 
 FAMILY = families.get("sm80")
-
-
-def gqa_splits(num_n_tiles: int, hkv: int, batch: int, group: int, sms: int) -> int:
-    """The CUDA backward's GQA split (bwd.cuh launch_bwd_tiled, non-deterministic path)."""
-    splits = 1
-    items = num_n_tiles * hkv * batch
-    if group > 1 and 2 * items <= sms:
-        for s in range(2, group + 1):
-            if group % s == 0 and items * s <= sms:
-                splits = s
-    return splits
 
 
 def resource_usage(lib: Path) -> dict[str, int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from .. import env
 from ..lang import ir
 from . import cpu, sm80, sm90
-from .base import FEATURES, Call, Family
+from .base import FEATURES, Call, Family, LaunchFields
 
 # The order families are tried in: the Hopper family first, then mma.sync, then the CPU.
 _ORDER: tuple[Family, ...] = (sm90.FAMILY, sm80.FAMILY, cpu.FAMILY)
@@ -31,8 +31,8 @@ _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q
 _forced: list[str | None] = []
 _origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
-__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "choose", "complete", "for_arch", "for_arch_all", "forced",
-           "get", "of", "use_family", "with_feature"]
+__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete", "for_arch",
+           "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
 
 
 def get(name: str, what: str = "family") -> Family:

@@ -2,9 +2,10 @@
 
 A family owns its device type and architectures, the dtypes, head dims and features its
 kernels serve, the build target and translation units of an instantiation, its tile config
-(tables, derived defaults, legality) and the block-list tile geometry. The registry
-(flashgen/families/__init__.py) tries the families in order and runs a call on the first one
-that serves it; nothing outside a family tests the device type to decide what runs.
+(tables, derived defaults, legality), the block-list tile geometry, and what it decides per call
+and passes in the argument blocks (``launch_fields``: the CPU family's tiles, sm80's GQA split).
+The registry (flashgen/families/__init__.py) tries the families in order and runs a call on the
+first one that serves it; nothing outside a family tests the device type to decide what runs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,23 @@ from ..lang import ir
 
 # What a call may need beyond the forward of the padded layout.
 FEATURES = ("backward", "dropout", "varlen", "sparse")
+
+
+class LaunchFields:
+    """What a family decides per call and passes to its kernels in the argument blocks (args.h's
+    last fields), for one spec: ``fwd`` fills an FgFwdArgs, ``bwd`` an FgBwdArgs, each after every
+    other field (sizes, pointers, block lists, dropout, ``num_sms``) is set; ``values`` are the
+    spec's parameters in declaration order, ``config`` the library's instantiation config.
+    ``fills_fwd`` False: ``fwd`` sets nothing (the runtime may skip it). This default decides
+    nothing."""
+
+    fills_fwd = False
+
+    def fwd(self, args, values) -> None:
+        pass
+
+    def bwd(self, args, values, config) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -120,6 +138,11 @@ class Family:
     def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""
         raise NotImplementedError(f"family {self.name} has no block classifier")
+
+    def launch_fields(self, spec: ir.Spec) -> LaunchFields:
+        """The per-call decisions of this family's kernels for ``spec`` (one object per spec and
+        family, kept by the op: it may cache)."""
+        return LaunchFields()
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         """The tiles block lists are made for, (forward rows, cols, backward rows, cols, dq rows,

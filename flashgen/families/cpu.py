@@ -1,5 +1,6 @@
-"""The ``cpu`` family: the same FlashAttention algorithm on the CPU, tiles sized for the caches
-at run time (templates/include/flashgen/cpu), so the whole pipeline runs without a GPU."""
+"""The ``cpu`` family: the same FlashAttention algorithm on the CPU (templates/include/flashgen/cpu),
+tiles sized for the caches per call (flashgen/families/cpu_tiles.py, passed in the argument
+blocks), so the whole pipeline runs without a GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from ..build import artifact
 from ..lang import ir
 from ..lang.frontend import HEAD_DIM_MAX
 from .base import FEATURES, Family
+from .cpu_tiles import CpuTiles
 
 
 def divisor_tile(block: int, cap: int) -> int:
@@ -25,6 +27,9 @@ class CpuFamily(Family):
 
     def device_target(self, index: int | None) -> artifact.Target:
         return self.target(artifact.cpu_arch())
+
+    def launch_fields(self, spec: ir.Spec) -> CpuTiles:
+        return CpuTiles(spec)
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         # The kernels take a divisor of the block size as their tiles, so tiles nest in blocks.

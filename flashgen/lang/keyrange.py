@@ -145,27 +145,43 @@ def bound_expr(bound: Bound) -> ir.Expr:
     return ir.Call(bound.op, (bound_expr(bound.a), bound_expr(bound.b)))
 
 
-def tile_bound_cxx(spec: ir.Spec, bound: Bound, side: str) -> str:
-    """C++ (fg_int) of ``bound`` over the query tile [q_lo, q_hi): with ``side`` 'lo' a value at
-    most the bound of every row of the tile, with 'hi' at least it (each row bound taken at the
-    tile end where its monotonicity puts the extreme; joins of extremes bound the extreme of a
-    join, so the result is sound for the tile)."""
-    at_hi = X.Cxx(spec, {"q": "((fg_int)q_hi - 1)"})
-    at_lo = X.Cxx(spec, {"q": "(fg_int)q_lo"})
+def fold_tile_bound(bound: Bound, side: str, row, switch, join):
+    """``bound`` over a query tile [q_lo, q_hi), folded: with ``side`` 'lo' a value at most the
+    bound of every row of the tile, with 'hi' at least it (each row bound taken at the tile end
+    where its monotonicity puts the extreme; joins of extremes bound the extreme of a join, so
+    the result is sound for the tile). ``row(f, offset, end)`` gives a RowBound's value, f taken
+    at the tile row ``end`` ('first': q_lo, 'last': q_hi - 1); ``switch(cond)`` a SwitchBound's;
+    ``join(op, a, b)`` a JoinBound's from its two folded sides. The one rule for both users:
+    ``tile_bound_cxx`` prints it as C++ (the kernels' kv_lo / kv_hi hooks) and the CPU family
+    evaluates it for its tile choice (flashgen/families/cpu_tiles.py)."""
 
-    def go(b: Bound) -> str:
+    def go(b: Bound):
         if isinstance(b, RowBound):
-            lowest = side == "lo"
             # the tile's smallest value of f sits at q_lo when f increases with q, at q_hi - 1 when
             # it decreases; its largest at the other end
-            at = (at_hi if b.mono is Mono.DEC else at_lo) if lowest else (at_lo if b.mono is Mono.DEC else at_hi)
-            code = at(b.f)
-            return f"({code} + {b.offset})" if b.offset else code
+            if side == "lo":
+                end = "last" if b.mono is Mono.DEC else "first"
+            else:
+                end = "first" if b.mono is Mono.DEC else "last"
+            return row(b.f, b.offset, end)
         if isinstance(b, SwitchBound):
-            return f"({X.Cxx(spec)(b.cond)} ? (fg_int)seqlen_k : (fg_int)0)"
-        return f"fg_{b.op}i({go(b.a)}, {go(b.b)})"
+            return switch(b.cond)
+        return join(b.op, go(b.a), go(b.b))
 
     return go(bound)
+
+
+def tile_bound_cxx(spec: ir.Spec, bound: Bound, side: str) -> str:
+    """C++ (fg_int) of ``bound`` over the query tile [q_lo, q_hi) on ``side`` ('lo' or 'hi'), as
+    ``fold_tile_bound`` folds it."""
+    at = {"first": X.Cxx(spec, {"q": "(fg_int)q_lo"}), "last": X.Cxx(spec, {"q": "((fg_int)q_hi - 1)"})}
+
+    def row(f: ir.Expr, offset: int, end: str) -> str:
+        code = at[end](f)
+        return f"({code} + {offset})" if offset else code
+
+    return fold_tile_bound(bound, side, row, lambda cond: f"({X.Cxx(spec)(cond)} ? (fg_int)seqlen_k : (fg_int)0)",
+                           lambda op, a, b: f"fg_{op}i({a}, {b})")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ inputs' device, with no host synchronisation (so a call can be captured in a CUD
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -155,6 +156,7 @@ class ForwardPlan:
     lib: cache.LoadedLibrary
     args: bytes
     lse_shape: tuple[int, ...]
+    fill: Callable | None = None  # the family's per-call fields (LaunchFields.fwd), None: none
 
 
 def plan_key(op, q, k, v, scale, values) -> tuple:
@@ -181,7 +183,8 @@ def forward_plan(op, q, k, v, scale, values, out) -> ForwardPlan | None:
                      *_strides(v, None), *_strides(out, None), op.scale_for(scale, d), 0, None, None)
     if q.is_cuda:
         args.num_sms = _num_sms(q.get_device())
-    return ForwardPlan(lib, bytes(args), (B, Hq, Nq))
+    fields = op.launch_fields(lib)
+    return ForwardPlan(lib, bytes(args), (B, Hq, Nq), fields.fwd if fields.fills_fwd else None)
 
 
 def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -191,14 +194,16 @@ def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tenso
         return None
     block = None
     if values:
-        block = op.params_block(op.check_params(q, k, dict(zip((p.name for p in op.spec.params), values,
-                                                               strict=True))))
+        values = op.check_params(q, k, dict(zip((p.name for p in op.spec.params), values, strict=True)))
+        block = op.params_block(values)
     out = torch.empty_like(q)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
     args = FgFwdArgs.from_buffer_copy(plan.args)
     args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     if block is not None:
         args.params = ctypes.addressof(block)
+    if plan.fill is not None:
+        plan.fill(args, values)
     check_status(plan.lib, "fwd", _launch(plan.lib.fwd, args, q))
     return out, lse
 
@@ -239,6 +244,7 @@ def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
         _set_varlen(args, packed)
     if blocks is not None:
         args.kv_blocks = blocks.fwd()
+    op.launch_fields(lib).fwd(args, values)
     check_status(lib, "fwd", _launch(lib.fwd, args, q))
     return out, lse
 
@@ -304,6 +310,9 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
     _set_varlen(args, packed)
     if blocks is not None:
         args.q_blocks, args.kv_blocks = blocks.bwd()
+    if q.is_cuda:
+        args.num_sms = _num_sms(q.get_device())
+    op.launch_fields(lib).bwd(args, values, lib.instantiation.config)
     check_status(lib, "bwd", _launch(lib.bwd, args, q))
     return dq, dk, dv, pgrads
 

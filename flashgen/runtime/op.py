@@ -134,6 +134,7 @@ class AttentionOp:
         self._choices: dict[tuple, families.Choice] = {}
         self.checked_inputs: set[tuple] = set()  # input metadata check_inputs accepted
         self.plans: dict[tuple, launch.ForwardPlan] = {}  # launch plans of eager calls (runtime/launch.py)
+        self._fields: dict[str, families.LaunchFields] = {}  # family name -> its per-call decisions
         self.implementation = None  # the registered forward implementation (set by _register)
         self.params_struct = launch.params_struct(spec)
         self.grad_params = tuple(p.name for p in X.grad_params(spec))
@@ -733,6 +734,15 @@ class AttentionOp:
         return lib
 
     # ------------------------------------------------------------ kernel call
+
+    def launch_fields(self, lib: cache.LoadedLibrary) -> families.LaunchFields:
+        """The per-call decisions (argument-block fields) of the family that built ``lib``, for
+        this op's spec: one object per family, kept (it caches its decisions)."""
+        name = lib.instantiation.target.family
+        fields = self._fields.get(name)
+        if fields is None:
+            fields = self._fields[name] = families.get(name).launch_fields(self.spec)
+        return fields
 
     def launch_forward(self, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
                        dropout_state: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:

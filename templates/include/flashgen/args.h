@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 5
+#define FG_ABI_VERSION 6
 
 #ifdef __cplusplus
 extern "C" {
@@ -126,6 +126,11 @@ typedef struct FgFwdArgs {
   const int32_t* cu_seqlens_k;    // set iff cu_seqlens_q is set
   int64_t total_q, total_k;       // packed: the token counts (cu_seqlens_*[batch]); padded: 0
   FgBlockLists kv_blocks;         // block sparsity (see above); data null: none
+  // Decided per call by the host (the kernel family's module in flashgen/families), read here:
+  // CPU: the tiles, tile_q query rows x tile_kv keys (flashgen/families/cpu_tiles.py; block
+  // lists: tile_q = kv_blocks.block_r, tile_kv a multiple of kv_blocks.block_c); 0 is refused
+  // with FG_ERR_BAD_SHAPE (cpu/tiles.h). CUDA: unused (the tiles are the instantiation's).
+  int32_t tile_q, tile_kv;
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved
@@ -183,6 +188,16 @@ typedef struct FgBwdArgs {
   // query-tile-major pass (CUDA's deterministic dQ kernel); data null: none.
   FgBlockLists q_blocks;
   FgBlockLists kv_blocks;
+  // Decided per call by the host (the kernel family's module in flashgen/families), read here:
+  // CPU: the tiles, tile_q query rows per step x tile_kv keys (flashgen/families/cpu_tiles.py;
+  // block lists: tile_q = q_blocks.block_c, tile_kv = q_blocks.block_r); 0 is refused with
+  // FG_ERR_BAD_SHAPE (cpu/tiles.h). CUDA: unused.
+  int32_t tile_q, tile_kv;
+  // CUDA: the GQA split, how many CTAs share the query heads of a kv head's group
+  // (flashgen/families/sm80.py gqa_splits); it must be >= 1 and divide heads_q / heads_kv, else
+  // FG_ERR_BAD_SHAPE. Taken only on the non-deterministic path with the dk/dv workspaces (cuda/
+  // bwd.cuh); otherwise one CTA serves the whole group. CPU: unused.
+  int32_t gqa_splits;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

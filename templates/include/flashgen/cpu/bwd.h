@@ -38,8 +38,8 @@
 // per-row buffers. The metadata is re-checked here (FG_ERR_BAD_SHAPE when inconsistent).
 //
 // Block sparsity (args.q_blocks.data set; layout in args.h; args.kv_blocks is not read here):
-// kv tiles of block_r keys, q tiles of block_c queries (bwd_choose_tiles and
-// FLASHGEN_CPU_BWD_TILES are skipped). For kv tile kt and each query head h of its group, a task
+// kv tiles of block_r keys, q tiles of block_c queries (args.tile_kv / args.tile_q must be
+// those). For kv tile kt and each query head h of its group, a task
 // visits only the q tiles listed in row kt of (b, h), in increasing order; the [kv_lo, kv_hi)
 // test, the lse == -inf trimming and tile_full apply to them as to any tile, except that a
 // listed-partial tile always runs the element mask (the spec's mask applies on top of the lists)
@@ -88,8 +88,8 @@
 // query head, and since a task serves all query heads of its kv head (GQA), each task evaluates
 // kv_lo / kv_hi for each of its query heads h and each q tile, and visits (q tile, kv tile) for
 // head h iff [kv_lo(b, h, ..), kv_hi(b, h, ..)) meets the kv tile; so the mask may depend on h.
-// The tile-size and segment cost models (bwd_choose_tiles, bwd_plan) have no particular work
-// item and evaluate kv_lo / kv_hi at b = h = 0.
+// The segment cost model (bwd_plan) has no particular work item and evaluates kv_lo / kv_hi at
+// b = h = 0 (as the host's tile-size model does).
 //
 // Workspaces: dq_accum (fp32 [B, Hq, Nq, d], packed [Hq, total_q, d]; zero-filled here: the
 // caller's zeroing is not needed) and softmax_d (written here) are used; dk_accum and dv_accum
@@ -125,7 +125,9 @@
 // heads_q % heads_kv != 0, or a null pointer that is needed; FG_ERR_LAUNCH for an exception
 // inside the kernel (e.g. bad_alloc).
 //
-// Tiles: see bwd_choose_tiles() in cpu/tiles.h (block lists: theirs); per-thread scratch
+// Tiles: args.tile_q x args.tile_kv, chosen by the host (flashgen/families/cpu_tiles.py; block
+// lists: theirs) and checked by bwd_tiles_of in cpu/tiles.h (FG_ERR_BAD_SHAPE when not set or out
+// of range); per-thread scratch
 // O((qb + kvb) * d + qb * kvb) floats (one more qb x kvb tile on the mod path).
 // Build requirements: as fwd.h (-fopenmp at compile and link, -O3 -march=native).
 //
@@ -172,6 +174,7 @@ namespace detail {
 // (bounds: each sequence has its own, from its true lengths), and every sequence has its own
 // segment boundaries over its own kv tiles.
 struct BwdPlan {
+  BwdTiles tiles;                       // args.tile_q x args.tile_kv (checked: bwd_tiles_of)
   int64_t qb, kvb, nqt, nkvt, nseg, group;
   bool blas, mod;                       // mod: the score-mod path (bwd_mod_path)
   Dropout dr;                           // the forward's dropout (dr.on: regenerate its mask)
@@ -202,8 +205,7 @@ static inline double block_mean(const FgBlockLists& l, int64_t b, int64_t heads,
 template <class Variant>
 static void bwd_plan(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const int64_t B = a.batch, Hkv = a.heads_kv, Nq = a.seqlen_q, Nk = a.seqlen_k;
-  const BwdTiles t = pl.qbl ? BwdTiles{pl.qbl->block_c, pl.qbl->block_r}
-                            : bwd_choose_tiles<Variant>(prm, Nq, Nk, a.head_dim, pl.dr.on);
+  const BwdTiles t = pl.tiles;
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = Nq > 0 ? (Nq + t.qb - 1) / t.qb : 0;
@@ -364,8 +366,7 @@ template <class Variant>
 static void bwd_plan_packed(const FgBwdArgs& a, const typename Variant::Params& prm, BwdPlan& pl) {
   const Seqs& sq = pl.sq;
   const int64_t B = a.batch, Hkv = a.heads_kv;
-  const BwdTiles t = pl.qbl ? BwdTiles{pl.qbl->block_c, pl.qbl->block_r}
-                            : bwd_choose_tiles<Variant>(prm, sq.nq, sq.nk, a.head_dim, pl.dr.on);
+  const BwdTiles t = pl.tiles;
   pl.qb = t.qb;
   pl.kvb = t.kvb;
   pl.nqt = sq.nq > 0 ? (sq.nq + t.qb - 1) / t.qb : 0;
@@ -880,8 +881,12 @@ int run_bwd(const FgBwdArgs& args) {
   const typename Variant::Params& prm =
       a.params ? *static_cast<const typename Variant::Params*>(a.params) : empty_params;
 
+  BwdTiles tiles;
+  if (!bwd_tiles_of(a, tiles)) return FG_ERR_BAD_SHAPE;
+
   try {
     BwdPlan pl;
+    pl.tiles = tiles;
     pl.dr = dropout_of<Variant>(a);
     pl.sq = sq;
     pl.qbl = a.q_blocks.data ? &a.q_blocks : nullptr;

@@ -30,12 +30,13 @@
 // re-checked here (O(batch) reads; FG_ERR_BAD_SHAPE when inconsistent).
 //
 // Block sparsity (args.kv_blocks.data set; layout in args.h): the lists' tiles are the kernel's
-// (choose_tiles and FLASHGEN_CPU_TILES are skipped): qb = block_r, and kv tiles of block_c keys,
+// (args.tile_q must be block_r): qb = block_r, and kv tiles of block_c keys,
 // any multiple of 8 up to 512 (K^T panels are zero-padded to 16 columns; the kernels take row
 // tails). A task is still (b, h, query tile r) (packed: the sequence's own tiles), but it visits
 // only the kv tiles listed in row r of (b, h), in increasing order, each clipped to
 // [kv_lo, kv_hi) and seqlen_k like any tile (one entirely outside is skipped); adjacent listed
-// tiles of one kind in one aligned chunk of kvb keys are taken as one step (see sparse_tiles). A
+// tiles of one kind in one aligned chunk of kvb keys are taken as one step (kvb = args.tile_kv, a
+// multiple of block_c; flashgen/families/cpu_tiles.py sparse_fwd_tiles). A
 // listed-partial tile always takes the element-mask path (Variant::keep, when kHasMask); a
 // listed-full one is an ordinary tile (tile_full decides: the spec's mask applies on top of the
 // lists) or, with full_kept set (lists made from the variant's own mask), one known to be kept
@@ -50,8 +51,8 @@
 // Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
 // value-initialised Params when args.params is null (allowed when Params is empty); it is shared
 // read-only by all threads. kv_lo / kv_hi / tile_full are evaluated per work item with its own
-// (b, h), so a mask may depend on the batch and the query head; only the tile-size cost model
-// (choose_tiles), which has no particular work item, evaluates kv_lo / kv_hi at b = h = 0.
+// (b, h), so a mask may depend on the batch and the query head (the host's tile-size cost model,
+// which has no particular work item, evaluates the same bounds at b = h = 0).
 // score(s) gets s = scale * q.k in natural units and is called on every entry of the loaded
 // (trimmed) tile, all of them in bounds, kept or not: a masked entry's result is discarded by
 // the selection that follows. dscore and param_grad are backward-only (bwd.h); kHasParamGrad
@@ -107,8 +108,10 @@
 //     return FG_ERR_BAD_SHAPE; an exception inside the kernel (e.g. bad_alloc of the scratch)
 //     returns FG_ERR_LAUNCH. Nothing is thrown across the C ABI.
 //
-// Tiles: see choose_tiles() in cpu/tiles.h (packed: sized for max_seqlen_q / max_seqlen_k; block lists:
-// sparse_tiles()). Per-thread scratch is allocated once per parallel_for chunk
+// Tiles: args.tile_q x args.tile_kv, chosen by the host (flashgen/families/cpu_tiles.py; packed:
+// sized for max_seqlen_q / max_seqlen_k; block lists: from their block sizes) and checked by
+// fwd_tiles_of in cpu/tiles.h (FG_ERR_BAD_SHAPE when not set or out of range). Per-thread
+// scratch is allocated once per parallel_for chunk
 // (O(qb * kvb + (qb + kvb) * d) floats; no N x N buffer).
 //
 // Build requirements: -fopenmp at compile AND link (at::parallel_for is header-inline; without
@@ -604,9 +607,8 @@ int run_fwd(const FgFwdArgs& args) {
       args.params ? *static_cast<const typename Variant::Params*>(args.params) : empty_params;
 
   const bool sparse = args.kv_blocks.data != nullptr;
-  const detail::Tiles t =
-      sparse ? detail::sparse_tiles(args.kv_blocks, Nk, d)
-             : detail::choose_tiles<Variant>(prm, B * Hq, Nq, Nk, d);
+  detail::Tiles t;
+  if (!detail::fwd_tiles_of(args, t)) return FG_ERR_BAD_SHAPE;
   const bool blas = detail::use_blas(args);
   const Dropout dr = dropout_of<Variant>(args);
   try {

@@ -72,11 +72,13 @@
 //     dS (with the score-mod chain rule, without param_grad) for its rows over all visible key
 //     tiles and accumulates dQ = dS K in registers (no atomics for dq/dk/dv, dq_accum unused):
 //     bitwise-repeatable, ~7/5 of the tensor-core work.
-//  4. GQA split (non-deterministic only): when (key tiles × kv heads × batch) is at most half
-//     the multiprocessor count, the query heads of a group are shared among several CTAs which
-//     add dK, dV into dk_accum/dv_accum (fp32 atomics); bwd_convert_kernel then writes dk, dv.
-//     Otherwise (and always in deterministic mode) one CTA loops over the whole group and writes
-//     dk/dv directly: dk_accum/dv_accum are then unused.
+//  4. GQA split (non-deterministic only): args.gqa_splits CTAs share the query heads of a group
+//     (the host's choice, flashgen/families/sm80.py gqa_splits: more than 1 when key tiles × kv
+//     heads × batch is at most half the multiprocessor count; it must be >= 1 and divide the
+//     group, else FG_ERR_BAD_SHAPE) and add dK, dV into dk_accum/dv_accum (fp32 atomics);
+//     bwd_convert_kernel then writes dk, dv. With 1 (and always in deterministic mode, or without
+//     the dk/dv workspaces) one CTA loops over the whole group and writes dk/dv directly:
+//     dk_accum/dv_accum are then unused.
 //
 // Query tiles that see a key tile are found generically with Variant::kv_lo/kv_hi, per query
 // head (a mask may depend on b and h, and one K/V-major CTA serves all query heads of its GQA
@@ -519,17 +521,18 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   const int64_t kMaxGrid = FLASHGEN_BWD_MAX_GRID;
   const int64_t kElemGrid = int64_t(num_sms) * 16 < kMaxGrid ? int64_t(num_sms) * 16 : kMaxGrid;
 
-  // GQA split (non-deterministic only; needs the dk/dv workspaces).
+  // GQA split: the host's (args.gqa_splits), taken on the non-deterministic path with the dk/dv
+  // workspaces only.
   const int num_n_tiles = has_k ? int((a.seqlen_k + KA::kBlockN - 1) / KA::kBlockN) : 0;
+  if (a.gqa_splits < 1 || group % a.gqa_splits != 0) {
+    return detail::fail(FG_ERR_BAD_SHAPE,
+                        "gqa_splits %d: must be >= 1 and divide the GQA group (heads_q / heads_kv "
+                        "= %d)", (int)a.gqa_splits, group);
+  }
   int splits = 1;
   if (!det && has_q && has_k && group > 1 && a.dk_accum && a.dv_accum &&
       !misaligned(a.dk_accum) && !misaligned(a.dv_accum)) {
-    const int64_t items = int64_t(num_n_tiles) * Hkv * a.batch;
-    if (2 * items <= num_sms) {
-      for (int s = 2; s <= group; ++s) {
-        if (group % s == 0 && items * s <= num_sms) splits = s;
-      }
-    }
+    splits = a.gqa_splits;
   }
 
   // 1. D = rowsum(dout ∘ out); zero the workspaces this call accumulates into.
