@@ -157,6 +157,8 @@ def test_op_tiles_by_arch_and_its_errors(causal_op):
         causal_op.tiles(None, torch.float32, 64, arch="sm_90a")
     with pytest.raises(ValueError, match="arch"):
         causal_op.tiles(None, "bf16", 64, arch="sm_75")
+    with pytest.raises(ValueError, match="device: None needs arch="):
+        causal_op.tiles(None, "bf16", 64)
     with pytest.raises(ValueError, match="device: the tiles are the CUDA kernels'"):
         causal_op.tiles("cpu", "bf16", 64)
     if not torch.cuda.is_available():

@@ -54,13 +54,15 @@ def registers(op, target: Target, dt, d, choice, listed: bool, compile_it: bool,
     inst = FAMILY.instantiation(op.spec, target.arch, dt, d, sparse=listed, tiles=choice.config())
     path = library_path(inst)
     if path is None and compile_it:
+        failure = ""
         try:
             loader.load(inst, announce=announce)
-        except (OSError, BuildError):
-            pass  # built but not loadable here (no GPU of that arch): the entry may still exist
+        except (OSError, BuildError) as err:  # built but not loadable here (no GPU of that arch): the entry may exist
+            failure = str(err).splitlines()[0] if str(err) else type(err).__name__
         path = library_path(inst)
         if path is None:
-            raise ValueError(f"build: could not build {inst.name} for {target.arch}")
+            raise ValueError(f"build: could not build {inst.name} for {target.arch}"
+                             + (f": {failure}" if failure else ""))
     if path is None:
         notes.append("registers: model estimates (the library is not in the cache; --build compiles it)")
         return None, None, ""

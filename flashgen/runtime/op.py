@@ -530,6 +530,8 @@ class AttentionOp:
         if arch is not None:
             return tiles.choose(self.spec, tiles.normalize_arch(arch), dt, head_dim, seqlen,
                                 fingerprint=self.fingerprint)
+        if device is None:
+            raise ValueError("device: None needs arch= (e.g. 'sm_90a'); or pass a CUDA device")
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"device: the tiles are the CUDA kernels' (got '{device}'; the CPU family sizes its "
