@@ -1,5 +1,5 @@
 """Golden renders: ``flashgen generate specs/*.attn`` writes every spec's rendered translation
-units (the CPU family's per dtype, sm80's at head dims 64 and 128 or the spec's own) into
+units (the CPU family's per dtype, sm80's and sm90's at head dims 64 and 128 or the spec's own) into
 ``generated/<spec>/``, so a template change shows up as a reviewable diff; tests/test_codegen.py
 fails when they are stale.
 """
@@ -23,6 +23,10 @@ def generated_files(spec_path: Path) -> dict[str, str]:
     for dt in spec_dtypes(spec, cuda):
         for hd in spec.head_dims or (64, 128):
             files.update(cuda.instantiation(spec, "any", dt, hd).sources())
+    hopper = families.get("sm90")  # its units are named like sm80's: prefixed with the family here
+    for dt in spec_dtypes(spec, hopper):
+        for hd in [d for d in (spec.head_dims or (64, 128)) if d in hopper.head_dims]:
+            files.update({f"sm90_{k}": v for k, v in hopper.instantiation(spec, "any", dt, hd).sources().items()})
     return files
 
 
