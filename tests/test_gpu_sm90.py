@@ -8,17 +8,13 @@ import itertools
 import pytest
 import torch
 from conftest import SPECS
+from test_gpu import DTYPES, LAYOUTS, SEQLENS, make  # the sm80 suite's inputs, reused
 from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, run_case
 
 import flashgen
 from flashgen import check, philox
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-SEQLENS = [1, 7, 64, 127, 128, 129]
-# (batch, heads, kv_heads, transposed) cycled over the cross product: MHA, GQA 4:1, MQA, views.
-LAYOUTS = [(1, 1, 1, False), (3, 5, 5, True), (1, 4, 1, False), (3, 8, 2, False), (1, 5, 5, True), (3, 4, 1, True)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,15 +26,6 @@ def _hopper():
 @pytest.fixture(scope="module")
 def ops(dense_op, causal_op):
     return {"dense": dense_op, "causal": causal_op}
-
-
-def make(b, hq, hkv, nq, nk, d, dtype, transposed, gen):
-    def one(h, n):
-        if transposed:
-            return torch.randn(b, n, h, d, device="cuda", generator=gen).to(dtype).transpose(1, 2)
-        return torch.randn(b, h, n, d, device="cuda", generator=gen).to(dtype)
-
-    return one(hq, nq), one(hkv, nk), one(hkv, nk)
 
 
 def check_case(op, q, k, v, family="sm90", **kw):

@@ -10,7 +10,7 @@ import torch
 
 from ..families import sm90
 from . import sm80_model
-from .geometry import closed_form_bounds, mask_geometry
+from .geometry import closed_form_bounds
 from .report import TileReport
 from .target import FamilyPart, ModelCall
 
@@ -21,7 +21,7 @@ def describe(call: ModelCall) -> FamilyPart:
     if part.listed:
         # sm90 builds no block lists: a mask without an exact closed-form range (document ids)
         # visits every tile of the closed-form key range its kv_lo / kv_hi hooks give.
-        geo = mask_geometry(call.spec, call.nq, call.nk, call.batch, call.heads, call.values, call.given, ())
+        geo = part.geo  # the sm80 model's: its extents and kept pairs stand, its hulls are replaced
         lo, hi = closed_form_bounds(call.spec, call.nq, call.nk, geo.bp, geo.hp, call.values)
         lo, hi = lo.clamp(0, call.nk).reshape(geo.bp * geo.hp, -1), hi.clamp(0, call.nk).reshape(geo.bp * geo.hp, -1)
         first = torch.where(hi > lo, lo, torch.full_like(lo, call.nk))
