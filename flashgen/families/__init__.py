@@ -117,7 +117,7 @@ def forced() -> str | None:
 
 @contextlib.contextmanager
 def use_family(name: str | None, *, origin: str = "flashgen.use_family") -> Iterator[Family | None]:
-    """Force the kernel family ``name`` ('sm80', 'cpu') for calls made inside the block (in the
+    """Force the kernel family ``name`` ('sm90', 'sm80', 'cpu') for calls made inside the block (in the
     whole process, as torch.nn.attention.sdpa_kernel does; blocks nest, the innermost wins);
     None forces nothing beyond FLASHGEN_FAMILY. A call the forced family
     cannot serve raises NotImplementedError naming what it lacks and ``origin`` (what forced it,
