@@ -2,6 +2,7 @@
 the kernel itself is a few microseconds), next to PyTorch SDPA in the same loop.
 
     python scripts/bench_host_overhead.py [--device cuda] [--calls 10000] [--json FILE]
+        [--family sm80] [--profile]
 
 Method: ``time.perf_counter`` around ``--calls`` back-to-back eager calls (no gradient),
 synchronised at both ends, causal, B 1, H 8, N 128, d 64, bf16 on CUDA (fp32 on the CPU, where
@@ -13,7 +14,10 @@ with inputs that require grad (autograd records the call).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import pstats
 import sys
 import time
 
@@ -42,6 +46,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=10000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--family", default=None, help="force this kernel family (flashgen.use_family)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the cProfile of 2,000 calls of the eager and autograd cases (top 15 by own time)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -56,17 +63,29 @@ def main() -> None:
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         "sdpa (grad)": lambda: F.scaled_dot_product_attention(qg, k, v, is_causal=True),
     }
-    for fn in cases.values():  # build, load, warm up
-        for _ in range(100):
-            fn()
-    rows = {name: per_call_us(fn, args.calls, device) for name, fn in cases.items()}
+    with flashgen.use_family(args.family) if args.family else contextlib.nullcontext():
+        for fn in cases.values():  # build, load, warm up
+            for _ in range(100):
+                fn()
+        rows = {name: per_call_us(fn, args.calls, device) for name, fn in cases.items()}
+        if args.profile:
+            for name in ("flashgen", "flashgen (grad)"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(2000):
+                    cases[name]()
+                prof.disable()
+                print(f"cProfile of 2,000 calls: {name}")
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(15)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"host time per call, {args.calls} eager calls, causal B1 H8 N128 d64 {dtype} on {where}:")
+    fam = f", family {args.family}" if args.family else ""
+    print(f"host time per call, {args.calls} eager calls, causal B1 H8 N128 d64 {dtype} on {where}{fam}:")
     for name, us in rows.items():
         print(f"  {name:20s} {us:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": where, "dtype": str(dtype), "calls": args.calls, "us_per_call": rows}, f, indent=1)
+            json.dump({"device": where, "dtype": str(dtype), "calls": args.calls, "family": args.family,
+                       "us_per_call": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,16 @@ median). Shapes follow the FlashAttention benchmarks: batch · seqlen = 16K toke
 heads · head_dim = 2048, bf16. FLOPs count visible pairs only (flashgen.flops). Usage:
     python3 scripts/bench_sm90.py [--specs dense,causal] [--head-dims 64,128]
         [--seqlens 1024,4096,16384] [--reps 20] [--peers sdpa-flash,sdpa-cudnn,flex]
-        [--tiles 128x2,128x2x1] [--json OUT.json]
+        [--tiles 128x2,128x2x1,128x2x1x1] [--json OUT.json]
 Needs a CUDA device of compute capability 9.0.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import os
 import sys
 
 import torch
@@ -33,7 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlens", default="1024,4096,16384", help="sequence lengths (comma-separated)")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per case (median reported)")
     ap.add_argument("--peers", default="sdpa-flash,sdpa-cudnn,flex", help="peers of flashgen.bench.peers to time")
-    ap.add_argument("--tiles", default="128x2,64x2", help="sm90 tiles to time: keys x stages [x overlap 0/1], e.g. 128x2,128x2x1")
+    ap.add_argument("--tiles", default="128x2,64x2", help="sm90 tiles to time: keys x stages [x overlap [x ping-pong [x persistent]]] (0/1 each), "
+                    "e.g. 128x2,128x2x1x1,128x2x1x0x1")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -43,6 +46,26 @@ def main(argv=None) -> int:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 256)
     sm90 = families.get("sm90")
+    tile_sets = []
+    for t in a.tiles.split(","):
+        bn, st, *rest = map(int, t.split("x"))
+        tiles = {"fwd_block_n": bn, "fwd_stages": st}
+        tiles |= {"fwd_overlap": rest[0]} if rest else {}
+        tiles |= {"fwd_pingpong": rest[1]} if len(rest) > 1 else {}
+        tiles |= {"fwd_persistent": rest[2]} if len(rest) > 2 else {}
+        tile_sets.append((t, tiles))
+    # Every timed instantiation built first, in parallel (one process, as a tuner would).
+    insts = {}
+    for name in a.specs.split(","):
+        spec = flashgen.compile(ROOT / "specs" / f"{name}.attn").spec
+        for d in map(int, a.head_dims.split(",")):
+            for t, tiles in tile_sets:
+                try:
+                    insts[name, d, t] = sm90.instantiation(spec, "sm_90a", ir.DType.BF16, d, tiles=tiles)
+                except ValueError:
+                    pass  # over shared memory at this head dim
+    with concurrent.futures.ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2)) as pool:
+        libs = dict(zip(insts, pool.map(loader.load, insts.values()), strict=True))
     rows = []
     for name in a.specs.split(","):
         op = flashgen.compile(ROOT / "specs" / f"{name}.attn")
@@ -59,15 +82,19 @@ def main(argv=None) -> int:
                         with flashgen.use_family(fam):
                             ms = bench.time_fn(lambda: op(q, k, v), dev, warmup=3, reps=a.reps)
                         row[fam] = fl / ms / 1e9
-                    for t in a.tiles.split(","):
-                        bn, st, *ov = map(int, t.split("x"))
-                        tiles = {"fwd_block_n": bn, "fwd_stages": st} | ({"fwd_overlap": ov[0]} if ov else {})
-                        try:
-                            inst = sm90.instantiation(op.spec, "sm_90a", ir.DType.BF16, d, tiles=tiles)
-                        except ValueError:
-                            continue  # over shared memory at this head dim
-                        lib = loader.load(inst)
+                    with flashgen.use_family("sm80"):
+                        want = op(q, k, v).float()
+                    for t, _tiles in tile_sets:
+                        lib = libs.get((name, d, t))
+                        if lib is None:
+                            continue
                         sc = d ** -0.5
+                        # Each timed tile config is checked against the sm80 family's output first.
+                        got = op.launch_forward(q, k, v, sc, lib=lib)[0].float()
+                        err = (got - want).abs().max().item()
+                        if not err <= 2e-2:
+                            row[f"sm90:{t}"] = f"wrong: max |sm90 - sm80| = {err:.3g}"
+                            continue
                         ms = bench.time_fn(lambda lib=lib, sc=sc: op.launch_forward(q, k, v, sc, lib=lib), dev,
                                            warmup=3, reps=a.reps)
                         row[f"sm90:{t}"] = fl / ms / 1e9

@@ -9,6 +9,7 @@ from conftest import SPECS
 import flashgen
 from flashgen import cli, families, ops
 from flashgen.build import artifact
+from flashgen.families import sm90 as sm90_family
 from flashgen.lang import ir
 
 
@@ -58,14 +59,23 @@ def test_sm90_tiles_are_its_own(causal):
     sm90 = families.get("sm90")
     # another family's tile keys are dropped; its own are checked
     cfg = dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_m": 64, "fwd_block_n": 64}))
-    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 0, "fwd_only": 1}
+    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 0, "fwd_pingpong": 0, "fwd_persistent": 0,
+                   "fwd_only": 1}
     assert dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64))["fwd_overlap"] == 0
     dense = flashgen.compile(SPECS / "dense.attn").spec
-    assert [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d))["fwd_overlap"] for d in (64, 128)] == [1, 0]
+    cfgs = [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d)) for d in (64, 128)]
+    assert [(c["fwd_overlap"], c["fwd_persistent"]) for c in cfgs] == [(1, 4096), (1, 2048)]
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
     assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
-    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 0>" in src
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 0, 0, 0>" in src
+    # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)
+    assert not sm90_family.smem_layout(128, 128, 2)[1] and sm90_family.smem_layout(128, 176, 2)[1]
+    assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT
+    with pytest.raises(ValueError, match="fwd_pingpong: .*needs fwd_overlap=1"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_pingpong": 1, "fwd_overlap": 0})
+    with pytest.raises(ValueError, match="fwd_persistent: expected the largest seqlen_k"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_persistent": -1})
     with pytest.raises(ValueError, match="fwd_block_n: expected a multiple of 16"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_block_n": 100})
     with pytest.raises(ValueError, match="fwd_stages"):
@@ -183,6 +193,63 @@ def test_planned_eager_calls_match_the_full_path(name, monkeypatch):
     assert len(op.plans) == 2
     buf = torch.empty(q.numel() + 1)[1:].view_as(q).copy_(q)  # a pointer off the 16-byte grid
     assert torch.equal(op(buf, k, v, **params), full[0])
+
+
+def test_eager_autograd_matches_the_dispatcher_path(monkeypatch):
+    """An eager call that records a gradient runs the op's autograd without the dispatcher
+    (runtime/library.py, EagerAttention): outputs, LSE and every gradient (q, k, v, a tensor
+    parameter, through out and LSE) equal to the registered op's (bit-equal in deterministic
+    mode; a tensor parameter's gradient, summed with atomics, to rounding), with dropout, a
+    packed batch and a block mask too."""
+    from variant_cases import op as spec_op
+
+    from flashgen.runtime import launch
+
+    monkeypatch.setattr(launch, "poison_outputs", False)  # eager calls may launch from plans
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 40, 32, generator=g)
+    k, v = torch.randn(2, 2, 56, 32, generator=g), torch.randn(2, 2, 56, 32, generator=g)
+    dout, dlse = torch.randn(2, 4, 40, 32, generator=g), torch.randn(2, 4, 40, generator=g)
+    alibi, drop, causal = spec_op("alibi"), spec_op("dropout"), spec_op("causal")
+    slopes = torch.rand(4, generator=g)
+    state = flashgen.dropout_state(3, "cpu")
+    mask = flashgen.block_mask(causal, 40, 56, block_size=16)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    cases = [  # (op, eager kwargs, the same call through op.torch_op: extra args, kwargs)
+        (alibi, {"slopes": slopes}, (slopes,), {}),
+        (drop, {"dropout_p": 0.3, "dropout_seed": 3}, (0.3, state), {}),
+        (causal, {"block_mask": mask}, (), None),
+        (causal, {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 23, "max_seqlen_k": 23}, (),
+         {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 23, "max_seqlen_k": 23}),
+    ]
+    with torch.no_grad():  # a plan for these inputs' metadata: a call that records a gradient never uses it
+        causal(q, k, v)
+    cases.append((causal, {}, (), {}))
+    for op, kw, extra, torch_kw in cases:
+        packed = "cu_seqlens_q" in kw
+        x = [torch.randn(40, h, 32, generator=g) for h in (4, 2, 2)] if packed else [q, k, v]
+        do, dl = (torch.randn_like(x[0]), torch.randn(x[0].shape[1], 40)) if packed else (dout, dlse)
+        runs = []
+        for eager in (True, False):
+            inputs = [t.clone().requires_grad_() for t in x]
+            sl = slopes.clone().requires_grad_() if op is alibi else None
+            if eager:
+                out, lse = op(*inputs, return_lse=True, deterministic=op is not alibi,
+                              **({**kw, "slopes": sl} if sl is not None else kw))
+                assert type(out.grad_fn).__name__ == "EagerAttentionBackward"
+            else:
+                if torch_kw is None:  # a block mask: the op's own lists for these shapes
+                    torch_kw = op.block_args(mask, x[0], x[1], False, None, None, None, grad=True)
+                out, lse = op.torch_op(*inputs, None, op is not alibi, *((sl,) if sl is not None else extra),
+                                       **torch_kw)
+                assert type(out.grad_fn).__name__ != "EagerAttentionBackward"
+            torch.autograd.backward((out, lse), (do, dl))
+            runs.append([out, lse, *(t.grad for t in inputs)] + ([sl.grad] if sl is not None else []))
+        for a, b in zip(*runs, strict=True):
+            if op is alibi:  # a tensor parameter's gradient is summed with atomics: no deterministic mode
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                assert torch.equal(a, b)
 
 
 def test_messages_name_what_forced_the_family(causal, monkeypatch, capsys):

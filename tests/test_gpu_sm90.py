@@ -245,3 +245,48 @@ def test_training_step_pairs_sm90_forward_with_sm80_backward(ops):
     assert gc.ok, str(gc)
     with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*backward"):
         ops["causal"](q, k, v).sum().backward()
+
+
+# Non-default tile configs (keys x stages x overlap x ping-pong x persistent-up-to-seqlen_k):
+# O staging overlaying the K/V rings (176 keys at d 128), ping-pong, persistent launches whose
+# CTAs loop over several items (also with O in the rings: the next item waits for the epilogue),
+# a 3-stage ring and key tiles that do not divide the query tile.
+TILE_VARIANTS = ["176x2x1x0x0", "176x2x1x0x1073741824", "128x2x1x1x0", "128x2x0x0x1073741824",
+                 "144x2x0x0x0", "64x3x1x1x1073741824"]
+
+
+@pytest.fixture(scope="module")
+def tile_libs(ops):
+    """(spec, d, tiles) -> loaded library, built in parallel."""
+    import concurrent.futures
+
+    from flashgen import families
+    from flashgen.lang import ir
+    from flashgen.runtime import loader
+
+    keys = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent")
+    insts = {}
+    for mask, op in ops.items():
+        for d in (64, 128):
+            for t in TILE_VARIANTS:
+                tiles = dict(zip(keys, map(int, t.split("x")), strict=True))
+                insts[mask, d, t] = families.get("sm90").instantiation(op.spec, "sm_90a", ir.DType.BF16, d,
+                                                                       tiles=tiles)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        return dict(zip(insts, pool.map(loader.load, insts.values()), strict=True))
+
+
+@pytest.mark.parametrize("tiles", TILE_VARIANTS)
+def test_tile_variants(ops, tile_libs, tiles):
+    from flashgen.runtime import launch
+
+    gen = torch.Generator(device="cuda").manual_seed(len(tiles))
+    # (B, Hq, Hkv, Nq, Nk): 192 and 256 items (more than the 132 multiprocessors) and ragged ones
+    for b, hq, hkv, nq, nk in [(4, 8, 8, 700, 700), (2, 8, 2, 2048, 2048), (3, 5, 5, 129, 1000),
+                               (1, 4, 1, 1000, 77), (2, 2, 2, 1, 300)]:
+        for mask, op in ops.items():
+            for d in (64, 128):
+                q, k, v = make(b, hq, hkv, nq, nk, d, torch.bfloat16, False, gen)
+                out, lse = launch.launch_forward(op, q, k, v, d ** -0.5, lib=tile_libs[mask, d, tiles])
+                cmp = check.compare(op.spec, q, k, v, out, lse)
+                assert cmp.ok, f"{tiles} {mask} d{d} q{tuple(q.shape)} k{tuple(k.shape)}: {cmp}"

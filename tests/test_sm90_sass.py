@@ -31,7 +31,7 @@ def _cuobjdump() -> str | None:
 
 
 CUOBJDUMP = _cuobjdump()
-SPEC_NAMES = ["causal", "alibi", "document"]
+SPEC_NAMES = ["causal", "alibi", "document", "dense"]  # dense: the overlapped key loop
 # One SASS instruction line: /*0a70*/  [@!P0] OPCODE.MODS operands ;
 SASS_LINE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")

@@ -15,26 +15,38 @@ from .base import Family
 
 # Per head dim: key tile (fwd_block_n) and K/V stages. The query tile is 128 rows (two consumer
 # warpgroups). Shared memory: Q 128·128 B per 64-column panel, 2 stages of K and V of
-# block_n·128 B per panel each, and 128 rows of O staging (pitch d + 8): 194 KiB at d = 128.
+# block_n·128 B per panel each, and 128 rows of O staging (pitch d + 8) beside them where they
+# fit (194 KiB at d = 128 with 128-key tiles), else overlaying the K/V rings.
 SMEM_LIMIT = 227 * 1024
+
+
+def smem_layout(head_dim: int, block_n: int, stages: int) -> tuple[int, bool]:
+    """(dynamic shared memory in bytes, whether the O staging rows overlay the K/V rings) of
+    the sm90 forward: sm90/fwd.cuh Sm90Fwd::kSmem and kOInRing."""
+    kd = -(-head_dim // 16) * 16
+    panels = -(-kd // 64)
+    q = panels * 128 * 128
+    ring = 2 * stages * panels * block_n * 128
+    o = -(-(128 * (kd + 8) * 2) // 16) * 16
+    bars = 8 * (3 + 4 * stages)
+    in_ring = q + ring + o + bars + 1024 > SMEM_LIMIT
+    if in_ring and ring < o:
+        return q + ring + o + bars + 1024, False  # fits neither way: over the limit
+    return q + ring + (0 if in_ring else o) + bars + 1024, in_ring
 
 
 def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
     """Dynamic shared memory of the sm90 forward (bytes; sm90/fwd.cuh Sm90Fwd::kSmem)."""
-    kd = -(-head_dim // 16) * 16
-    panels = -(-kd // 64)
-    q = panels * 128 * 128
-    kv = panels * block_n * 128
-    o = -(-(128 * (kd + 8) * 2) // 16) * 16
-    return q + 2 * stages * kv + o + 8 * (3 + 4 * stages) + 1024
+    return smem_layout(head_dim, block_n, stages)[0]
 
 
-TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap")
+TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent")
 
 
 def check_tiles(cfg: dict, head_dim: int | None) -> None:
     """ValueError naming the key when an sm90 tile config is illegal: fwd_block_n a multiple of
-    16 in [16, 256], fwd_stages in [2, 4], and (at ``head_dim``) within shared memory."""
+    16 in [16, 256], fwd_stages in [2, 4], fwd_overlap and fwd_pingpong 0 or 1 (ping-pong only
+    with the overlap), fwd_persistent an int >= 0, and (at ``head_dim``) within shared memory."""
     bn, st = cfg.get("fwd_block_n", 128), cfg.get("fwd_stages", 2)
     if not (isinstance(bn, int) and 16 <= bn <= 256 and bn % 16 == 0):
         raise ValueError(f"fwd_block_n: expected a multiple of 16 in [16, 256] for the sm90 forward, got {bn!r}")
@@ -42,6 +54,14 @@ def check_tiles(cfg: dict, head_dim: int | None) -> None:
         raise ValueError(f"fwd_stages: expected 2, 3 or 4 for the sm90 forward, got {st!r}")
     if cfg.get("fwd_overlap", 1) not in (0, 1):
         raise ValueError(f"fwd_overlap: expected 0 or 1, got {cfg.get('fwd_overlap')!r}")
+    if cfg.get("fwd_pingpong", 0) not in (0, 1):
+        raise ValueError(f"fwd_pingpong: expected 0 or 1, got {cfg.get('fwd_pingpong')!r}")
+    ps = cfg.get("fwd_persistent", 0)
+    if not (isinstance(ps, int) and 0 <= ps < 2**31):
+        raise ValueError(f"fwd_persistent: expected the largest seqlen_k launched persistent (an int >= 0, "
+                         f"0: never), got {ps!r}")
+    if cfg.get("fwd_pingpong", 0) and not cfg.get("fwd_overlap", 0):
+        raise ValueError("fwd_pingpong: ping-pong between the consumer warpgroups needs fwd_overlap=1")
     if head_dim is not None and smem_bytes(head_dim, bn, st) > SMEM_LIMIT:
         raise ValueError(f"fwd_block_n: {bn} keys x {st} stages at head_dim {head_dim} need "
                          f"{smem_bytes(head_dim, bn, st):,} B of shared memory, over the sm90 forward's "
@@ -49,13 +69,16 @@ def check_tiles(cfg: dict, head_dim: int | None) -> None:
 
 
 def default_tiles(spec: ir.Spec, head_dim: int) -> dict:
-    """The forward's tile config for ``spec`` at ``head_dim``: 128-key tiles, two stages; the
-    softmax of each tile overlaps the previous tile's PV GEMM (fwd_overlap) for mask-free specs
-    up to d = 64. Measured on an H200 (docs/perf-notes.md): +5% dense d 64 at 16K, -5 to -10%
-    causal d 64; at d 128 the two accumulators and P do not fit 240 registers beside the rest
-    (ptxas spills 56-156 bytes) and the overlapped path is not yet verified on a GPU there."""
-    overlap = spec.mask is None and head_dim <= 64
-    return {"fwd_block_n": 128, "fwd_stages": 2, "fwd_overlap": 1 if overlap else 0}
+    """The forward's tile config for ``spec`` at ``head_dim``: 128-key tiles, two stages, no
+    ping-pong. For mask-free specs, the softmax of each tile overlaps the previous tile's PV
+    GEMM (fwd_overlap) and calls with seqlen_k up to 4096 (d <= 64) or 2048 launch one CTA per
+    multiprocessor (fwd_persistent). Measured on an H200 (docs/perf-notes.md, v3): overlap +8 to
+    +15% dense d 128, +5 to +10% dense d 64, -5 to +5% causal; persistent +14 to +17% dense at
+    1K, -4 to -7% dense d 128 from 4K, -35% causal at 16K (a static round-robin over items of
+    unequal cost); 144- to 192-key tiles and ping-pong within noise of these."""
+    dense = spec.mask is None
+    return {"fwd_block_n": 128, "fwd_stages": 2, "fwd_overlap": 1 if dense else 0, "fwd_pingpong": 0,
+            "fwd_persistent": (4096 if head_dim <= 64 else 2048) if dense else 0}
 
 
 class Sm90Family(Family):

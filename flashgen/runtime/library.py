@@ -211,5 +211,24 @@ def register(op, qualname: str):
 
     torch.library.register_fake(name + "_bwd", backward_fake, lib=_LIBRARY)
     torch.library.register_autograd(name, backward, setup_context=setup_context, lib=_LIBRARY)
+
+    class EagerAttention(torch.autograd.Function):
+        """The registered op's autograd for an eager call that records a gradient: the same
+        implementation, setup_context and backward, without the dispatcher's autograd wrapper
+        (its schema re-parsing costs tens of microseconds a call). ``AttentionOp.__call__`` uses it
+        only where it may skip the dispatcher (see ``runtime.op._direct``)."""
+
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None, as in the op's
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
+
+        @staticmethod
+        def backward(ctx, grad_out, grad_lse):
+            return backward(ctx, grad_out, grad_lse)
+
+    op.eager_autograd = EagerAttention.apply
     return getattr(torch.ops.flashgen, qualname).default
 

@@ -136,6 +136,7 @@ class AttentionOp:
         self.plans: dict[tuple, launch.ForwardPlan] = {}  # launch plans of eager calls (runtime/launch.py)
         self._fields: dict[str, families.LaunchFields] = {}  # family name -> its per-call decisions
         self.implementation = None  # the registered forward implementation (set by _register)
+        self.eager_autograd = None  # its autograd.Function for direct eager calls (set by _register)
         self.params_struct = launch.params_struct(spec)
         self.grad_params = tuple(p.name for p in X.grad_params(spec))
         # (parameter, dim, position name) for every read like bias[b, h, q, kv]: checked per call.
@@ -247,7 +248,8 @@ class AttentionOp:
         if (not params and not self.spec.params and block_mask is None and cu_seqlens_q is None
                 and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None and dropout_p == 0.0
                 and dropout_seed is None and deterministic is False and type(return_lse) is bool
-                and (scale is None or type(scale) is float) and _direct(q, k, v, ())):
+                and (scale is None or type(scale) is float) and _direct(q, k, v, ())
+                and not _records_grad(q, k, v, ())):
             # the common eager call, launched from its plan when its metadata ran before
             _, res = self._from_plan(q, k, v, scale, ())
             if res is not None:
@@ -300,7 +302,8 @@ class AttentionOp:
             varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
         direct = _direct(q, k, v, values)
-        if direct and not varlen and not blocks and not dropout_p:  # a call whose metadata ran before
+        grad = direct and _records_grad(q, k, v, values)
+        if direct and not grad and not varlen and not blocks and not dropout_p:  # its metadata ran before
             key, res = self._from_plan(q, k, v, scale, values)
             if res is not None:
                 return res if return_lse else res[0]
@@ -317,7 +320,8 @@ class AttentionOp:
                 tail = tuple(varlen.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"))
             if blocks:
                 tail += (blocks.get("block_kv"), blocks.get("block_q"), blocks.get("block_dq"), blocks["block_meta"])
-            out, lse = self.implementation(q, k, v, scale, deterministic, *values, *dropout, *tail)
+            run = self.eager_autograd if grad else self.implementation  # the op's own autograd, or none
+            out, lse = run(q, k, v, scale, deterministic, *values, *dropout, *tail)
         else:
             out, lse = self.torch_op(q, k, v, scale, deterministic, *values, *dropout, **varlen, **blocks)
         return (out, lse) if return_lse else out
@@ -760,20 +764,24 @@ class AttentionOp:
                                       need_param_grads, dropout_p, dropout_state, **kw)
 
 
+def _records_grad(q, k, v, values) -> bool:
+    """Whether autograd records this call (grad mode on and an input that requires grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in values))
+
+
 def _direct(q, k, v, values) -> bool:
     """Whether an eager call may run the op's implementation without the dispatcher: plain
-    tensors, no gradient to record, nothing tracing or intercepting ops (torch.compile, a
-    dispatch or torch-function mode, functorch transforms, the profiler). The implementation is
-    the registered op's own, with its one validation; this only skips torch.library's
-    dispatch, autograd wrapper and schema parsing (tens of microseconds a call)."""
+    tensors, nothing tracing or intercepting ops (torch.compile, a dispatch or torch-function
+    mode, functorch transforms, the profiler, autocast). The implementation is the registered op's own,
+    with its one validation, and a call that records a gradient goes through the op's own
+    autograd (setup_context and backward); this only skips torch.library's dispatch, autograd
+    wrapper and schema parsing (tens of microseconds a call)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in values)):
         return False
     return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
-                or torch.autograd.profiler._is_profiler_enabled
+                or torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled(q.device.type)
                 or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))
 
 

@@ -68,7 +68,7 @@ namespace sm90 {
 
 // kBlockN keys per K/V tile, kStages K/V stages; the query tile is 128 rows (two consumer
 // warpgroups of 64).
-template <int kBlockN_, int kStages_ = 2, int kOverlap_ = 0>
+template <int kBlockN_, int kStages_ = 2, int kOverlap_ = 0, int kPingPong_ = 0, int kPersistentMaxSeqlenK_ = 0>
 struct Sm90FwdTile {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -76,10 +76,20 @@ struct Sm90FwdTile {
   // 1: intra-warpgroup overlap (FlashAttention-3, Sec. 3.2): the S GEMM of tile j and the PV
   // GEMM of tile j - 1 are in flight together while the softmax of tile j runs.
   static constexpr bool kOverlap = kOverlap_ != 0;
+  // 1 (with kOverlap): ping-pong between the consumer warpgroups (FlashAttention-3, Sec. 3.1):
+  // each issues its GEMMs of a step only after the other has issued its own (named barriers
+  // 1 and 2), so one warpgroup's softmax runs under the other's GEMMs.
+  static constexpr bool kPingPong = kPingPong_ != 0;
+  // Calls with seqlen_k up to this launch one CTA per multiprocessor, each looping over work
+  // items (the producer loads the next item's Q and K/V while the consumers run the epilogue:
+  // it pays where items are short); longer ones (and 0: all) launch one CTA per item, which
+  // the hardware hands out as multiprocessors free up (it balances items of unequal cost).
+  static constexpr int kPersistentMaxSeqlenK = kPersistentMaxSeqlenK_;
   static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256, "kBlockN: 16..256, step 16");
   static_assert(kStages >= 2 && kStages <= 4, "2 to 4 K/V stages");
+  static_assert(!kPingPong || kOverlap, "ping-pong needs the overlapped key loop");
 };
 
 template <class Element, class VParams>
@@ -104,13 +114,20 @@ struct Sm90Fwd {
   static constexpr int kQBytes = kPanels * kQPanel;
   static constexpr int kKVBytes = kPanels * kKVPanel;  // one K or V stage
   // Shared memory (from a 1024-byte aligned base): Q, the K ring, the V ring, the O staging rows
-  // (pitch kPitch, as FwdEpilogue writes them), the mbarriers.
-  static constexpr int kOffK = kQBytes;
-  static constexpr int kOffV = kOffK + kStages * kKVBytes;
-  static constexpr int kOffO = kOffV + kStages * kKVBytes;
-  static constexpr int kOffBar = kOffO + (kBlockM * kPitch * int(sizeof(Element)) + 15) / 16 * 16;
+  // (pitch kPitch, as FwdEpilogue writes them), the mbarriers. Where the O rows do not fit
+  // beside the rings (large key tiles), they overlay the K/V rings (kOInRing): both consumer
+  // warpgroups finish their GEMMs of the item first (named barrier 3), and they release Q only
+  // after the epilogue, so that the producer loads nothing of the next item into the rings before.
+  static constexpr int kOBytes = (kBlockM * kPitch * int(sizeof(Element)) + 15) / 16 * 16;
+  static constexpr int kRingBytes = 2 * kStages * kKVBytes;
   // full_q, empty_q, full_k[S], empty_k[S], full_v[S], empty_v[S], aux_v
   static constexpr int kNumBars = 3 + 4 * kStages;
+  static constexpr bool kOInRing = kQBytes + kRingBytes + kOBytes + 8 * kNumBars + 1024 > 227 * 1024;
+  static_assert(!kOInRing || kRingBytes >= kOBytes, "the O staging rows fit neither beside nor in the rings");
+  static constexpr int kOffK = kQBytes;
+  static constexpr int kOffV = kOffK + kStages * kKVBytes;
+  static constexpr int kOffO = kOInRing ? kOffK : kOffV + kStages * kKVBytes;
+  static constexpr int kOffBar = kOInRing ? kOffK + kRingBytes : kOffO + kOBytes;
   static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
 
@@ -316,10 +333,31 @@ struct Sm90Fwd {
   // S_j = Q K_j^T and O += P_{j-1} V_{j-1} are issued back to back; the softmax of S_j runs
   // while the PV GEMM is still in flight (its O rescale is deferred until that GEMM is done).
   // cnt: the pipeline count of the item's first tile.
+  // Ping-pong (Tile::kPingPong): a step's GEMMs are issued between turn() (this warpgroup's
+  // barrier, completed by the other's pass()) and pass(); both warpgroups take the same number
+  // of steps per item (n + 1), and consumer warpgroup 1 passes once first, so 0 starts.
+  static __device__ __forceinline__ void turn(int wg) {
+    if constexpr (Tile::kPingPong) {
+      if (wg == 0) {
+        ptx::bar_sync<1, 256>();
+      } else {
+        ptx::bar_sync<2, 256>();
+      }
+    }
+  }
+  static __device__ __forceinline__ void pass(int wg) {
+    if constexpr (Tile::kPingPong) {
+      if (wg == 0) {
+        ptx::bar_arrive<2, 256>();
+      } else {
+        ptx::bar_arrive<1, 256>();
+      }
+    }
+  }
   static __device__ __forceinline__ void overlapped(const BaseParams& p, Accum& acc, const Item& it,
                                                     uint32_t sQ, uint32_t s0, const Bars& bar,
                                                     uint32_t cnt, int wq_lo, int wq_hi, int warp_row0,
-                                                    int lane) {
+                                                    int lane, int wg) {
     const int Nq = p.seqlen_q, Nk = p.seqlen_k, n = it.n_tiles;
     float s[1][kBlockN / 8][4];
     uint32_t a[kBlockN / 16][4];
@@ -327,13 +365,15 @@ struct Sm90Fwd {
     {
       const int stage = int(cnt % kStages);
       ptx::mbar_wait(bar.full_k(stage), (cnt / kStages) & 1);
+      turn(wg);
       issue_s(sQ, s0 + kOffK + stage * kKVBytes, s);
+      pass(wg);
       ptx::wgmma_wait<0>();
       fence_all(s);
       __syncwarp();
       if (lane == 0) {
         ptx::mbar_arrive(bar.empty_k(stage));
-        if (n == 1) ptx::mbar_arrive(bar.empty_q());
+        if (!kOInRing && n == 1) ptx::mbar_arrive(bar.empty_q());
       }
       const int kv0 = tile_of(it, 0) * kBlockN;
       Base::softmax_classed(p, s, acc, it.b, it.h, wq_lo, wq_hi, Nq, Nk, kv0, it.kv_begin, it.kv_end,
@@ -347,15 +387,17 @@ struct Sm90Fwd {
       const uint32_t c = cnt + j, cp = c - 1;
       const int stage = int(c % kStages), pstage = int(cp % kStages);
       ptx::mbar_wait(bar.full_k(stage), (c / kStages) & 1);
-      issue_s(sQ, s0 + kOffK + stage * kKVBytes, s);
       ptx::mbar_wait(bar.full_v(pstage), (cp / kStages) & 1);
+      turn(wg);
+      issue_s(sQ, s0 + kOffK + stage * kKVBytes, s);
       issue_pv(a, s0 + kOffV + pstage * kKVBytes, acc.o);
+      pass(wg);
       ptx::wgmma_wait<1>();  // S_j is done; the PV GEMM may still run
       fence_all(s);
       __syncwarp();
       if (lane == 0) {
         ptx::mbar_arrive(bar.empty_k(stage));
-        if (j + 1 == n) ptx::mbar_arrive(bar.empty_q());
+        if (!kOInRing && j + 1 == n) ptx::mbar_arrive(bar.empty_q());
       }
       const int kv0 = tile_of(it, j) * kBlockN;
       typename Base::Rescale r;
@@ -376,7 +418,9 @@ struct Sm90Fwd {
     const uint32_t cl = cnt + n - 1;
     const int lstage = int(cl % kStages);
     ptx::mbar_wait(bar.full_v(lstage), (cl / kStages) & 1);
+    turn(wg);
     issue_pv(a, s0 + kOffV + lstage * kKVBytes, acc.o);
+    pass(wg);
     ptx::wgmma_wait<0>();
     fence_all(acc.o);
     fence_a(a);
@@ -395,6 +439,7 @@ struct Sm90Fwd {
     const int warp_row0 = 64 * wg + 16 * warp_in_wg;  // this warp's first row in the tile
     uint32_t cnt = 0;
     int local = 0;
+    if (Tile::kPingPong && wg == 1) pass(wg);  // consumer warpgroup 0 takes the first turn
     for (int iter = 0; int64_t(blockIdx.x) + int64_t(iter) * gridDim.x < p.total_work; ++iter, ++local) {
       const Item it = item(p, iter);
       const int wq_lo = it.q_lo + 64 * wg;                 // this warpgroup's rows
@@ -403,12 +448,12 @@ struct Sm90Fwd {
       Base::init(acc);
       ptx::mbar_wait(bar.full_q(), local & 1);
       const uint32_t sQ = s0 + wg * (64 * 128);
-      if (it.n_tiles == 0) {
+      if (!kOInRing && it.n_tiles == 0) {
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(bar.empty_q());
       }
       if constexpr (Tile::kOverlap) {
-        if (it.n_tiles > 0) overlapped(p, acc, it, sQ, s0, bar, cnt, wq_lo, wq_hi, warp_row0, lane);
+        if (it.n_tiles > 0) overlapped(p, acc, it, sQ, s0, bar, cnt, wq_lo, wq_hi, warp_row0, lane, wg);
         cnt += it.n_tiles;
       } else {
         for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
@@ -444,7 +489,7 @@ struct Sm90Fwd {
           __syncwarp();
           if (lane == 0) {
             ptx::mbar_arrive(bar.empty_k(stage));
-            if (j + 1 == it.n_tiles) ptx::mbar_arrive(bar.empty_q());
+            if (!kOInRing && j + 1 == it.n_tiles) ptx::mbar_arrive(bar.empty_q());
           }
 
           // Tile class, mask / score hooks, online softmax (the sm80 family's, per warp).
@@ -492,9 +537,21 @@ struct Sm90Fwd {
           if (lane == 0) ptx::mbar_arrive(bar.empty_v(stage));
         }
       }
-      __syncwarp();  // the warp's previous item left its staging rows
-      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, it.b, it.h, 0, it.q_lo, Nq, lane,
-                    warp_row0);
+      if constexpr (kOInRing) {
+        ptx::bar_sync<3, 256>();  // both consumer warpgroups are done reading the rings
+      } else {
+        __syncwarp();  // the warp's previous item left its staging rows
+      }
+      // The item decoded again, and the lane and rows, from opaque copies: the epilogue's
+      // addresses are computed here, not hoisted out of the item loop and held in registers
+      // through the key loop (where the accumulators need them; ptxas would spill them).
+      const Scheduler::Item w = Scheduler::decode(p.num_m_tiles, p.heads_q, ptx::opaque(iter));
+      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, 0, w.m_tile * kBlockM, Nq,
+                    ptx::opaque(lane), ptx::opaque(warp_row0));
+      if constexpr (kOInRing) {  // the rings (and Q) may take the next item's tiles now
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(bar.empty_q());
+      }
     }
   }
 
@@ -566,7 +623,13 @@ int launch_fwd(const FgFwdArgs& a) {
   static std::atomic<uint64_t> configured{0};
   st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 forward kernel");
   if (st != FG_OK) return st;
-  kernel<<<cuda::detail::grid_for(p.base.total_work, FLASHGEN_SM90_FWD_MAX_GRID), K::kThreads, K::kSmem,
+  int64_t cap = FLASHGEN_SM90_FWD_MAX_GRID;
+  if (a.seqlen_k <= Tile::kPersistentMaxSeqlenK) {
+    int sms = a.num_sms;
+    if (sms <= 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sms = 132;
+    cap = sms < cap ? sms : cap;
+  }
+  kernel<<<cuda::detail::grid_for(p.base.total_work, cap), K::kThreads, K::kSmem,
            static_cast<cudaStream_t>(a.stream)>>>(p);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "sm90 forward kernel launch", err);

@@ -115,6 +115,13 @@ __device__ __forceinline__ void fence_operand(uint32_t& r) {
   asm volatile("" : "+r"(r)::"memory");
 }
 
+// A copy of x the compiler cannot prove equal to x: what is computed from it is computed again
+// rather than held in registers (through a key loop that needs them for the accumulators).
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // Shared-memory matrix descriptor (PTX "Matrix Descriptor Format") for the 128-byte swizzle:
 // start address, leading and stride byte offsets (all >> 4), layout type 1 = SWIZZLE_128B.
 //   K-major operand, rows of 64 elements (128 B) in 8-row atoms of 1024 B: sbo = 1024 (next 8
@@ -153,6 +160,15 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 }
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <int kId, int kThreads>  // immediate operands: no registers held for them
+__device__ __forceinline__ void bar_sync() {
+  asm volatile("bar.sync %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
+}
+template <int kId, int kThreads>
+__device__ __forceinline__ void bar_arrive() {
+  asm volatile("bar.arrive %0, %1;\n" ::"n"(kId), "n"(kThreads) : "memory");
 }
 
 }  // namespace ptx
