@@ -781,7 +781,7 @@ def _direct(q, k, v, values) -> bool:
         return False
     return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
-                or torch.autograd.profiler._is_profiler_enabled or torch.is_autocast_enabled(q.device.type)
+                or torch.autograd.profiler._is_profiler_enabled or torch._C._is_any_autocast_enabled()
                 or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))
 
 
