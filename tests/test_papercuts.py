@@ -2,6 +2,9 @@
 deeply, text that is not a spec), the command line's messages and help, autocast, a block mask
 under torch.compile without warnings, and the package's declared dependencies."""
 
+import importlib.metadata
+import re
+
 import pytest
 
 import flashgen
@@ -50,3 +53,12 @@ def test_text_that_is_not_a_spec_is_not_reported_as_a_missing_file(tmp_path):
         flashgen.compile(str(tmp_path / "missing.attn"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         flashgen.compile("missing.attn")
+
+
+# ------------------------------------------------------------------ packaging
+
+
+def test_numpy_is_a_declared_dependency():
+    """torch warns "Failed to initialize NumPy" at import without numpy, on every command."""
+    requires = importlib.metadata.requires("flashgen") or []
+    assert any(re.match(r"numpy\b", r) for r in requires), requires
