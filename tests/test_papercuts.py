@@ -2,14 +2,21 @@
 deeply, text that is not a spec), the command line's messages and help, autocast, a block mask
 under torch.compile without warnings, and the package's declared dependencies."""
 
+import dataclasses
 import importlib.metadata
 import re
+from pathlib import Path
 
 import pytest
+import torch.utils.cpp_extension as ce
 
 import flashgen
+from flashgen import explain as ex
+from flashgen.cli import main
 from flashgen.errors import SpecError
 from flashgen.lang import frontend
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
 
 # ------------------------------------------------------------------ spec checks
 
@@ -53,6 +60,63 @@ def test_text_that_is_not_a_spec_is_not_reported_as_a_missing_file(tmp_path):
         flashgen.compile(str(tmp_path / "missing.attn"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         flashgen.compile("missing.attn")
+
+
+# ------------------------------------------------------------------ the command line
+
+INDEXED = "attention indexed {\n    param idx: i32[heads]\n    param t: f32[8]\n    score = score + t[idx[h]]\n}\n"
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_run_with_random_int_tensor_used_as_an_index_is_one_line(capsys, tmp_path, monkeypatch):
+    spec = tmp_path / "indexed.attn"
+    spec.write_text(INDEXED)
+    monkeypatch.setattr(ce, "load", lambda *a, **k: pytest.fail("a kernel was built for parameters out of range"))
+    rc, _, err = cli(capsys, "run", str(spec), "--seqlen", "32", "--dtype", "fp32")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("flashgen: error: ValueError: --param: t: index 0 of t[...] reaches")
+    assert "the values of idx were drawn at random" in err and "--param idx=N" in err
+
+
+def test_unknown_or_unavailable_bench_peers_are_errors(capsys):
+    spec = str(SPECS / "causal.attn")
+    rc, _, err = cli(capsys, "bench", spec, "--peers", "sdpa", "spda")
+    assert rc == 2 and "--peers: unknown peer 'spda' (the peers on cpu: sdpa, eager); did you mean 'sdpa'?" in err
+    rc, _, err = cli(capsys, "bench", spec, "--peers", "flex")
+    assert rc == 2 and "--peers: peer 'flex' runs on cuda, not cpu" in err
+    rc, _, err = cli(capsys, "bench", str(SPECS / "dropout.attn"), "--peers", "eager", "--dropout-p", "0.1")
+    assert rc == 2 and "--peers: peer 'eager' has no dropout" in err
+
+
+def test_run_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    for option, default in (("--batch", "2"), ("--heads", "8"), ("--seqlen", "1024"), ("--head-dim", "64"),
+                            ("--dtype", "bf16"), ("--device", "cpu"), ("--reps", "10"), ("--dropout-p", "0.0")):
+        assert re.search(rf"{option} \S+ .*?\(default: {re.escape(default)}\)", out), (option, out)
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "build"])
+def test_unknown_device_names_the_option_not_torchs_device_list(capsys, command):
+    rc, _, err = cli(capsys, command, str(SPECS / "causal.attn"), "--device", "gpu")
+    assert rc == 2 and "Expected one of" not in err
+    assert "--device gpu: not a device; expected cpu or cuda[:N] (did you mean cuda?)" in err
+
+
+def test_explain_says_how_far_the_measurement_is_from_the_floor(capsys):
+    rep = ex.explain(SPECS / "causal.attn", 256, head_dim=64, dtype="fp32", device="cpu")
+    rep = dataclasses.replace(rep, measured_ms=rep.floor_ms / 0.713, tflops=1.0, fraction_of_floor=0.713)
+    ex.render(rep)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1.40× the floor (the floor is 71.3% of the measured time)" in out
+    assert "71.3% of the floor" not in out
 
 
 # ------------------------------------------------------------------ packaging
