@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 import torch.utils.cpp_extension as ce
 
 import flashgen
@@ -117,6 +119,42 @@ def test_explain_says_how_far_the_measurement_is_from_the_floor(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "1.40× the floor (the floor is 71.3% of the measured time)" in out
     assert "71.3% of the floor" not in out
+
+
+# ------------------------------------------------------------------ autocast
+
+
+def autocast_case(device, dtype):
+    op = flashgen.compile(SPECS / "alibi.attn")
+    g = torch.Generator(device=device).manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=g, device=device) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], device=device)  # an f32 parameter: it stays f32 under autocast
+    with torch.autocast(device, dtype=dtype):
+        out, lse = op(q, k, v, return_lse=True, slopes=slopes)
+        sdpa = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == sdpa.dtype == dtype and lse.dtype == torch.float32
+    want, want_lse = op(q.to(dtype), k.to(dtype), v.to(dtype), return_lse=True, slopes=slopes)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    q.requires_grad_()
+    with torch.autocast(device, dtype=dtype):
+        out = op(q, k, v, slopes=slopes)
+    (dq,) = torch.autograd.grad(out.float().sum(), q)
+    qd = q.detach().to(dtype).requires_grad_()
+    (want_dq,) = torch.autograd.grad(op(qd, k.to(dtype), v.to(dtype), slopes=slopes).float().sum(), qd)
+    assert dq.dtype == torch.float32 and torch.equal(dq, want_dq.float())
+    fn = torch.compile(lambda q, k, v: op(q, k, v, slopes=slopes), fullgraph=True, backend="aot_eager")
+    with torch.autocast(device, dtype=dtype):
+        assert torch.equal(fn(q.detach(), k, v), want)
+
+
+def test_cpu_autocast_computes_in_the_autocast_dtype():
+    """As SDPA: under torch.autocast the op casts q, k, v and returns the autocast dtype."""
+    autocast_case("cpu", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_computes_in_the_autocast_dtype():
+    autocast_case("cuda", torch.float16)
 
 
 # ------------------------------------------------------------------ packaging
