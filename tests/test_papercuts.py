@@ -5,6 +5,7 @@ under torch.compile without warnings, and the package's declared dependencies.""
 import dataclasses
 import importlib.metadata
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,27 @@ def test_cpu_autocast_computes_in_the_autocast_dtype():
 @pytest.mark.gpu
 def test_cuda_autocast_computes_in_the_autocast_dtype():
     autocast_case("cuda", torch.float16)
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def test_block_mask_under_torch_compile_prints_no_dynamo_warning():
+    """Dynamo warned (8 lines) about a functools cache called while checking a mask's binding."""
+    from torch._dynamo.utils import warn_once_cache
+
+    op = flashgen.compile(SPECS / "causal.attn")
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    bm = flashgen.block_mask(op, 128, 128, block_size=32)
+    for seen in [m for m in warn_once_cache if "lru_cache" in m]:  # warned once per process
+        warn_once_cache.discard(seen)
+    fn = torch.compile(lambda x, m: op(x, x, x, block_mask=m), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(q, bm)
+        out.sum().backward()
+    assert torch.equal(out, op(q, q, q, block_mask=bm))
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
 
 
 # ------------------------------------------------------------------ packaging

@@ -28,7 +28,7 @@ from ..lang import expr as X
 from ..lang import ir
 from ..lang.frontend import parse
 from ..reference import default_scale
-from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float
+from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
 from ..tune import store as tune_store
 from . import checks, launch, loader
 from .checks import (
@@ -124,6 +124,7 @@ class AttentionOp:
     def __init__(self, spec: ir.Spec, qualname: str):
         self.spec = spec
         self.fingerprint = spec.fingerprint()  # (block masks compare it, also under torch.compile)
+        self.mask_reads = mask_names(spec)  # the names its mask reads (block masks check their binding)
         self.name = f"flashgen::{qualname}"
         self._libs: dict[tuple, cache.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
@@ -415,7 +416,7 @@ class AttentionOp:
         (flashgen.block_mask) was made from this spec with the call's parameters and layout
         (ValueError naming block_mask)."""
         block_mask.check_binding(self.spec, self.fingerprint, values, cu_seqlens_q if packed else None,
-                                 cu_seqlens_k if packed else None)
+                                 cu_seqlens_k if packed else None, read=self.mask_reads)
         if packed:
             B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
             Nq = max_seqlen_q if max_seqlen_q is not None else block_mask.seqlen_q
