@@ -96,10 +96,15 @@ def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the publ
     """Parse and validate ``spec`` (a path to a ``.attn`` file or spec text) and return its op.
 
     Nothing is built here: kernels are compiled at the first call for each (device type,
-    dtype, head dim), or ahead of time with ``op.build(...)`` / ``flashgen build``.
+    dtype, head dim), or ahead of time with ``op.build(...)`` / ``flashgen build``. A string is
+    spec text when it has a newline or '{', or names no file and looks like no path (no '/',
+    no ``.attn`` ending).
 
     Raises:
         SpecError: the spec does not parse or validate (message has file:line:col).
+        FileNotFoundError: a path (a ``Path``, or a string ending in ``.attn`` or with a '/')
+            that names no file.
+        TypeError / ValueError: ``spec`` is neither a path nor text, or is empty.
     """
     if not isinstance(spec, str | Path | ir.Spec):
         raise TypeError(f"spec: expected a path or spec text, got {type(spec).__name__}")
