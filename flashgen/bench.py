@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import flops as flop_count
 from . import reference
+from .errors import did_you_mean
 from .lang import expr as X
 from .lang import ir
 from .ops import TORCH_DTYPE, AttentionOp
@@ -106,8 +107,6 @@ def check_include(include, device: torch.device, dropout_p: float = 0.0) -> None
     """Raise ValueError (starting 'include:') for a name in ``include`` that is no peer, or no
     peer on ``device``, or one that cannot run here (no dropout, no FlexAttention in this torch);
     names starting with 'flashgen' are ours (always timed)."""
-    from .errors import did_you_mean
-
     here = [n for n in PEERS.get(device.type, ()) if not (dropout_p and n in NO_DROPOUT)]
     known = {n for names in PEERS.values() for n in names}
     listed = ", ".join(here) or "none"
