@@ -98,6 +98,8 @@ def path_problem(path: Path) -> str | None:
     """Why another user could change what ``path`` holds (None: only its owner, the current user
     or root, can): its owner is someone else, or it is writable by others, or by a group other
     than its owner's private group."""
+    if not hasattr(os, "geteuid"):
+        return None  # no POSIX owners (Windows)
     try:
         st = os.stat(path)
     except OSError:
