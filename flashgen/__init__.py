@@ -3,7 +3,7 @@
 from .version import __version__
 
 from . import reference
-from .errors import BuildError, FlashgenError, KernelError, NotBuiltError, SpecError
+from .errors import BuildError, FlashgenError, KernelError, NotBuiltError, SpecError, UntrustedPathError
 from .families import use_family
 from .runtime.launch import dropout_state
 from .runtime.masks import block_mask
@@ -11,6 +11,6 @@ from .runtime.op import AttentionOp, compile
 from .sparsity import BlockMask
 from .tune import tuner as _tuner  # noqa: F401 - plugs the first-use tuner into the op runtime
 
-__all__ = ["__version__", "AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "NotBuiltError", "SpecError", "block_mask", "compile",
+__all__ = ["__version__", "AttentionOp", "BlockMask", "BuildError", "FlashgenError", "KernelError", "NotBuiltError", "SpecError", "UntrustedPathError", "block_mask", "compile",
            "dropout_state",
            "reference", "use_family"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from . import flops as flop_count
 from . import reference
+from .errors import did_you_mean
 from .lang import expr as X
 from .lang import ir
 from .ops import TORCH_DTYPE, AttentionOp
@@ -94,6 +95,44 @@ def sdpa_mask(spec: ir.Spec, B: int, H: int, Nq: int, Nk: int, device, dtype, pa
     if keep is not None:
         bias = torch.where(keep, bias, float("-inf"))
     return bias.to(dtype)
+
+
+# The peers timed next to ours on each device type (``peers``); FlexAttention and eager have no
+# dropout and are left out when it is set.
+PEERS = {"cuda": ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "eager"), "cpu": ("sdpa", "eager")}
+NO_DROPOUT = ("flex", "eager")
+
+
+def check_include(include, device: torch.device, dropout_p: float = 0.0) -> None:
+    """Raise ValueError (starting 'include:') for a name in ``include`` that is no peer, or no
+    peer on ``device``, or one that cannot run here (no dropout, no FlexAttention in this torch);
+    names starting with 'flashgen' are ours (always timed)."""
+    here = [n for n in PEERS.get(device.type, ()) if not (dropout_p and n in NO_DROPOUT)]
+    known = {n for names in PEERS.values() for n in names}
+    listed = ", ".join(here) or "none"
+    for name in include or ():
+        if name.startswith("flashgen") or (name in here and name != "flex"):
+            continue
+        if name not in known:
+            hint = did_you_mean(name, here) or did_you_mean(name, known)
+            raise ValueError(f"include: unknown peer {name!r} (the peers on {device.type}: {listed})"
+                             + (f"; {hint}" if hint else ""))
+        if name not in PEERS.get(device.type, ()):
+            raise ValueError(f"include: peer {name!r} runs on {'cuda' if name in PEERS['cuda'] else 'cpu'}, not "
+                             f"{device.type} (the peers on {device.type}: {listed})")
+        if name not in here:
+            raise ValueError(f"include: peer {name!r} has no dropout (with dropout_p the peers are: {listed})")
+        if name == "flex" and _flex_module() is None:
+            raise ValueError(f"include: peer 'flex' is unavailable: this torch ({torch.__version__}) has no "
+                             "FlexAttention")
+
+
+def _flex_module():
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:
+        return None
+    return flex_attention
 
 
 def peers(spec: ir.Spec, device: torch.device, dropout_p: float = 0.0) -> dict[str, Callable | None]:
@@ -200,7 +239,10 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
     """Time ours and the peers on each (batch, heads, seqlen, head_dim): the forward, or with
     ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
     forward's, the backward counted as 2.5× as in FlashAttention's benchmarks). Spec parameters
-    come from ``params`` where given, else flashgen.params.example_params (per shape)."""
+    come from ``params`` where given, else flashgen.params.example_params (per shape). ``include``
+    limits the peers timed (ours always are); ValueError for a name that is no peer here
+    (``check_include``)."""
+    check_include(include, device, dropout_p)
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
     impls = {"flashgen": lambda q, k, v, p: op(q, k, v, dropout_p=dropout_p, **p)}

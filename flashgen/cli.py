@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from . import bench, check, env, families
+from . import bench, check, env, families, reference
 from . import explain as ex
 from . import flops as flop_count
 from .bench import time_fn
@@ -30,16 +30,29 @@ from .tune import tuner
 DTYPE_ARG = {"fp16": ir.DType.FP16, "bf16": ir.DType.BF16, "fp32": ir.DType.FP32}
 
 
+class _Help(argparse.HelpFormatter):
+    """Help that shows each option's default (where it has one and its text does not say it)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or default is argparse.SUPPRESS \
+                or "default" in text or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"default: {shown}"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flashgen", description="Compile attention-variant specs into fused "
                                 "FlashAttention kernels for PyTorch.")
     sub = p.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="render specs into generated/<spec>/ (the committed reviewable sources)")
+    g = sub.add_parser("generate", formatter_class=_Help, help="render specs into generated/<spec>/ (the committed reviewable sources)")
     g.add_argument("specs", nargs="+", type=Path)
     g.add_argument("--out", type=Path, default=Path("generated"), help="output root (default: generated)")
 
-    b = sub.add_parser("build", help="compile a spec's kernels into the cache (prints paths and build time), or "
+    b = sub.add_parser("build", formatter_class=_Help, help="compile a spec's kernels into the cache (prints paths and build time), or "
                        "with --out into an ahead-of-time directory (FLASHGEN_AOT_DIR)")
     b.add_argument("specs", nargs="+", type=Path)
     b.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu; with --arch, none)")
@@ -54,31 +67,33 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--sparse", action="store_true", help="CUDA: also the block-sparse kernels (block_mask=) and "
                    "the block classifier")
 
-    r = sub.add_parser("run", help="run a spec on random inputs, check against the float64 reference, time it")
-    r.add_argument("spec", type=Path)
-    r.add_argument("--batch", type=int, default=2)
-    r.add_argument("--heads", type=int, default=8)
+    r = sub.add_parser("run", formatter_class=_Help, help="run a spec on random inputs, check against the float64 reference, time it")
+    r.add_argument("spec", type=Path, help="a .attn file")
+    r.add_argument("--batch", type=int, default=2, help="batch size")
+    r.add_argument("--heads", type=int, default=8, help="query heads")
     r.add_argument("--kv-heads", type=int, default=None, help="GQA/MQA: kv heads (default: --heads)")
-    r.add_argument("--seqlen", type=int, default=1024)
-    r.add_argument("--seqlen-k", type=int, default=None, help="default: --seqlen")
-    r.add_argument("--head-dim", type=int, default=64)
-    r.add_argument("--dtype", choices=DTYPE_ARG, default="bf16")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
+    r.add_argument("--seqlen", type=int, default=1024, help="query length (and key length without --seqlen-k)")
+    r.add_argument("--seqlen-k", type=int, default=None, help="key length (default: --seqlen)")
+    r.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    r.add_argument("--dtype", choices=DTYPE_ARG, default="bf16", help="input dtype")
+    r.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    r.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                   help="spec parameter (repeatable; default: example values, tensors drawn at random)")
     r.add_argument("--dropout-p", type=float, default=0.0,
                    help="dropout probability (specs that declare dropout; seed 0, checked with that mask)")
-    r.add_argument("--reps", type=int, default=10)
+    r.add_argument("--reps", type=int, default=10, help="timed calls (median)")
 
-    be = sub.add_parser("bench", help="time ours next to torch SDPA (and FlexAttention on CUDA) in one run")
+    be = sub.add_parser("bench", formatter_class=_Help, help="time ours next to torch SDPA (and FlexAttention on CUDA) in one run")
     be.add_argument("spec", type=Path)
-    be.add_argument("--device", default="cpu")
+    be.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     be.add_argument("--dtype", choices=DTYPE_ARG, default=None, help="default bf16 on cuda, fp32 on cpu")
     be.add_argument("--seqlen", nargs="*", type=int, help="default cpu: 1024 4096; cuda: 512 … 16384")
     be.add_argument("--head-dim", nargs="*", type=int, help="default cpu: 64; cuda: 64 128")
     be.add_argument("--batch", type=int, help="default cpu: 2; cuda: 16384 // seqlen")
     be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim")
-    be.add_argument("--peers", nargs="*", help="only these peers (e.g. sdpa-flash flex)")
-    be.add_argument("--reps", type=int, default=10)
+    be.add_argument("--peers", nargs="*", help="only these peers (cuda: " + " ".join(bench.PEERS["cuda"]) + "; cpu: "
+                    + " ".join(bench.PEERS["cpu"]) + "; default: all)")
+    be.add_argument("--reps", type=int, default=10, help="timed calls per implementation (median)")
     be.add_argument("--backward", action="store_true", help="time forward+backward instead of the forward")
     be.add_argument("--json", type=Path, help="also write the rows as JSON here")
     be.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="spec parameter")
@@ -86,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="dropout probability for ours and SDPA (specs that declare dropout); adds a "
                          "flashgen-p0 row (p = 0) for the overhead; FlexAttention has no dropout")
 
-    tu = sub.add_parser("tune", help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
+    tu = sub.add_parser("tune", formatter_class=_Help, help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
     tu.add_argument("spec", type=Path)
     tu.add_argument("--seqlen", nargs="+", type=int, default=[1024, 4096, 16384],
                     help="sequence lengths to tune at (default 1024 4096 16384)")
@@ -103,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--no-prebuild", action="store_true",
                     help="do not build the winners' instantiations now (then the first call builds them)")
 
-    ex = sub.add_parser("explain", help="tiles, FLOPs, predicted HBM bytes (ours vs standard attention) and the "
+    ex = sub.add_parser("explain", formatter_class=_Help, help="tiles, FLOPs, predicted HBM bytes (ours vs standard attention) and the "
                         "roofline floor of one call; optionally measured")
     ex.add_argument("spec", type=Path)
     ex.add_argument("--seqlen", type=int, required=True)
@@ -146,6 +161,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _device(text: str, option: str = "--device", *, available: bool = True) -> torch.device:
+    """``text`` as a torch device: ValueError naming ``option`` for text that names no device,
+    a device type flashgen does not run on, or (``available``) CUDA where this torch or machine
+    has none."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        hint = " (did you mean cuda?)" if text.strip().lower().startswith(("gpu", "nvidia")) else ""
+        raise ValueError(f"{option} {text}: not a device; expected cpu or cuda[:N]{hint}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"{option} {text}: flashgen runs on cpu or cuda[:N], not {dev.type}")
+    if available and dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{option} {text}: CUDA is not available in this torch build or machine")
+    return dev
+
+
+def _drawn_index_error(op, given: dict, e: IndexError) -> ValueError:
+    """A one-line error for a parameter read outside its shape, usually through an index drawn at
+    random for an int tensor parameter: it names them and suggests --param."""
+    drawn = [p.name for p in op.spec.params if p.is_tensor and p.dtype in ("i32", "i64") and p.name not in given]
+    hint = (f"; the values of {', '.join(drawn)} were drawn at random (uniform in [0, seqlen_k]): give values in "
+            f"range with --param {drawn[0]}=N" if drawn else "; give values in range with --param NAME=VALUE")
+    return ValueError(f"--param: {e}{hint}")
+
+
 # ---------------------------------------------------------------- generate
 
 
@@ -162,6 +202,8 @@ def cmd_generate(args) -> int:
 
 def cmd_build(args) -> int:
     console = Console(stderr=True)
+    if args.device is not None:
+        _device(args.device, available=False)  # a CUDA device without CUDA: aot_build says what to pass
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise ValueError(f"--out: {args.out} exists and is not a directory")
     try:
@@ -179,7 +221,7 @@ def cmd_build(args) -> int:
 
 def _build_cache(args, console, torch, fg_compile) -> int:
     """``build`` into the kernel cache (no --out, no --arch)."""
-    device = torch.device(args.device or "cpu")
+    device = _device(args.device or "cpu")
     if device.type == "cpu" and (args.head_dim or args.layouts != ["padded"] or args.sparse):
         print("note: --head-dim, --layouts and --sparse apply to CUDA builds; the CPU kernels take the head dim, "
               "the layout and block masks at run time", file=sys.stderr)
@@ -249,13 +291,16 @@ def cmd_run(args) -> int:
         raise ValueError(f"--kv-heads: {args.kv_heads} is out of range (expected ≥ 1)")
     if args.seqlen_k is not None and args.seqlen_k < 0:
         raise ValueError(f"--seqlen-k: {args.seqlen_k} is out of range")
-    if args.device.startswith("cuda"):
-
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda: CUDA is not available in this torch build or machine")
+    device = _device(args.device)
     op = fg_compile(args.spec)
     given = parse_params(op.spec, args.param)
-    device = torch.device(args.device)
+    try:
+        return _run(args, op, given, device)
+    except IndexError as e:  # a parameter read outside its shape: a usage error (exit 2), not a traceback
+        raise _drawn_index_error(op, given, e) from None
+
+
+def _run(args, op, given: dict, device: torch.device) -> int:
     dtype = TORCH_DTYPE[DTYPE_ARG[args.dtype]]
     hkv = args.kv_heads or args.heads
     nk = args.seqlen if args.seqlen_k is None else args.seqlen_k
@@ -264,6 +309,7 @@ def cmd_run(args) -> int:
     v = torch.randn_like(k)
     params = example_params(op.spec, args.batch, args.heads, args.seqlen, nk, device, **given)
     drop = {"dropout_p": args.dropout_p, "dropout_seed": 0} if args.dropout_p else {}
+    reference.check_reads(op.spec, args.batch, args.heads, args.seqlen, nk, **params)  # before any build
     shown = " ".join(f"{n}={x if not isinstance(x, torch.Tensor) else tuple(x.shape)}" for n, x in params.items())
     print(f"{op.name}: batch={args.batch} heads={args.heads} kv_heads={hkv} seqlen_q={args.seqlen} "
           f"seqlen_k={nk} head_dim={args.head_dim} dtype={args.dtype} device={device}"
@@ -290,8 +336,12 @@ def cmd_run(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    device = _device(args.device)
+    try:
+        bench.check_include(args.peers, device, args.dropout_p)
+    except ValueError as e:
+        raise ValueError("--peers:" + str(e).removeprefix("include:")) from None
     op = fg_compile(args.spec)
-    device = torch.device(args.device)
     dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
     shapes = bench.default_shapes(device, args.head_dim, args.seqlen, args.batch, args.heads)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
@@ -302,8 +352,11 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--dropout-p {args.dropout_p}: spec '{op.spec.name}' declares no dropout; add a line "
                          "`dropout` to the spec to enable it")
     op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None)
-    rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
-                     backward=args.backward, params=given, dropout_p=args.dropout_p)
+    try:
+        rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
+                         backward=args.backward, params=given, dropout_p=args.dropout_p)
+    except IndexError as e:
+        raise _drawn_index_error(op, given, e) from None
     if args.json:
         args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
     return 0
@@ -313,7 +366,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    device = torch.device(args.device)
+    device = _device(args.device, available=False)
     if device.type != "cuda":
         raise ValueError(f"--device {args.device}: tuning times CUDA kernels (expected cuda or cuda:N)")
     if not torch.cuda.is_available():

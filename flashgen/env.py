@@ -36,6 +36,21 @@ def cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "flashgen"
 
 
+def cache_dir_set() -> bool:
+    """Whether FLASHGEN_CACHE_DIR is set (messages about the cache root name where it came from)."""
+    return bool(os.environ.get("FLASHGEN_CACHE_DIR"))
+
+
+def cxx() -> str:
+    """CXX, else 'c++': the C++ compiler torch.utils.cpp_extension builds the CPU kernels with."""
+    return os.environ.get("CXX") or "c++"
+
+
+def cxx_set() -> bool:
+    """Whether CXX is set (a missing compiler is then named as CXX's value)."""
+    return bool(os.environ.get("CXX"))
+
+
 def verbose() -> bool:
     """FLASHGEN_VERBOSE=1: show compiler command lines and output while building."""
     return os.environ.get("FLASHGEN_VERBOSE", "") not in ("", "0")

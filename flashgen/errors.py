@@ -59,3 +59,9 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
 class NotBuiltError(BuildError):
     """JIT is disabled (FLASHGEN_JIT=0) and no ahead-of-time directory holds the kernel a call
     needs; the message names the variant, the directories searched and the build command."""
+
+
+class UntrustedPathError(BuildError):
+    """A library was not loaded because another user could have replaced it: its cache entry or
+    ahead-of-time directory (or the library itself) is owned by someone other than the current
+    user or root, or is writable by others. The message names the path and the fix."""

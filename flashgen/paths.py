@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import stat
 import uuid
 from importlib import resources
 from pathlib import Path
@@ -38,7 +39,46 @@ def repo_root() -> Path | None:
 
 def write_json_atomic(path: Path, data) -> None:
     """Write ``data`` as JSON to ``path`` by one rename (readers see the old or the new file,
-    never a partial one)."""
+    never a partial one), owner-only (0600) whatever the umask."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def owner_only(path: Path) -> None:
+    """Make ``path`` (a file, or a folder with everything in it) owner-only: folders 0700, files
+    0600 (0700 when executable)."""
+    paths = [path]
+    if path.is_dir() and not path.is_symlink():
+        for parent, dirs, files in os.walk(path):
+            paths += [Path(parent) / n for n in (*dirs, *files)]
+    for p in paths:
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(p, 0o700)
+        else:
+            os.chmod(p, 0o700 if st.st_mode & stat.S_IXUSR else 0o600)
+
+
+def private_dir(path: Path) -> Path:
+    """Create the folder ``path`` (and missing parents) owner-only (0700) whatever the umask; an
+    existing folder is left as it is. Raises OSError as mkdir does (FileExistsError for a file
+    in its place)."""
+    if not path.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+        else:
+            os.chmod(path, 0o700)
+    return path

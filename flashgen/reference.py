@@ -155,6 +155,25 @@ def positions(batch: int, heads: int, seqlen_q: int, seqlen_k: int, device=None,
             "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
 
 
+def check_reads(spec: ir.Spec, batch: int, heads: int, seqlen_q: int, seqlen_k: int, **params) -> None:
+    """Raise IndexError (as ``attention`` would) when the mask or score expression reads a tensor
+    parameter outside its shape somewhere on the [batch, heads, seqlen_q, seqlen_k] grid. Only the
+    reads are evaluated, each over the positions it depends on, so this costs far less than the
+    attention: what ``flashgen run`` checks before a kernel is built for random parameters."""
+    env = positions(batch, heads, seqlen_q, seqlen_k, params_device(params)) | {"score": 0.0}
+    for e in (spec.mask, spec.score):
+        if e is None:
+            continue
+        for n in X.walk(e):
+            if isinstance(n, ir.Index):
+                evaluate(n, spec, env, params, torch.float32)
+
+
+def params_device(params: dict):
+    """The device of the first tensor among ``params`` (None without one)."""
+    return next((x.device for x in params.values() if isinstance(x, torch.Tensor)), None)
+
+
 def keep_mask(spec: ir.Spec, seqlen_q: int, seqlen_k: int, device=None, *, batch: int = 1, heads: int = 1,
               **params) -> torch.Tensor | None:
     """Bool [batch, heads, seqlen_q, seqlen_k] (dims the mask does not use are 1): True where

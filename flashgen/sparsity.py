@@ -217,7 +217,8 @@ class BlockMask:
         self._binding = (fingerprint, pv, (_identity(cu_seqlens_q), _identity(cu_seqlens_k)))
         self._depends = depends
 
-    def check_binding(self, spec: ir.Spec, fingerprint: str, values, cu_seqlens_q=None, cu_seqlens_k=None) -> None:
+    def check_binding(self, spec: ir.Spec, fingerprint: str, values, cu_seqlens_q=None, cu_seqlens_k=None,
+                      read: frozenset[str] | None = None) -> None:
         """Raise ValueError (naming ``block_mask``) when this mask was made by
         ``flashgen.block_mask`` from another spec, other parameter values, another layout or
         other cu_seqlens tensors than the call's: its full blocks skip the element mask, so a
@@ -226,7 +227,9 @@ class BlockMask:
         which needs no host synchronisation; writes that bypass the version counter (``.data``,
         numpy views) go unseen, and under torch.compile only the spec, the scalar values and
         the layout are compared. Pattern masks bind to nothing (any spec may use them).
-        ``fingerprint``: the op's ``spec.fingerprint()``, computed once."""
+        ``fingerprint``: the op's ``spec.fingerprint()``, computed once; ``read``: the names its
+        mask reads (``mask_names(spec)``), computed once by the op (a cached function called under
+        torch.compile makes dynamo warn)."""
         if self._binding is None:
             return
         fp, want, (cq, ck) = self._binding
@@ -239,7 +242,7 @@ class BlockMask:
                              " one (build it with the call's cu_seqlens_q / cu_seqlens_k, or without them)")
         compiling = torch.compiler.is_compiling()
         names = [p.name for p in spec.params]
-        read = mask_names(spec)
+        read = mask_names(spec) if read is None else read
         for name, have, now in zip(names + ["cu_seqlens_q", "cu_seqlens_k"], list(want) + [cq, ck],
                                    list(values) + [cu_seqlens_q, cu_seqlens_k], strict=True):
             if name in names and name not in read:

@@ -21,7 +21,11 @@ Lookup (``find``, called by flashgen/runtime/loader.py before the cache): an ind
 process and used only when its torch, Python, ABI and flashgen versions are the running
 process's (otherwise it is skipped with a one-time warning); an artifact is used only when its
 ``lib.so`` matches the index's sha256. With JIT disabled (``FLASHGEN_JIT=0``) a variant that no
-directory holds raises ``NotBuiltError`` naming it and the command that builds it.
+directory holds raises ``NotBuiltError`` naming it and the command that builds it. A library is
+loaded only when the directory, its ``index.json``, the artifact's folder and its ``lib.so`` are
+owned by the current user or root and writable by no one else (flashgen.build.cache's
+``check_private``); otherwise the lookup raises ``UntrustedPathError`` naming the path and the
+fix. ``flashgen build --out`` writes them owner-only whatever the umask.
 """
 
 from __future__ import annotations
@@ -179,11 +183,20 @@ def _open(inst: artifact.Instantiation, path: Path, sha256) -> tuple[cache.Loade
     return None, why
 
 
+_AOT_FIX = ("make the directory yours and owner-only (`flashgen build --out` writes it so), or drop it from "
+            "FLASHGEN_AOT_DIR")
+
+
 def find(inst: artifact.Instantiation, dirs: Iterable[Path] | None = None) -> tuple[cache.LoadedLibrary | None, list[str]]:
     """The library of ``inst`` from the first of ``dirs`` (default FLASHGEN_AOT_DIR) that holds
     a verified copy, or None; with notes on directories and artifacts that were skipped.
-    Computes no cache key, renders nothing, starts no process. Raises nothing for a bad
-    directory (it is skipped with a one-time AOTWarning)."""
+    Computes no cache key, renders nothing, starts no process. A bad directory (a version
+    mismatch, no index) is skipped with a one-time AOTWarning.
+
+    Raises:
+        UntrustedPathError: the directory holding ``inst`` (or its index.json, the artifact's
+            folder or lib.so) is owned by another user or writable by others.
+    """
     dirs = env.aot_dirs() if dirs is None else list(dirs)
     variant = inst.variant_id()
     notes = []
@@ -195,7 +208,10 @@ def find(inst: artifact.Instantiation, dirs: Iterable[Path] | None = None) -> tu
         entry = info.entries.get(variant)
         if entry is None:
             continue
-        lib, why = _open(inst, info.path / entry["artifact"] / "lib.so", entry.get("sha256"))
+        folder = info.path / entry["artifact"]
+        cache.check_private((info.path, info.path / INDEX, folder, folder / "lib.so"),
+                            f"{entry['artifact']} from the ahead-of-time directory {d}", _AOT_FIX)
+        lib, why = _open(inst, folder / "lib.so", entry.get("sha256"))
         if lib is not None:
             return lib, notes
         notes.append(f"{d}: holds it in {entry['artifact']}/ but {why}")

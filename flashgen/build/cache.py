@@ -5,14 +5,29 @@ from its rendered translation units. The cache entry ``<root>/<artifact>/`` hold
 rendered ``src/`` and ``manifest.json`` (the key and the library's sha256), published by one
 rename after a successful build; anything that does not verify is a miss and is rebuilt under the
 lock. A cached load renders nothing and starts no compiler.
+
+A compiled library is code that runs in the user's process, so the cache is kept owner-only: the
+root, its entries and everything in them are created 0700 / 0600 whatever the umask, and a
+library is loaded only from a root, entry and ``lib.so`` that are owned by the current user or
+root and that no other user can write (``check_private``; as ssh's StrictModes, a group-writable
+path is accepted only when its group is the owner's private group). A shared
+``FLASHGEN_CACHE_DIR`` under /tmp, prepared by another user, is refused with an error naming the
+path and the fix (``UntrustedPathError``). Build folders under ``.tmp/`` that a killed build left
+behind are removed by the next build once their lock is free.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
+import os
+import re
+import shlex
 import shutil
+import stat
+import sys
 import threading
 import time
 import uuid
@@ -23,8 +38,8 @@ import filelock
 
 from .. import env
 from ..abi import ABI_VERSION
-from ..errors import BuildError
-from ..paths import include_dir
+from ..errors import BuildError, UntrustedPathError
+from ..paths import include_dir, owner_only, private_dir
 from .artifact import Instantiation, compiler_flags
 
 
@@ -32,12 +47,89 @@ def sha256_of(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _entry_ok(entry: Path, key: str) -> bool:
+def _entry_problem(entry: Path, key: str) -> str | None:
+    """Why the cache entry ``entry`` does not verify for ``key`` (None: it does)."""
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
-        return manifest["key"] == key and manifest["sha256"] == sha256_of(entry / "lib.so")
-    except (OSError, KeyError, ValueError):
+    except FileNotFoundError:
+        return "no manifest.json"
+    except (OSError, ValueError) as e:
+        return f"manifest.json does not read: {e}"
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return "its manifest is for another key"
+    try:
+        ok = manifest.get("sha256") == sha256_of(entry / "lib.so")
+    except FileNotFoundError:
+        return "no lib.so"
+    except OSError as e:
+        return f"lib.so does not read: {e.strerror or e}"
+    return None if ok else "checksum mismatch"
+
+
+def _entry_ok(entry: Path, key: str) -> bool:
+    return _entry_problem(entry, key) is None
+
+
+# ---------------------------------------------------------------- owner-only paths
+
+def _private_group(st: os.stat_result) -> bool:
+    """Whether the group of ``st`` is its owner's private group (named like the owner, the
+    owner's primary group, no other members): then group write access is the owner's alone."""
+    try:
+        import grp
+        import pwd
+
+        owner, group = pwd.getpwuid(st.st_uid), grp.getgrgid(st.st_gid)
+    except (ImportError, KeyError):
         return False
+    return owner.pw_gid == st.st_gid and group.gr_name == owner.pw_name and set(group.gr_mem) <= {owner.pw_name}
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def path_problem(path: Path) -> str | None:
+    """Why another user could change what ``path`` holds (None: only its owner, the current user
+    or root, can): its owner is someone else, or it is writable by others, or by a group other
+    than its owner's private group."""
+    if not hasattr(os, "geteuid"):
+        return None  # no POSIX owners (Windows)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # what does not exist holds nothing yet
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"is owned by {_user(st.st_uid)}, not by you ({_user(me)}) or root"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not _private_group(st)):
+        who = "others" if mode & stat.S_IWOTH else "its group"
+        return f"is writable by {who} (mode {mode:04o})"
+    return None
+
+
+def check_private(paths, what: str, fix: str) -> None:
+    """Raise ``UntrustedPathError`` naming the first of ``paths`` whose contents another user could
+    change (``path_problem``): ``what`` is the library it refuses to load, ``fix`` how to make the
+    path safe (appended to the message)."""
+    for path in paths:
+        problem = path_problem(path)
+        if problem is not None:
+            owned = problem.startswith("is owned")
+            hint = f"remove it, or {fix}" if owned else f"run `chmod go-w {shlex.quote(str(path))}`, or {fix}"
+            raise UntrustedPathError(
+                f"refusing to load {what}: {path} {problem}, so another user could replace the library, "
+                f"which would run as code in this process\n  fix: {hint}")
+
+
+_CACHE_FIX = ("point FLASHGEN_CACHE_DIR at a directory of your own (the default, ~/.cache/flashgen, is created "
+              "owner-only)")
 
 
 class LoadedLibrary:
@@ -76,10 +168,16 @@ def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = No
     """The loaded library for ``inst`` from this process or the cache, or a fresh build (the
     ahead-of-time directories come first in flashgen/runtime/loader.py's ``load``).
 
-    ``announce`` is called with a message before a compile starts (a cache miss).
+    ``announce`` is called with a message before a compile starts (a cache miss, or an entry
+    that does not verify: "cache entry … is damaged (…); rebuilding") and when another process
+    holds the entry's build lock ("waiting for another process building …").
 
     Raises:
-        BuildError: the compiler failed.
+        BuildError: the compiler failed, or is missing (the first line names what is missing),
+            or the cache root cannot be written (the message names FLASHGEN_CACHE_DIR), or
+            the disk filled up during the build (no entry is left behind).
+        UntrustedPathError (a BuildError): the cache root, the entry or its ``lib.so`` is owned
+            by another user or writable by others; the message names the path and the fix.
     """
     root = env.cache_dir()
     # Per cache root: a library this process loaded from another root (the cache directory
@@ -89,51 +187,207 @@ def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = No
         if key in _loaded:
             return _loaded[key]
     entry = root / inst.name
-    lib = _try_load(inst, entry)
+    lib, why = _try_load(inst, root, entry)
     if lib is None:
-        root.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(root / f"{inst.name}.lock")):
-            lib = _try_load(inst, entry)  # another process may have built it meanwhile
+        with _build_lock(root, inst, announce):
+            lib, why = _try_load(inst, root, entry)  # another process may have built it meanwhile
             if lib is None:
                 if announce:
-                    announce(f"compiling {inst.name} (first use; cached in {root})")
+                    announce(f"compiling {inst.name} (first use; cached in {root})" if why is None else
+                             f"cache entry {entry} is damaged ({why}); rebuilding")
+                _sweep(root, inst.name)
                 _build_and_publish(inst, entry)
-                lib = _try_load(inst, entry)
+                lib, why = _try_load(inst, root, entry)
                 if lib is None:
-                    raise BuildError(f"built {entry} but it does not load or verify")
+                    raise BuildError(f"built {entry} but it does not load or verify ({why})")
     with _loaded_lock:
         return _loaded.setdefault(key, lib)
 
 
-def _try_load(inst: Instantiation, entry: Path) -> LoadedLibrary | None:
-    if not _entry_ok(entry, inst.key):
-        return None
+def _try_load(inst: Instantiation, root: Path, entry: Path) -> tuple[LoadedLibrary | None, str | None]:
+    """(the verified library of ``entry``, None), or (None, why it is damaged; None when there is
+    no entry). Raises UntrustedPathError before loading from a path another user could change."""
+    if not os.path.lexists(entry):
+        return None, None
+    if not entry.is_dir():
+        return None, "a file is where its folder should be"
+    problem = _entry_problem(entry, inst.key)
+    if problem is not None:
+        return None, problem
+    check_private((root, entry, entry / "lib.so"), inst.name, _CACHE_FIX)
     try:
-        return LoadedLibrary(inst, entry / "lib.so")
-    except (OSError, AttributeError):
-        return None
+        return LoadedLibrary(inst, entry / "lib.so"), None
+    except (OSError, AttributeError) as e:
+        return None, f"its lib.so does not load: {e}"
+
+
+def _unwritable_root(root: Path, e: OSError) -> BuildError:
+    where = (f"FLASHGEN_CACHE_DIR is {root}" if env.cache_dir_set() else
+             f"the default {root}, as FLASHGEN_CACHE_DIR is not set")
+    return BuildError(f"the kernel cache {root} is not writable ({e.strerror or e}; {where}): set "
+                      "FLASHGEN_CACHE_DIR to a writable directory of your own, or load prebuilt kernels with "
+                      "FLASHGEN_AOT_DIR")
+
+
+class _build_lock:
+    """The build lock of ``inst``'s entry under ``root`` (created owner-only, with the root),
+    announcing a wait for another process. BuildError naming FLASHGEN_CACHE_DIR when the root
+    cannot be created or written; UntrustedPathError when another user could change it."""
+
+    def __init__(self, root: Path, inst: Instantiation, announce: Callable[[str], None] | None):
+        self.root, self.inst, self.announce = root, inst, announce
+
+    def __enter__(self):
+        root = self.root
+        try:
+            private_dir(root)
+        except FileExistsError as e:
+            raise BuildError(f"the kernel cache {root} is a file, not a folder: set FLASHGEN_CACHE_DIR to a "
+                             "directory (or remove the file)") from e
+        except OSError as e:
+            raise _unwritable_root(root, e) from None
+        check_private((root,), f"kernels from the cache {root}", _CACHE_FIX)
+        path = root / f"{self.inst.name}.lock"
+        self.lock = filelock.FileLock(str(path), mode=0o600)
+        try:
+            try:
+                self.lock.acquire(timeout=0)
+            except filelock.Timeout:
+                if self.announce:
+                    self.announce(f"waiting for another process building {self.inst.name} (lock {path})")
+                self.lock.acquire()
+        except OSError as e:
+            raise _unwritable_root(root, e) from None
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+        return False
+
+
+_TMP_NAME = re.compile(r"(?P<name>.+)-[0-9a-f]{8}(-publish)?")
+
+
+def _sweep(root: Path, holding: str) -> None:
+    """Remove build folders under ``root/.tmp`` that no build is using: those of ``holding`` (the
+    caller holds its lock) and those of other instantiations whose lock is free (a killed build's
+    leftovers). Never raises."""
+    try:
+        folders = list((root / ".tmp").iterdir())
+    except OSError:
+        return
+    for folder in folders:
+        m = _TMP_NAME.fullmatch(folder.name)
+        if m is None:
+            continue
+        name = m.group("name")
+        if name == holding:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        lock = filelock.FileLock(str(root / f"{name}.lock"), mode=0o600)
+        try:
+            lock.acquire(timeout=0)
+        except (filelock.Timeout, OSError):
+            continue  # being built now (or not ours to lock)
+        try:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            lock.release()
+
+
+def _toolchain_problem(targets) -> str | None:
+    """The first line of a BuildError for a compiler that is missing, or None."""
+    import torch
+
+    targets = list(targets)
+    if any(t.backend == "cuda" for t in targets):
+        if torch.version.cuda is None:
+            return (f"building CUDA kernels needs a CUDA build of torch and nvcc; this torch "
+                    f"({torch.__version__}) is CPU-only. Cross-compile (--arch) on a machine with a CUDA "
+                    "build of torch (the same version the kernels will load under)")
+        from torch.utils import cpp_extension
+
+        if cpp_extension.CUDA_HOME is None:
+            return ("no CUDA compiler (nvcc) found: install the CUDA toolkit (matching torch's CUDA "
+                    f"{torch.version.cuda}) or set CUDA_HOME to it")
+    cxx = env.cxx()
+    words = shlex.split(cxx) or ["c++"]
+    if shutil.which(words[0]) is None:
+        told = f"CXX is {cxx!r}, not found" if env.cxx_set() else "no c++ on PATH"
+        return f"no C++ compiler found: install g++ (a C++17 compiler with OpenMP) or set CXX ({told})"
+    if shutil.which("ninja") is None:  # torch.utils.cpp_extension runs the one on PATH
+        beside = Path(sys.executable).parent
+        if (beside / "ninja").exists():
+            return f"ninja not found on PATH: activate this Python's environment (PATH is missing {beside})"
+        return "ninja not found: install it into this environment (pip install ninja, a flashgen dependency)"
+    return None
 
 
 def check_toolchain(targets) -> None:
-    """Raise BuildError when this torch cannot build for one of ``targets``: CUDA kernels are
-    compiled and linked by torch.utils.cpp_extension against a CUDA build of torch (with nvcc);
-    a CPU-only torch (torch.version.cuda None) cannot build them, whatever CUDA_HOME says."""
-    import torch
+    """Raise BuildError when this machine cannot build for one of ``targets``, its first line
+    naming what is missing: a C++ compiler (CXX, else c++ on PATH; g++ or clang++ with OpenMP),
+    ninja, and for CUDA a CUDA build of torch with nvcc. CUDA kernels are compiled and linked by
+    torch.utils.cpp_extension against a CUDA build of torch; a CPU-only torch (torch.version.cuda
+    None) cannot build them, whatever CUDA_HOME says."""
+    problem = _toolchain_problem(targets)
+    if problem is not None:
+        raise BuildError(problem)
 
-    if any(t.backend == "cuda" for t in targets) and torch.version.cuda is None:
-        raise BuildError(f"building CUDA kernels needs a CUDA build of torch and nvcc; this torch "
-                         f"({torch.__version__}) is CPU-only. Cross-compile (--arch) on a machine with a CUDA "
-                         "build of torch (the same version the kernels will load under)")
+
+# Compiler output that means a prerequisite is missing -> the first line of the BuildError.
+_MISSING = (
+    (re.compile(r"omp\.h: No such file"), ("the C++ compiler has no OpenMP (omp.h not found): install it (libgomp "
+                                           "for g++, libomp for clang++) or set CXX to a compiler with OpenMP")),
+    (re.compile(r"Python\.h: No such file"), ("Python's C headers (Python.h) not found: install the Python "
+                                              "development package (python3-dev or python3-devel)")),
+    (re.compile(r"No space left on device"), "no space left on device"),
+)
+
+
+def _no_space(e: OSError) -> bool:
+    return e.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _build_and_publish(inst: Instantiation, entry: Path) -> None:
+    """Compile ``inst`` and publish it at ``entry`` by one rename (the caller holds its lock). On
+    any failure no entry is left: BuildError, its first line naming a missing prerequisite or a
+    full disk where that is the cause."""
+    check_toolchain([inst.target])
+    root = entry.parent
+    tmp_root = root / ".tmp"
+    work = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}"
+    publish = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}-publish"
+    try:
+        if os.path.lexists(tmp_root) and not tmp_root.is_dir():
+            tmp_root.unlink()
+        private_dir(tmp_root)
+        _build_into(inst, work, publish)
+        if os.path.lexists(entry):  # a broken entry (we hold the lock): replace it
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        publish.rename(entry)
+    except OSError as e:
+        for folder in (work, publish):
+            shutil.rmtree(folder, ignore_errors=True)
+        where = e.filename or root
+        if _no_space(e):
+            raise BuildError(f"failed to build {inst.name}: no space left on device writing {where}; nothing "
+                             "was cached. Free some space, or set FLASHGEN_CACHE_DIR to a directory on another "
+                             "disk") from None
+        raise BuildError(f"failed to build {inst.name}: could not write {where} ({e.strerror or e}); nothing was "
+                         "cached") from None
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def _build_into(inst: Instantiation, work: Path, publish: Path) -> None:
+    """Render and compile ``inst`` in ``work``, then assemble its entry (lib.so, src/, manifest)
+    owner-only in ``publish``. OSError for a failed write; BuildError for a failed compile."""
     from torch.utils import cpp_extension
 
-    check_toolchain([inst.target])
-
-    tmp_root = entry.parent / ".tmp"
-    work = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}"
-    (work / "src").mkdir(parents=True)
+    private_dir(work)
+    private_dir(work / "src")
     sources = []
     for fname, text in inst.sources().items():
         sources.append(work / "src" / fname)
@@ -153,18 +407,16 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
             with_cuda=inst.target.backend == "cuda",
             is_python_module=False,
         )
-    except (RuntimeError, OSError, ValueError) as e:
-        failed = entry.parent / "failed" / inst.name
-        shutil.rmtree(failed, ignore_errors=True)
-        failed.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(work), str(failed))
-        raise BuildError(
-            f"failed to build {inst.name}\n  generated sources: {failed / 'src'}\n"
-            f"  spec: {inst.spec.span.file if inst.spec.span else '<spec>'}\n{e}"
-        ) from None
+    except OSError as e:
+        if _no_space(e):
+            raise
+        raise _compile_failed(inst, work, e) from None
+    except (RuntimeError, ValueError) as e:
+        if "No space left on device" in str(e):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(work)) from None
+        raise _compile_failed(inst, work, e) from None
     seconds = time.perf_counter() - start
-    publish = tmp_root / f"{inst.name}-{uuid.uuid4().hex[:8]}-publish"
-    publish.mkdir()
+    private_dir(publish)
     shutil.copy2(path, publish / "lib.so")
     shutil.copytree(work / "src", publish / "src")
     manifest = {
@@ -175,7 +427,18 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     (publish / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    if entry.exists():  # a broken entry (we hold the lock): replace it
-        shutil.rmtree(entry, ignore_errors=True)
-    publish.rename(entry)
-    shutil.rmtree(work, ignore_errors=True)
+    owner_only(publish)
+
+
+def _compile_failed(inst: Instantiation, work: Path, e: Exception) -> BuildError:
+    """Keep the failed build's sources under ``failed/`` and say why it failed: the first line
+    names a missing prerequisite where the compiler's output shows one."""
+    failed = work.parent.parent / "failed" / inst.name
+    shutil.rmtree(failed, ignore_errors=True)
+    private_dir(failed.parent)
+    shutil.move(str(work), str(failed))
+    text = str(e)
+    first = next((what for pattern, what in _MISSING if pattern.search(text)), None)
+    head = f"{first} (building {inst.name})" if first else f"failed to build {inst.name}"
+    return BuildError(f"{head}\n  generated sources: {failed / 'src'}\n"
+                      f"  spec: {inst.spec.span.file if inst.spec.span else '<spec>'}\n{e}")

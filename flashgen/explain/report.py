@@ -170,6 +170,7 @@ def render(rep: Report, console=None) -> None:
               f"with compulsory bytes only {rep.compulsory_floor_ms:.4g} ms")
     if rep.measured_ms is not None:
         rate = f"{rep.tflops:.1f} TFLOP/s" if rep.tflops >= 1 else f"{rep.tflops * 1e3:.1f} GFLOP/s"
-        con.print(f"measured: {rep.measured_ms:.4g} ms, {rate}, {100 * rep.fraction_of_floor:.1f}% of the floor")
+        con.print(f"measured: {rep.measured_ms:.4g} ms, {rate}: {1 / rep.fraction_of_floor:.2f}× the floor (the "
+                  f"floor is {100 * rep.fraction_of_floor:.1f}% of the measured time)")
     for n in rep.notes:
         con.print(f"  note: {n}")

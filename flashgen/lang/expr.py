@@ -55,6 +55,30 @@ class ExprError(Exception):
         self.node, self.message, self.expected, self.hint = node, message, expected, hint
 
 
+def _literal_int(e: ir.Expr) -> int | None:
+    """The value of an integer literal, or of a negated one (``-1``); None for anything else."""
+    if isinstance(e, ir.Unary) and e.op == "-":
+        inner = _literal_int(e.operand)
+        return None if inner is None else -inner
+    return e.value if isinstance(e, ir.Num) and isinstance(e.value, int) and not isinstance(e.value, bool) else None
+
+
+def _check_literal_index(p: ir.Param, d: int, index: ir.Expr, dim: ir.Dim) -> None:
+    """ExprError for a literal index that is outside dimension ``d`` of ``p`` whatever the call's
+    sizes: negative, or at least the dimension's literal size (the kernels would clamp it)."""
+    value = _literal_int(index)
+    if value is None:
+        return
+    size = _literal_int(dim.size)
+    if value < 0:
+        raise ExprError(index, f"index {value} is outside dimension {d} of '{p.name}' (indices start at 0)",
+                        expected="an index of 0 or more",
+                        hint="negative indices do not count from the end (the kernels would clamp this one to 0)")
+    if size is not None and value >= size and not dim.broadcast:
+        raise ExprError(index, f"index {value} is outside dimension {d} of '{p.name}', which has size {size}",
+                        expected=f"an index from 0 to {size - 1}")
+
+
 # ---------------------------------------------------------------- small constructors
 
 
@@ -248,6 +272,8 @@ def type_of(e: ir.Expr, scope: Scope) -> str:
         for i in e.indices:
             if type_of(i, scope) != INT:
                 raise ExprError(i, f"index into '{p.name}' must be an integer expression")
+        for d, (i, dim) in enumerate(zip(e.indices, p.shape, strict=True)):
+            _check_literal_index(p, d, i, dim)
         return ir.TENSOR_DTYPES[p.dtype]
     if isinstance(e, ir.Unary):
         t = type_of(e.operand, scope)

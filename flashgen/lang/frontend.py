@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -57,6 +58,9 @@ C_MACROS = {"errno", "assert", "stdin", "stdout", "stderr", "offsetof", "math_er
 
 HEAD_DIM_MAX = 256
 MAX_NAME = 64
+# How deeply an expression may nest (a sum of n terms nests n deep): every stage walks
+# expressions recursively, and this keeps them far from Python's recursion limit.
+MAX_DEPTH = 100
 
 _TERMINAL_TEXT = {
     "_NL": "end of line", "NAME": "a name", "INT": "an integer", "NUMBER": "a number",
@@ -76,7 +80,8 @@ def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
     """Parse and validate a spec.
 
     Args:
-        source: a path to a ``.attn`` file, or spec text (anything containing a newline or '{').
+        source: a path to a ``.attn`` file, or spec text (anything containing a newline or '{',
+            or a string that names no file and looks like no path: no '/', no ``.attn`` ending).
         text: spec text; when given, ``source`` is only the file name used in messages.
 
     Returns:
@@ -84,17 +89,25 @@ def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
 
     Raises:
         SpecError: with file:line:col, the line and a caret, what was expected, "did you mean".
-        FileNotFoundError: ``source`` looks like a path and does not exist.
+        FileNotFoundError: ``source`` looks like a path (a ``.attn`` name or a '/' in it) and
+            names no file.
     """
+    guessed = False  # a string that names no file and does not look like a path: parsed as text
     if text is None:
         if isinstance(source, Path) or ("\n" not in source and "{" not in source):
             path = Path(source)
             if path.is_dir():
                 raise IsADirectoryError(f"spec: {path} is a directory (expected a .attn file or spec text)")
-            try:
-                text, file = path.read_text(encoding="utf-8"), str(path)
-            except UnicodeDecodeError as e:
-                raise ValueError(f"spec: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if isinstance(source, str) and not _path_like(source) and not path.exists():
+                text, file, guessed = source, "<spec>", True
+            else:
+                try:
+                    text, file = path.read_text(encoding="utf-8"), str(path)
+                except FileNotFoundError:
+                    raise FileNotFoundError(f"spec: {path}: no such file (expected a .attn file or spec "
+                                            "text)") from None
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"spec: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
         else:
             text, file = source, "<spec>"
     else:
@@ -103,8 +116,41 @@ def parse(source: str | Path, *, text: str | None = None) -> ir.Spec:
     try:
         tree = _parser().parse(text)
     except lark.exceptions.UnexpectedInput as e:
-        raise _syntax_error(e, text, file) from None
-    return _Lowering(file, text).spec(tree)
+        err = _syntax_error(e, text, file)
+        if guessed:
+            err = SpecError(err.summary, file=file, source=text, line=err.line, column=err.column,
+                            expected=err.expected, hint=f"no file named {source!r} exists, so it was read as spec "
+                                                        "text (a spec starts with `attention NAME {`)")
+        raise err from None
+    _check_depth(tree, text, file)
+    try:
+        return _Lowering(file, text).spec(tree)
+    except RecursionError:
+        raise SpecError("the spec nests too deeply to check", file=file, source=text, line=1, column=1,
+                        expected=f"expressions at most {MAX_DEPTH} levels deep") from None
+
+
+def _check_depth(tree: Tree, text: str, file: str) -> None:
+    """SpecError at the expression of the first statement that nests deeper than MAX_DEPTH (the
+    tree is walked without recursion, however deep it is)."""
+    for stmt in tree.children[0].children[1:]:
+        if not isinstance(stmt, Tree):
+            continue
+        deepest, stack = 0, [(stmt, 0)]
+        while stack:
+            node, depth = stack.pop()
+            deepest = max(deepest, depth)
+            stack.extend((c, depth + 1) for c in node.children if isinstance(c, Tree))
+        if deepest > MAX_DEPTH + 1:  # the statement itself is one level
+            at = next((c for c in stmt.children if isinstance(c, Tree)), stmt)
+            raise SpecError(f"expression nests {deepest - 1} levels deep", file=file, source=text,
+                            line=at.meta.line, column=at.meta.column,
+                            expected=f"at most {MAX_DEPTH} levels (a sum of n terms nests n deep)")
+
+
+def _path_like(source: str) -> bool:
+    """Whether a string that names no file was meant as a path (a .attn name, or a folder in it)."""
+    return source.endswith(".attn") or "/" in source or os.sep in source
 
 
 # ---------------------------------------------------------------- syntax errors

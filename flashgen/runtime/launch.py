@@ -334,3 +334,26 @@ def classify(lib, params_block, batch: int, heads: int, nq: int, nk: int, br: in
         status = lib.classify(ctypes.byref(args))
     check_status(lib, "mask", status)
     return out
+
+
+def records_grad(q, k, v, values) -> bool:
+    """Whether autograd records this call (grad mode on and an input that requires grad)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in values))
+
+
+def direct(q, k, v, values) -> bool:
+    """Whether an eager call may run the op's implementation without the dispatcher: plain
+    tensors, nothing tracing or intercepting ops (torch.compile, a dispatch or torch-function
+    mode, functorch transforms, the profiler, autocast, whose rule the dispatcher applies:
+    runtime/library.py). The implementation is the registered op's own, with its one
+    validation, and a call that records a gradient goes through the op's own autograd
+    (setup_context and backward); this only skips torch.library's dispatch, autograd wrapper
+    and schema parsing (tens of microseconds a call)."""
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return False
+    return not (torch.compiler.is_compiling() or torch._C._is_any_autocast_enabled()
+                or torch._C._is_torch_function_mode_enabled()
+                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
+                or torch.autograd.profiler._is_profiler_enabled
+                or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))

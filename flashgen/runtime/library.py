@@ -21,6 +21,28 @@ from .checks import (
 _LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
 
 
+def _autocast(qualname: str, device_type: str):
+    """The op's autocast rule for ``device_type``, as SDPA's: inside ``torch.autocast`` q, k and
+    v (floating point, not float64, on that device type) are cast to the autocast dtype and the
+    op runs in it, returning out in that dtype (lse stays fp32). Tensor parameters keep their
+    declared dtype (an f32 bias stays f32), unlike ``torch.library.register_autocast``, which
+    would cast every floating-point tensor to one fixed dtype."""
+    keys = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, "Autocast" + device_type.upper()))
+
+    def cast(t, dtype):
+        if t.is_floating_point() and t.device.type == device_type and t.dtype not in (dtype, torch.float64):
+            return t.to(dtype)
+        return t
+
+    def kernel(q, k, v, *rest, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            return getattr(torch.ops.flashgen, qualname).default(cast(q, dtype), cast(k, dtype), cast(v, dtype),
+                                                                  *rest, **kwargs)
+
+    return kernel
+
+
 def register(op, qualname: str):
     """Define ``flashgen::<qualname>`` with CPU/CUDA kernels, a fake implementation and autograd.
 
@@ -33,6 +55,9 @@ def register(op, qualname: str):
     one gradient per float tensor parameter that enters the score (empty where not requested);
     it takes the forward's dropout and packed-layout arguments last and regenerates the same
     mask.
+
+    Under ``torch.autocast`` (CPU and CUDA) the op computes in the autocast dtype, as SDPA does
+    (``_autocast``).
 
     Registered through torch.library's Library API rather than ``custom_op``, whose wrapper
     imports torch._dynamo at the first call (seconds), which would dominate a cached load.
@@ -103,6 +128,7 @@ def register(op, qualname: str):
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname, forward, key)
+        _LIBRARY.impl(qualname, _autocast(qualname, key.lower()), "Autocast" + key)
 
     def fake(q, k, v, scale, deterministic, *rest):
         if varlen_of(rest)[0] is not None:  # packed: out [total_q, Hq, d], lse [Hq, total_q]
@@ -216,7 +242,7 @@ def register(op, qualname: str):
         """The registered op's autograd for an eager call that records a gradient: the same
         implementation, setup_context and backward, without the dispatcher's autograd wrapper
         (its schema re-parsing costs tens of microseconds a call). ``AttentionOp.__call__`` uses it
-        only where it may skip the dispatcher (see ``runtime.op._direct``)."""
+        only where it may skip the dispatcher (see ``runtime.launch.direct``)."""
 
         @staticmethod
         def forward(ctx, *inputs):

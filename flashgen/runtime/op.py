@@ -28,7 +28,7 @@ from ..lang import expr as X
 from ..lang import ir
 from ..lang.frontend import parse
 from ..reference import default_scale
-from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float
+from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
 from ..tune import store as tune_store
 from . import checks, launch, loader
 from .checks import (
@@ -96,10 +96,15 @@ def compile(spec: str | Path | ir.Spec) -> AttentionOp:  # noqa: A001 - the publ
     """Parse and validate ``spec`` (a path to a ``.attn`` file or spec text) and return its op.
 
     Nothing is built here: kernels are compiled at the first call for each (device type,
-    dtype, head dim), or ahead of time with ``op.build(...)`` / ``flashgen build``.
+    dtype, head dim), or ahead of time with ``op.build(...)`` / ``flashgen build``. A string is
+    spec text when it has a newline or '{', or names no file and looks like no path (no '/',
+    no ``.attn`` ending).
 
     Raises:
         SpecError: the spec does not parse or validate (message has file:line:col).
+        FileNotFoundError: a path (a ``Path``, or a string ending in ``.attn`` or with a '/')
+            that names no file.
+        TypeError / ValueError: ``spec`` is neither a path nor text, or is empty.
     """
     if not isinstance(spec, str | Path | ir.Spec):
         raise TypeError(f"spec: expected a path or spec text, got {type(spec).__name__}")
@@ -124,6 +129,7 @@ class AttentionOp:
     def __init__(self, spec: ir.Spec, qualname: str):
         self.spec = spec
         self.fingerprint = spec.fingerprint()  # (block masks compare it, also under torch.compile)
+        self.mask_reads = mask_names(spec)  # the names its mask reads (block masks check their binding)
         self.name = f"flashgen::{qualname}"
         self._libs: dict[tuple, cache.LoadedLibrary] = {}
         self._libs_lock = threading.Lock()
@@ -248,8 +254,8 @@ class AttentionOp:
         if (not params and not self.spec.params and block_mask is None and cu_seqlens_q is None
                 and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None and dropout_p == 0.0
                 and dropout_seed is None and deterministic is False and type(return_lse) is bool
-                and (scale is None or type(scale) is float) and _direct(q, k, v, ())
-                and not _records_grad(q, k, v, ())):
+                and (scale is None or type(scale) is float) and launch.direct(q, k, v, ())
+                and not launch.records_grad(q, k, v, ())):
             # the common eager call, launched from its plan when its metadata ran before
             _, res = self._from_plan(q, k, v, scale, ())
             if res is not None:
@@ -301,8 +307,8 @@ class AttentionOp:
             # the schema's packed-layout arguments come first
             varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
-        direct = _direct(q, k, v, values)
-        grad = direct and _records_grad(q, k, v, values)
+        direct = launch.direct(q, k, v, values)
+        grad = direct and launch.records_grad(q, k, v, values)
         if direct and not grad and not varlen and not blocks and not dropout_p:  # its metadata ran before
             key, res = self._from_plan(q, k, v, scale, values)
             if res is not None:
@@ -419,7 +425,7 @@ class AttentionOp:
         (flashgen.block_mask) was made from this spec with the call's parameters and layout
         (ValueError naming block_mask)."""
         block_mask.check_binding(self.spec, self.fingerprint, values, cu_seqlens_q if packed else None,
-                                 cu_seqlens_k if packed else None)
+                                 cu_seqlens_k if packed else None, read=self.mask_reads)
         if packed:
             B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
             Nq = max_seqlen_q if max_seqlen_q is not None else block_mask.seqlen_q
@@ -762,27 +768,6 @@ class AttentionOp:
         (runtime/launch.py, FlashAttention-2 Alg. 2)."""
         return launch.launch_backward(self, q, k, v, out, lse, dout, dlse, scale, deterministic, values,
                                       need_param_grads, dropout_p, dropout_state, **kw)
-
-
-def _records_grad(q, k, v, values) -> bool:
-    """Whether autograd records this call (grad mode on and an input that requires grad)."""
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in values))
-
-
-def _direct(q, k, v, values) -> bool:
-    """Whether an eager call may run the op's implementation without the dispatcher: plain
-    tensors, nothing tracing or intercepting ops (torch.compile, a dispatch or torch-function
-    mode, functorch transforms, the profiler, autocast). The implementation is the registered op's own,
-    with its one validation, and a call that records a gradient goes through the op's own
-    autograd (setup_context and backward); this only skips torch.library's dispatch, autograd
-    wrapper and schema parsing (tens of microseconds a call)."""
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return False
-    return not (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
-                or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
-                or torch.autograd.profiler._is_profiler_enabled or torch._C._is_any_autocast_enabled()
-                or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))
 
 
 def _index(device: torch.device) -> int:

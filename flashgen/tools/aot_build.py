@@ -219,6 +219,7 @@ def _copy_artifact(src: Path, out: Path, name: str) -> tuple[Path, str]:
         return dest, cache.sha256_of(dest / "lib.so")
     tmp = out / f".{name}-{uuid.uuid4().hex[:8]}.tmp"
     shutil.copytree(src, tmp)
+    cache.owner_only(tmp)
     sha = cache.sha256_of(tmp / "lib.so")
     try:
         manifest = json.loads((tmp / "manifest.json").read_text())
@@ -279,7 +280,7 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
             continue
         meta = tune_store.meta(index)
         path = out / "tuning" / tune_store.store_path(index).name
-        path.parent.mkdir(parents=True, exist_ok=True)
+        cache.private_dir(path.parent)
         merged = tune_store.read_file(path, meta) if path.exists() else {}
         for k, per_n in picked.items():
             merged.setdefault(k, {}).update(per_n)
@@ -313,7 +314,10 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
         announce: called with a message before each compile (a cache miss).
 
     Compiles through the build cache (FLASHGEN_CACHE_DIR) whatever FLASHGEN_JIT says, then
-    copies each entry. Returns the index entries written.
+    copies each entry. Everything written is owner-only (folders 0700, files 0600 or 0700)
+    whatever the umask, and a directory ``out`` that existed loses group and other write
+    access: a process loads libraries only from a directory no other user can write
+    (flashgen.build.aot). Returns the index entries written.
 
     Raises:
         SpecError: a spec does not parse or validate.
@@ -324,10 +328,13 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
                    sparse=sparse)
     out = Path(out)
     cache.check_toolchain(p.inst.target for p in planned)  # before DIR is created
-    out.mkdir(parents=True, exist_ok=True)
+    existed = out.is_dir()
+    cache.private_dir(out)
+    if existed and os.stat(out).st_mode & 0o022:
+        os.chmod(out, os.stat(out).st_mode & 0o7755)
     with ThreadPoolExecutor(max_workers=jobs or max(1, min(len(planned), os.cpu_count() or 1))) as pool:
         libs = list(pool.map(lambda p: cache.load_cached(p.inst, announce), planned))
-    with filelock.FileLock(str(out / ".index.lock")):
+    with filelock.FileLock(str(out / ".index.lock"), mode=0o600):
         entries = []
         for p, lib in zip(planned, libs, strict=True):
             folder, sha = _copy_artifact(lib.path.parent, out, p.inst.name)

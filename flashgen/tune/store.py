@@ -35,7 +35,7 @@ import torch
 from .. import env
 from ..archs import cuda_arch
 from ..lang import ir
-from ..paths import write_json_atomic
+from ..paths import private_dir, write_json_atomic
 from ..version import __version__
 
 BUCKET_MIN, BUCKET_MAX, BUCKET_DEFAULT = 256, 65536, 4096
@@ -217,9 +217,9 @@ def record(spec: ir.Spec | str, device_index: int, dtype: ir.DType, head_dim: in
     device, with ``info`` (timings) beside it. Atomic (write + rename) under a file lock; then
     ``reload``. Returns the file. OSError when the cache directory cannot be written."""
     path = store_path(device_index)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(private_dir(path.parent.parent) / path.parent.name)  # the cache root and tuning/, owner-only
     want = meta(device_index)
-    with filelock.FileLock(str(path) + ".lock"):
+    with filelock.FileLock(str(path) + ".lock", mode=0o600):
         got = read_file(path, want)
         got.setdefault(entry_key(spec, dtype, head_dim, kind), {})[str(int(seqlen))] = {
             "config": dict(config), **(info or {})}

@@ -1,0 +1,188 @@
+"""What a new user meets first: spec checks (literal indices out of range, expressions nested too
+deeply, text that is not a spec), the command line's messages and help, autocast, a block mask
+under torch.compile without warnings, and the package's declared dependencies."""
+
+import dataclasses
+import importlib.metadata
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.cpp_extension as ce
+
+import flashgen
+from flashgen import explain as ex
+from flashgen.cli import main
+from flashgen.errors import SpecError
+from flashgen.lang import frontend
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+# ------------------------------------------------------------------ spec checks
+
+
+@pytest.mark.parametrize("decl, index, bad, message", [
+    ("f32[heads]", "t[-1]", "-1", "index -1 is outside dimension 0 of 't' (indices start at 0)"),
+    ("f32[4]", "t[4]", "4", "index 4 is outside dimension 0 of 't', which has size 4"),
+    ("f32[heads, 6]", "t[h, 6]", "6", "index 6 is outside dimension 1 of 't', which has size 6"),
+])
+def test_literal_index_out_of_range_is_a_spec_error(decl, index, bad, message):
+    """The kernels would clamp such an index: a spec bug the frontend can see."""
+    text = f"attention lit {{\n    param t: {decl}\n    score = score + {index}\n}}\n"
+    with pytest.raises(SpecError) as e:
+        frontend.parse(text)
+    line = text.splitlines()[2]
+    col = line.index(index) + index.rindex(bad) + 1
+    assert str(e.value).startswith(f"<spec>:3:{col}: error: {message}")
+
+
+def test_literal_index_in_range_is_accepted():
+    frontend.parse("attention lit {\n    param t: f32[4, heads]\n    score = score + t[3, 0]\n}\n")
+
+
+def test_expression_too_deep_is_a_spec_error_at_its_position():
+    terms = " + ".join(["q"] * 3000)
+    with pytest.raises(SpecError) as e:
+        frontend.parse(f"attention deep {{\n    score = score + {terms}\n}}\n")
+    assert str(e.value).startswith("<spec>:2:13: error: expression nests 3000 levels deep")
+    assert f"at most {frontend.MAX_DEPTH} levels" in str(e.value)
+    ok = " + ".join(["q"] * (frontend.MAX_DEPTH - 1))
+    frontend.parse(f"attention deep {{\n    score = score + {ok}\n}}\n")
+
+
+def test_text_that_is_not_a_spec_is_not_reported_as_a_missing_file(tmp_path):
+    with pytest.raises(SpecError) as e:
+        flashgen.compile("hello world")
+    text = str(e.value)
+    assert text.startswith("<spec>:1:1: error: unexpected 'hello'")
+    assert "no file named 'hello world' exists, so it was read as spec text" in text
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        flashgen.compile(str(tmp_path / "missing.attn"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        flashgen.compile("missing.attn")
+
+
+# ------------------------------------------------------------------ the command line
+
+INDEXED = "attention indexed {\n    param idx: i32[heads]\n    param t: f32[8]\n    score = score + t[idx[h]]\n}\n"
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_run_with_random_int_tensor_used_as_an_index_is_one_line(capsys, tmp_path, monkeypatch):
+    spec = tmp_path / "indexed.attn"
+    spec.write_text(INDEXED)
+    monkeypatch.setattr(ce, "load", lambda *a, **k: pytest.fail("a kernel was built for parameters out of range"))
+    rc, _, err = cli(capsys, "run", str(spec), "--seqlen", "32", "--dtype", "fp32")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("flashgen: error: ValueError: --param: t: index 0 of t[...] reaches")
+    assert "the values of idx were drawn at random" in err and "--param idx=N" in err
+
+
+def test_unknown_or_unavailable_bench_peers_are_errors(capsys):
+    spec = str(SPECS / "causal.attn")
+    rc, _, err = cli(capsys, "bench", spec, "--peers", "sdpa", "spda")
+    assert rc == 2 and "--peers: unknown peer 'spda' (the peers on cpu: sdpa, eager); did you mean 'sdpa'?" in err
+    rc, _, err = cli(capsys, "bench", spec, "--peers", "flex")
+    assert rc == 2 and "--peers: peer 'flex' runs on cuda, not cpu" in err
+    rc, _, err = cli(capsys, "bench", str(SPECS / "dropout.attn"), "--peers", "eager", "--dropout-p", "0.1")
+    assert rc == 2 and "--peers: peer 'eager' has no dropout" in err
+
+
+def test_run_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0
+    for option, default in (("--batch", "2"), ("--heads", "8"), ("--seqlen", "1024"), ("--head-dim", "64"),
+                            ("--dtype", "bf16"), ("--device", "cpu"), ("--reps", "10"), ("--dropout-p", "0.0")):
+        assert re.search(rf"{option} \S+ .*?\(default: {re.escape(default)}\)", out), (option, out)
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "build"])
+def test_unknown_device_names_the_option_not_torchs_device_list(capsys, command):
+    rc, _, err = cli(capsys, command, str(SPECS / "causal.attn"), "--device", "gpu")
+    assert rc == 2 and "Expected one of" not in err
+    assert "--device gpu: not a device; expected cpu or cuda[:N] (did you mean cuda?)" in err
+
+
+def test_explain_says_how_far_the_measurement_is_from_the_floor(capsys):
+    rep = ex.explain(SPECS / "causal.attn", 256, head_dim=64, dtype="fp32", device="cpu")
+    rep = dataclasses.replace(rep, measured_ms=rep.floor_ms / 0.713, tflops=1.0, fraction_of_floor=0.713)
+    ex.render(rep)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "1.40× the floor (the floor is 71.3% of the measured time)" in out
+    assert "71.3% of the floor" not in out
+
+
+# ------------------------------------------------------------------ autocast
+
+
+def autocast_case(device, dtype):
+    op = flashgen.compile(SPECS / "alibi.attn")
+    g = torch.Generator(device=device).manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=g, device=device) for _ in range(3))
+    slopes = torch.tensor([0.5, 0.25], device=device)  # an f32 parameter: it stays f32 under autocast
+    with torch.autocast(device, dtype=dtype):
+        out, lse = op(q, k, v, return_lse=True, slopes=slopes)
+        sdpa = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == sdpa.dtype == dtype and lse.dtype == torch.float32
+    want, want_lse = op(q.to(dtype), k.to(dtype), v.to(dtype), return_lse=True, slopes=slopes)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    q.requires_grad_()
+    with torch.autocast(device, dtype=dtype):
+        out = op(q, k, v, slopes=slopes)
+    (dq,) = torch.autograd.grad(out.float().sum(), q)
+    qd = q.detach().to(dtype).requires_grad_()
+    (want_dq,) = torch.autograd.grad(op(qd, k.to(dtype), v.to(dtype), slopes=slopes).float().sum(), qd)
+    assert dq.dtype == torch.float32 and torch.equal(dq, want_dq.float())
+    fn = torch.compile(lambda q, k, v: op(q, k, v, slopes=slopes), fullgraph=True, backend="aot_eager")
+    with torch.autocast(device, dtype=dtype):
+        assert torch.equal(fn(q.detach(), k, v), want)
+
+
+def test_cpu_autocast_computes_in_the_autocast_dtype():
+    """As SDPA: under torch.autocast the op casts q, k, v and returns the autocast dtype."""
+    autocast_case("cpu", torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_computes_in_the_autocast_dtype():
+    autocast_case("cuda", torch.float16)
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def test_block_mask_under_torch_compile_prints_no_dynamo_warning():
+    """Dynamo warned (8 lines) about a functools cache called while checking a mask's binding."""
+    from torch._dynamo.utils import warn_once_cache
+
+    op = flashgen.compile(SPECS / "causal.attn")
+    q = torch.randn(1, 2, 128, 16, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    bm = flashgen.block_mask(op, 128, 128, block_size=32)
+    for seen in [m for m in warn_once_cache if "lru_cache" in m]:  # warned once per process
+        warn_once_cache.discard(seen)
+    fn = torch.compile(lambda x, m: op(x, x, x, block_mask=m), fullgraph=True, backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn(q, bm)
+        out.sum().backward()
+    assert torch.equal(out, op(q, q, q, block_mask=bm))
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+
+
+# ------------------------------------------------------------------ packaging
+
+
+def test_numpy_is_a_declared_dependency():
+    """torch warns "Failed to initialize NumPy" at import without numpy, on every command."""
+    requires = importlib.metadata.requires("flashgen") or []
+    assert any(re.match(r"numpy\b", r) for r in requires), requires
