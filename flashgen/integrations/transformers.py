@@ -1,0 +1,435 @@
+"""Hugging Face transformers backend: ``attn_implementation="fgen"``.
+
+``register()`` adds an attention function to ``transformers.AttentionInterface`` and a mask
+function to ``transformers.AttentionMaskInterface`` under one name, so that
+
+    import flashgen.integrations.transformers as fg_hf
+    fg_hf.register()                                    # name="fgen"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fgen")
+    # or: model.set_attn_implementation("fgen")
+
+runs every attention layer through flashgen kernels (forward, backward, generation). The name
+must not contain "flash": transformers takes any such name for a flash-attention package and
+tries to load it (``set_attn_implementation`` then fails), so the default is "fgen".
+
+What the two functions exchange is transformers' flash-attention contract: the mask function
+returns a 2-D mask or None, never a materialised 4-D mask, and the attention function reads the
+layer's ``is_causal``, ``sliding_window``, ``softcap``, ``scaling`` and ``dropout`` from its
+arguments. The 2-D mask is one of
+
+- None: every key is valid (no padding, no cache slots beyond the sequence);
+- bool ``[batch, L]``: ``True`` keeps key ``j`` (left or right padding, holes too). ``L`` may be
+  shorter than the layer's keys (a static cache holding ``L`` tokens so far): the keys past ``L``
+  are dropped. A one-token decoding step on a static cache gets the cache's full length, its
+  unwritten slots ``False`` (computed on the device from the cache's offset), so the shape stays
+  the same from step to step;
+- int32 ``[batch, seqlen]`` with negative values: packed sequences (``-1 - i`` for the ``i``-th
+  sequence of a row), from ``position_ids`` that restart; the attention function makes a packed
+  (varlen) call of them.
+
+Queries are the last ``seqlen_q`` positions of the keys (causal masks bottom-right aligned, as in
+FlashAttention ≥ 2.1 and transformers' caches). Explicit ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+(with ``max_length_q`` / ``max_length_k``) make a packed call as well.
+
+Falls back, with one warning per reason naming it, to transformers' SDPA attention (or the
+model's own eager attention where SDPA cannot compute the same thing: soft-capping, sinks,
+``output_attentions``) for: 4-D masks (a user's float or bool mask), mask patterns transformers
+builds that are not causal / sliding-window / bidirectional (e.g. chunked attention, image-token
+overlays, block_sequence_ids), sinks (``s_aux``), ``position_bias``, ``output_attentions=True``,
+value head dims that differ from the query's, head dims flashgen does not build and fp32 on CUDA.
+
+The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping) and
+``specs/transformers.attn`` (a key mask and ``softcap``), are compiled once per process, at the
+first call that needs each, or together by ``build()``.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections import Counter
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import paths
+from ..runtime.op import AttentionOp
+from ..runtime.op import compile as _compile
+
+# A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
+UNBOUNDED = 1 << 30
+
+SPECS = ("transformers", "transformers_window")
+
+# Calls per path since the process started: spec names, and "fallback:<function>" (for tests and
+# for checking which path a model's layers take).
+call_counts: Counter[str] = Counter()
+
+_ops: dict[str, AttentionOp] = {}
+_ops_lock = threading.Lock()
+_warned: set[str] = set()
+_packed_cache = WeakIdKeyDictionary()  # packed sequence ids -> (version, cu_seqlens, max_seqlen)
+
+
+def op(name: str) -> AttentionOp:
+    """The compiled op of ``specs/<name>.attn`` (``name`` one of ``SPECS``), one per process."""
+    if name not in SPECS:
+        raise ValueError(f"name: expected one of {', '.join(SPECS)}, got {name!r}")
+    with _ops_lock:
+        if name not in _ops:
+            _ops[name] = _compile(paths.specs_dir() / f"{name}.attn")
+        return _ops[name]
+
+
+# Substrings transformers gives a meaning of its own in implementation names.
+_RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":", "@")
+
+
+def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> None:
+    """Compile the backend's specs for ``device`` ahead of the first model call, all at once (in
+    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts too).
+
+    Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    layouts = ("padded", "packed")
+    with ThreadPoolExecutor(len(SPECS)) as pool:
+        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts), SPECS))
+
+
+def register(name: str = "fgen") -> str:
+    """Register flashgen's attention and mask functions with transformers under ``name``.
+
+    After it, ``attn_implementation=name`` in ``from_pretrained`` / ``from_config``, or
+    ``model.set_attn_implementation(name)``, runs the attention layers through flashgen.
+    Registering again (under any name) is harmless. Returns ``name``.
+
+    Raises TypeError when ``name`` is not a non-empty string, ValueError when it contains a part
+    transformers interprets ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":",
+    "@": e.g. any name with "flash" is loaded as a flash-attention package), ImportError when
+    transformers is missing or older than 4.53 (the first release with ``AttentionMaskInterface``).
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty string, got {name!r}")
+    bad = [part for part in _RESERVED if part in name]
+    if bad:
+        raise ValueError(f"name: {name!r} contains {bad[0]!r}, which transformers interprets in attention "
+                         "implementation names (any name with 'flash' is loaded as a flash-attention package); "
+                         "choose another, e.g. the default 'fgen'")
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as e:
+        raise ImportError("flashgen.integrations.transformers needs transformers >= 4.53 (AttentionInterface "
+                          f"and AttentionMaskInterface): {e}") from e
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, mask_forward)
+    return name
+
+
+def _warn_once(reason: str, instead: str) -> None:
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(f"flashgen.integrations.transformers: {reason}; running transformers' {instead} attention "
+                  "for such calls instead (warned once)", stacklevel=4)
+
+
+# --- the mask function ---------------------------------------------------------------------------
+
+def _closure(fn) -> dict:
+    cells = getattr(fn, "__closure__", None) or ()
+    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
+
+
+def _pattern(fn):
+    """("causal" | "bidirectional", packed sequence ids or None) for the mask functions
+    transformers builds for causal, sliding-window and bidirectional layers (windows come to the
+    attention function as ``sliding_window``), or None for any other pattern."""
+    from transformers import masking_utils as mu
+
+    if fn is mu.causal_mask_function:
+        return "causal", None
+    if fn is mu.bidirectional_mask_function:
+        return "bidirectional", None
+    qual = getattr(fn, "__qualname__", "")
+    if qual == "and_masks.<locals>.and_mask":
+        parts = _closure(fn).get("mask_functions")
+        if not isinstance(parts, tuple) or len(parts) != 2:
+            return None
+        a, b = (getattr(p, "__qualname__", "") for p in parts)
+        if a == "sliding_window_overlay.<locals>.inner_mask" and parts[1] is mu.causal_mask_function:
+            return "causal", None
+        if (a == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
+                and parts[1] is mu.bidirectional_mask_function):
+            return "bidirectional", None
+        if (a == "remap_positions_for_packed_sequence.<locals>.inner_mask"
+                and b == "packed_sequence_mask_function.<locals>.inner_mask"):
+            inner = _pattern(_closure(parts[0]).get("mask_function"))
+            ids = _closure(parts[1]).get("packed_sequence_mask")
+            if inner is None or inner[1] is not None or not isinstance(ids, torch.Tensor):
+                return None
+            return inner[0], ids
+    return None
+
+
+def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                 mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask function for flashgen (``AttentionMaskInterface``).
+
+    Args follow transformers' mask interface: ``q_offset`` (an int, or a 0-d int tensor for a
+    static cache) and ``kv_offset`` are the positions of the first query and the first key slot,
+    ``kv_length`` the number of key slots, ``attention_mask`` the 2-D bool padding mask
+    ``[batch, seen tokens]`` or None, ``mask_function`` the pattern.
+
+    Returns None, a 2-D bool mask ``[batch, L]`` of the key slots to keep, or int32 packed
+    sequence ids ``[batch, seqlen]`` (see the module's docstring); for a pattern flashgen cannot
+    express, the 4-D bool mask of transformers' ``sdpa_mask`` (the attention function then falls
+    back to SDPA). Never synchronises with the device, except once for a multi-token call on a
+    static cache without an attention mask.
+    """
+    from transformers import masking_utils as mu
+
+    mask_function = mu.causal_mask_function if mask_function is None else mask_function
+    pattern = _pattern(mask_function)
+    if pattern is None:
+        _warn_once("this mask pattern (an or/and overlay, chunked attention or block_sequence_ids) has no "
+                   "flashgen spec", "sdpa")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
+        return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                            allow_is_causal_skip=False, **kwargs)
+    _, packed = pattern
+    if packed is not None:
+        return (-1 - packed).to(torch.int32)
+    device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
+    if attention_mask is None:  # batch rows of one mask (models may view it as [batch_size, -1])
+        if not isinstance(q_offset, torch.Tensor):
+            seen = int(q_offset) + q_length - kv_offset
+            if seen >= kv_length:
+                return None
+            return torch.ones(1, seen, dtype=torch.bool, device=device).expand(batch_size, -1)
+        if q_length == 1:  # a decoding step on a static cache: its written slots, on the device
+            slots = torch.arange(kv_length, device=q_offset.device) + kv_offset
+            return (slots < q_offset + q_length).unsqueeze(0).expand(batch_size, -1)
+        seen = int(q_offset) + q_length - kv_offset  # one host read (a prefill on a static cache)
+        return torch.ones(1, min(seen, kv_length), dtype=torch.bool, device=device).expand(batch_size, -1)
+    mask = attention_mask[:, -kv_length:]  # the key slots' part (sliding caches keep the last ones)
+    if mask.dtype != torch.bool:
+        mask = mask != 0
+    if q_length == 1 and mask.shape[-1] < kv_length:  # a static cache: unwritten slots are False
+        mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
+    return mask
+
+
+# --- the attention function ----------------------------------------------------------------------
+
+def _fallback_reason(module, query, key, value, attention_mask, s_aux, kwargs) -> str | None:
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        return f"attention_mask of type {type(attention_mask).__name__} (expected a tensor or None)"
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        return f"a {attention_mask.dim()}-D attention_mask (flashgen takes 2-D padding masks)"
+    if s_aux is not None:
+        return "attention sinks (s_aux)"
+    if kwargs.get("position_bias") is not None:
+        return "position_bias"
+    if kwargs.get("output_attentions"):
+        return "output_attentions=True (flashgen never forms the attention weights)"
+    if value.shape[-1] != query.shape[-1] or key.shape[-1] != query.shape[-1]:
+        return "value or key head dim differs from the query's"
+    d = query.shape[-1]
+    if d % 8 or d > 256:
+        return f"head dim {d} (flashgen takes multiples of 8 up to 256)"
+    if query.device.type == "cuda" and query.dtype == torch.float32:
+        return "fp32 on cuda (flashgen's CUDA kernels take fp16 and bf16)"
+    if query.device.type not in ("cpu", "cuda"):
+        return f"{query.device.type} tensors"
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {query.dtype}"
+    if not (query.dtype == key.dtype == value.dtype):
+        return "query, key and value of different dtypes"
+    if 0 in query.shape or 0 in key.shape:
+        return "an empty query or key tensor"
+    return None
+
+
+def _dense_mask(mask, nq: int, nk: int, left: int, right: int, device) -> torch.Tensor | None:
+    """The 4-D bool mask [batch | 1, 1, nq, nk] equal to what the kernels compute (fallbacks only)."""
+    qi = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    kj = torch.arange(nk, device=device)[None, :]
+    keep = (kj >= qi - left) & (kj <= qi + right)
+    if mask is None:
+        return keep[None, None]
+    if mask.dtype == torch.bool:
+        return keep[None, None] & mask[:, None, None, :]
+    # packed sequence ids: positions within each sequence, same sequence only
+    ids = mask
+    start = torch.cat([torch.ones_like(ids[:, :1], dtype=torch.bool), ids[:, 1:] != ids[:, :-1]], dim=1)
+    idx = torch.arange(ids.shape[1], device=device).expand_as(ids)
+    first = torch.cummax(torch.where(start, idx, torch.zeros_like(idx)), dim=1).values
+    pos = idx - first
+    same = ids[:, :, None] == ids[:, None, :]
+    rel = pos[:, None, :] - pos[:, :, None]  # kv - q within the sequence
+    return (same & (rel >= -left) & (rel <= right))[:, None]
+
+
+def _fallback(reason, module, query, key, value, attention_mask, *, dropout, scaling, sliding_window, softcap,
+              is_causal, s_aux, kwargs):
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    need_eager = softcap is not None or s_aux is not None or kwargs.get("output_attentions")
+    if need_eager and eager is None:
+        raise NotImplementedError(f"flashgen.integrations.transformers: {reason}, and the model's module "
+                                  f"{type(module).__module__} has no eager_attention_forward to fall back to")
+    # transformers' sdpa and eager functions take 4-D masks; flashgen's 2-D ones and the causal or
+    # windowed pattern of a None mask become the 4-D mask the kernels would have applied
+    if attention_mask is None or attention_mask.dim() == 2:
+        causal, left, right = _window(module, is_causal, sliding_window)
+        nk = key.shape[2]
+        if attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[-1] < nk:
+            nk = attention_mask.shape[-1]
+            key, value = key[:, :, :nk], value[:, :, :nk]
+        if attention_mask is not None or causal or left < UNBOUNDED:
+            attention_mask = _dense_mask(attention_mask, query.shape[2], nk, left, right, query.device)
+    if need_eager:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+            attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
+        _warn_once(reason, "eager")
+        call_counts["fallback:eager"] += 1
+        extra = {"softcap": softcap} if softcap is not None else {}
+        if s_aux is not None:
+            extra["s_aux"] = s_aux
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, **extra, **kwargs)
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _warn_once(reason, "sdpa")
+    call_counts["fallback:sdpa"] += 1
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=False if attention_mask is not None else is_causal, **kwargs)
+
+
+def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
+    """(causal, left, right) of the kernels' window(left, right) for this layer."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    config = getattr(module, "config", None)
+    causal = bool(causal) and getattr(config, "is_causal", True) is not False
+    if causal:
+        return True, (int(sliding_window) - 1 if sliding_window else UNBOUNDED), 0
+    if sliding_window:  # transformers' bidirectional window: |q - kv| <= sliding_window
+        return False, int(sliding_window), int(sliding_window)
+    return False, UNBOUNDED, UNBOUNDED
+
+
+def _packed_from_ids(ids: torch.Tensor):
+    """(cu_seqlens int32 [n + 1], max_seqlen) of packed sequence ids [batch, seqlen], flattened
+    row-major; one host read per ids tensor (cached)."""
+    hit = _packed_cache.get(ids)
+    if hit is not None and hit[0] == ids._version:
+        return hit[1], hit[2]
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    starts = start.reshape(-1).nonzero().reshape(-1).to(torch.int32)
+    total = torch.tensor([ids.numel()], dtype=torch.int32, device=ids.device)
+    cu = torch.cat([starts, total])
+    max_len = int((cu[1:] - cu[:-1]).max())
+    _packed_cache[ids] = (ids._version, cu, max_len)
+    return cu, max_len
+
+
+def _as_cu(t, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D integer tensor of cumulative sequence lengths, got {t!r}")
+    return t.to(torch.int32)
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      is_causal: bool | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+    """transformers' attention function for flashgen (``AttentionInterface``).
+
+    Args:
+        module: the attention layer (``is_causal``, ``config`` are read from it).
+        query: [B, Hq, Sq, d]; key, value: [B, Hkv, Sk, d] (Hq a multiple of Hkv); fp32 (cpu),
+            fp16 or bf16. Queries are the last Sq positions of the keys.
+        attention_mask: what ``mask_forward`` returned (None, 2-D bool, packed ids), or a 4-D
+            mask (falls back to SDPA / eager).
+        dropout: attention dropout probability (training).
+        scaling: softmax scale (default 1/sqrt(d)).
+        sliding_window: the layer's window: causal layers see the last ``sliding_window`` keys.
+        softcap: ``softcap * tanh(score / softcap)`` (Gemma 2).
+        is_causal: overrides ``module.is_causal``.
+        s_aux: attention sinks (falls back to the model's eager attention).
+        kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` make a
+            packed call; others are passed to fallbacks only.
+
+    Returns ``(out [B, Sq, Hq, d], None)`` (the attention weights only from an eager fallback).
+
+    Raises ValueError naming the argument for a mask longer than the keys, or for a padding mask
+    combined with ``cu_seq_lens_q``.
+    """
+    reason = _fallback_reason(module, query, key, value, attention_mask, s_aux, kwargs)
+    if reason is not None:
+        return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         sliding_window=sliding_window, softcap=softcap, is_causal=is_causal, s_aux=s_aux,
+                         kwargs=kwargs)
+    batch, heads, nq, d = query.shape
+    nk = key.shape[2]
+    mask = attention_mask
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    packed = None
+    if cu_q is not None or cu_k is not None:
+        if mask is not None and mask.dtype == torch.bool:
+            raise ValueError("cu_seq_lens_q: packed sequences with a 2-D padding attention_mask (pass one or "
+                             "the other)")
+        if nq != nk:
+            raise ValueError(f"cu_seq_lens_q: packed sequences need as many keys as queries (got {nq} queries "
+                             f"and {nk} keys)")
+        cu_q = _as_cu(cu_q if cu_q is not None else cu_k, "cu_seq_lens_q")
+        cu_k = _as_cu(cu_k if cu_k is not None else cu_q, "cu_seq_lens_k")
+        mq, mk = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        mq = int(mq) if mq is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        mk = int(mk) if mk is not None else int((cu_k[1:] - cu_k[:-1]).max())
+        packed = (cu_q, cu_k, mq, mk)
+        mask = None
+    elif mask is not None and mask.dtype != torch.bool:  # packed sequence ids from the mask function
+        if mask.shape != (batch, nq) or nq != nk:
+            raise ValueError(f"attention_mask: packed sequence ids of shape {tuple(mask.shape)} for {batch} rows "
+                             f"of {nq} queries and {nk} keys")
+        cu, max_len = _packed_from_ids(mask)
+        packed = (cu, cu, max_len, max_len)
+        mask = None
+    if mask is not None:
+        if mask.shape[-1] > nk:
+            raise ValueError(f"attention_mask: {mask.shape[-1]} key positions for {nk} keys")
+        if mask.shape[0] not in (1, batch):
+            raise ValueError(f"attention_mask: batch {mask.shape[0]} for {batch} rows")
+        if mask.shape[-1] < nk:  # a static cache holding fewer tokens than its slots
+            nk = mask.shape[-1]
+            key, value = key[:, :, :nk], value[:, :, :nk]
+    _, left, right = _window(module, is_causal, sliding_window)
+    general = mask is not None or softcap is not None
+    name = "transformers" if general else "transformers_window"
+    params = {"left": left, "right": right}
+    run = {"scale": scaling}
+    if dropout:
+        run["dropout_p"] = float(dropout)
+    if packed is None:
+        q, k, v = query, key, value
+    else:
+        q = query.transpose(1, 2).reshape(batch * nq, heads, d)
+        k = key.transpose(1, 2).reshape(batch * nk, key.shape[1], d)
+        v = value.transpose(1, 2).reshape(batch * nk, value.shape[1], d)
+        cu_q, cu_k, mq, mk = packed
+        run.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
+    if general:
+        if mask is None:
+            width = packed[3] if packed is not None else nk
+            mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
+        params.update(key_mask=mask, softcap=float(softcap) if softcap else 0.0)
+    call_counts[name] += 1
+    out = op(name)(q, k, v, **run, **params)
+    if packed is not None:
+        return out.view(batch, nq, heads, d), None
+    return out.transpose(1, 2), None

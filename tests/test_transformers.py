@@ -1,0 +1,245 @@
+"""flashgen.integrations.transformers on tiny random-initialised models (fp32, CPU) against the
+same models with attn_implementation="eager": logits and gradients at the non-padded positions
+(padded, left and right, and unpadded batches, training mode with dropout 0), packed sequences,
+greedy generation with dynamic and static caches, and the fallbacks."""
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashgen.integrations import transformers as fg_hf
+
+VOCAB = 96
+DECODERS = ("llama", "mistral", "gemma2", "gpt2")
+MODELS = (*DECODERS, "bert")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _registered():
+    """Register the backend and build its two specs' CPU kernels at once (in parallel)."""
+    fg_hf.register()
+    fg_hf.build("cpu", ["fp32"])
+
+
+def config(name: str):
+    """Two layers, hidden 32, 4 heads; GQA, sliding windows shorter than the inputs, soft-capping
+    and a scale other than 1/sqrt(d) where the model has them; no dropout."""
+    t = transformers
+    common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "intermediate_size": 64, "max_position_embeddings": 64, "initializer_range": 0.3}
+    if name == "llama":
+        return t.LlamaConfig(**common, num_key_value_heads=2)
+    if name == "mistral":
+        return t.MistralConfig(**common, num_key_value_heads=1, sliding_window=5)
+    if name == "gemma2":
+        return t.Gemma2Config(**common, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=30.0, query_pre_attn_scalar=4,
+                              layer_types=["sliding_attention", "full_attention"])
+    if name == "gpt2":
+        return t.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, attn_pdrop=0.0,
+                            resid_pdrop=0.0, embd_pdrop=0.0, initializer_range=0.3)
+    if name == "bert":
+        return t.BertConfig(**common, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    raise ValueError(name)
+
+
+_models: dict = {}
+
+
+def model(name: str):
+    """One model per name for the module (random weights, seed 0), set to eager attention."""
+    if name not in _models:
+        torch.manual_seed(0)
+        cls = transformers.AutoModelForMaskedLM if name == "bert" else transformers.AutoModelForCausalLM
+        m = cls.from_config(config(name), attn_implementation="eager")
+        if name != "bert":
+            m.generation_config.pad_token_id = 0
+        _models[name] = m
+    m = _models[name]
+    m.set_attn_implementation("eager")
+    return m
+
+
+def batch(padding: str, n: int = 12, seed: int = 1):
+    """Three rows of n tokens: unpadded, or with 0, 3 and 7 padding tokens on the left or right."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (3, n), generator=g)
+    mask = torch.ones(3, n, dtype=torch.long)
+    if padding != "none":
+        for row, pad in enumerate((0, 3, 7)):
+            cols = slice(0, pad) if padding == "left" else slice(n - pad, n)
+            mask[row, cols] = 0
+            ids[row, cols] = 0
+    return ids, mask
+
+
+def run(m, impl: str, ids, mask, weights, **kw):
+    """Logits and parameter gradients of sum(logits * weights) over the non-padded positions."""
+    m.set_attn_implementation(impl)
+    m.train()
+    m.zero_grad(set_to_none=True)
+    logits = m(input_ids=ids, attention_mask=mask, **kw).logits
+    keep = mask.bool()
+    (logits * weights)[keep].sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.set_attn_implementation("eager")
+    return logits.detach()[keep], grads
+
+
+def assert_same(ref, ours, what: str, tol: float = 2e-5):
+    scale = ref.abs().max().item() + 1e-6
+    err = (ref - ours).abs().max().item()
+    assert err <= tol * max(1.0, scale), f"{what}: max error {err:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_and_gradients_match_eager(name, padding):
+    m = model(name)
+    ids, mask = batch(padding)
+    weights = torch.randn(*ids.shape, VOCAB, generator=torch.Generator().manual_seed(2))
+    before = dict(fg_hf.call_counts)
+    ref_logits, ref_grads = run(m, "eager", ids, mask, weights)
+    logits, grads = run(m, "fgen", ids, mask, weights)
+    ran = {k: v - before.get(k, 0) for k, v in fg_hf.call_counts.items() if v != before.get(k, 0)}
+    assert set(ran) <= set(fg_hf.SPECS) and sum(ran.values()) == 2, ran  # two layers, no fallback
+    assert_same(ref_logits, logits, "logits")
+    assert ref_grads.keys() == grads.keys()
+    for n in ref_grads:
+        assert_same(ref_grads[n], grads[n], f"grad of {n}")
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_sequences_match_eager(name):
+    """Sequences packed into rows (position_ids restarting; transformers' eager mask keeps them
+    apart), and the same with explicit cu_seq_lens / max_length (a packed call)."""
+    m = model(name)
+    lengths = [[5, 7], [3, 2, 7]]
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    pos = torch.tensor([[i for n in row for i in range(n)] for row in lengths])
+    mask = torch.ones_like(ids)
+    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(4))
+
+    def go(impl, **kw):  # no attention_mask, as packed training passes: the packing is in position_ids
+        m.set_attn_implementation(impl)
+        m.train()
+        m.zero_grad(set_to_none=True)
+        logits = m(input_ids=ids, position_ids=pos, use_cache=False, **kw).logits
+        (logits * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.set_attn_implementation("eager")
+        return logits.detach(), grads
+
+    ref_logits, ref_grads = go("eager")
+    whole, _ = go("eager", attention_mask=mask)  # not packed: one sequence per row
+    assert (whole - ref_logits).abs().max() > 1e-3  # the packing changes the result
+    logits, grads = go("fgen")
+    assert_same(ref_logits, logits, "logits")
+    for n in ref_grads:
+        assert_same(ref_grads[n], grads[n], f"grad of {n}")
+    starts = [0]
+    for row in lengths:
+        for n in row:
+            starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, dtype=torch.int32)
+    logits, _ = go("fgen", cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    assert_same(ref_logits, logits, "logits with cu_seq_lens")
+
+
+def greedy(m, impl, ids, mask, cache):
+    m.set_attn_implementation(impl)
+    m.eval()
+    with torch.no_grad():
+        out = m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                         cache_implementation=cache, return_dict_in_generate=True, output_logits=True)
+    m.set_attn_implementation("eager")
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, 1)  # [B, 20], [B, 20, V]
+
+
+@pytest.mark.parametrize("cache,padding", [("dynamic", "left"), ("static", "left"), ("static", "none")])
+@pytest.mark.parametrize("name", DECODERS)
+def test_greedy_generation_matches_eager(name, cache, padding, capsys):
+    """20 greedy tokens from a left-padded or unpadded batch (generate then passes no mask: a static
+    cache's valid slots come from its offset alone) equal eager's, except from a step where eager's
+    top-2 logit margin is below 1e-4 (a tie within rounding; reported)."""
+    m = model(name)
+    ids, mask = batch(padding, n=8, seed=5)
+    before = sum(fg_hf.call_counts[s] for s in fg_hf.SPECS)
+    ref, ref_logits = greedy(m, "eager", ids, mask, cache)
+    ours, _ = greedy(m, "fgen", ids, mask, cache)
+    assert sum(fg_hf.call_counts[s] for s in fg_hf.SPECS) - before == 2 * 20  # prefill + 19 steps, 2 layers
+    top2 = ref_logits.topk(2, dim=-1).values
+    margin = top2[..., 0] - top2[..., 1]
+    for row in range(ids.shape[0]):
+        diff = (ref[row] != ours[row]).nonzero()
+        if len(diff):
+            step = int(diff[0])
+            assert margin[row, step] < 1e-4, f"row {row} differs at step {step} (margin {margin[row, step]:.3g})"
+            with capsys.disabled():
+                print(f"\n{name}/{cache}/{padding}: row {row} differs from step {step}, where eager's top-2 margin is "
+                      f"{margin[row, step]:.2g}")
+    assert len(set(ref.flatten().tolist())) > 2  # the model does not just repeat one token
+
+
+def test_fallbacks_warn_once_and_match_eager():
+    """A user's 4-D float mask and output_attentions=True leave flashgen's kernels with a warning
+    naming the reason, and give eager's result."""
+    m = model("llama")
+    ids, mask = batch("left")
+    n = ids.shape[1]
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    keep = causal[None, None] & mask.bool()[:, None, None, :]
+    additive = torch.where(keep, 0.0, torch.finfo(torch.float32).min)
+    m.eval()
+    with torch.no_grad():
+        ref = m(input_ids=ids, attention_mask=additive).logits
+        m.set_attn_implementation("fgen")
+        fg_hf._warned.clear()
+        with pytest.warns(UserWarning, match="4-D attention_mask"):
+            ours = m(input_ids=ids, attention_mask=additive).logits
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            m(input_ids=ids, attention_mask=additive)  # warned once
+        with pytest.warns(UserWarning, match="output_attentions"):
+            out = m(input_ids=ids, attention_mask=mask, output_attentions=True)
+        m.set_attn_implementation("eager")
+        ref_att = m(input_ids=ids, attention_mask=mask, output_attentions=True)
+    keep2 = mask.bool()
+    assert_same(ref[keep2], ours[keep2], "logits with a 4-D mask")
+    assert_same(ref_att.logits[keep2], out.logits[keep2], "logits with output_attentions")
+    assert out.attentions is not None and len(out.attentions) == 2
+
+
+def test_dropout_in_training():
+    """Attention dropout in training runs in the kernels (a new mask per call, gradients flow);
+    in eval mode the same model gives eager's result."""
+    m = model("gpt2")
+    ids, mask = batch("left")
+    for block in m.transformer.h:
+        block.attn.attn_dropout.p = 0.5
+    try:
+        m.set_attn_implementation("fgen")
+        m.train()
+        before = fg_hf.call_counts["transformers"]
+        a = m(input_ids=ids, attention_mask=mask).logits
+        b = m(input_ids=ids, attention_mask=mask).logits
+        assert fg_hf.call_counts["transformers"] - before == 4
+        keep = mask.bool()
+        assert (a - b)[keep].abs().max() > 1e-3  # a fresh dropout mask per call
+        a[keep].sum().backward()
+        grads = [p.grad for p in m.parameters() if p.grad is not None]
+        assert grads and all(torch.isfinite(g).all() for g in grads)
+        m.eval()
+        with torch.no_grad():
+            ours = m(input_ids=ids, attention_mask=mask).logits
+            m.set_attn_implementation("eager")
+            ref = m(input_ids=ids, attention_mask=mask).logits
+        assert_same(ref[keep], ours[keep], "eval-mode logits")
+    finally:
+        for block in m.transformer.h:
+            block.attn.attn_dropout.p = 0.0
+        m.zero_grad(set_to_none=True)
+        m.set_attn_implementation("eager")
