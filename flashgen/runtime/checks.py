@@ -15,7 +15,7 @@ from .. import families
 from ..abi import FgBlockLists
 from ..errors import did_you_mean
 from ..lang import expr as X
-from ..lang import ir
+from ..lang import intervals, ir
 from ..lang.frontend import DTYPE_NAMES
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
@@ -430,7 +430,37 @@ def check_params(op, q: torch.Tensor, k: torch.Tensor, params: dict, sizes: dict
         if t.shape[d] < reach[pos] and not (p.shape[d].broadcast and t.shape[d] == 1):
             raise ValueError(f"{name}: dim {d} has size {t.shape[d]} but the spec reads it at {pos} up to "
                              f"{reach[pos] - 1} for these inputs")
+    if op.computed_reads:
+        check_computed_reads(op, params, reach, ints)
     return out
+
+
+def check_computed_reads(op, params: dict, reach: dict, ints: dict) -> None:
+    """ValueError naming the parameter when an index computed from positions, sizes and int
+    parameters (``t[h + 1]``, ``rel[h, clamp(kv - q, -m, m) + m]``; lang/intervals.py) leaves
+    the parameter's dim somewhere on the call's grid, where flashgen.reference raises IndexError
+    (the kernels would clamp it). Skipped for an empty grid or a size not known yet."""
+    key = (*ints.values(), *[params[r.name].shape[r.dim] for r in op.computed_reads])  # sizes, int values
+    if key in op.computed_reads_ok or any(v is None or v < 1 for v in reach.values()):
+        return
+    env = {p: (0, n - 1) for p, n in reach.items()}
+    env |= {k: (v, v) for k, v in ints.items() if isinstance(v, int) and k in ("seqlen_q", "seqlen_k")}
+    env |= {p.name: (params[p.name], params[p.name]) for p in op.spec.params if p.kind == "int"}
+    declared = {p.name: p for p in op.spec.params}
+    for r in op.computed_reads:
+        size = params[r.name].shape[r.dim]
+        if size == 1 and declared[r.name].shape[r.dim].broadcast:
+            continue
+        rng = intervals.interval(r.index, env)
+        if rng is not None and (rng[0] < 0 or rng[1] >= size):
+            sp = r.index.span
+            where = f" at {sp.file}:{sp.line}:{sp.column}" if sp else ""
+            raise ValueError(f"{r.name}: dim {r.dim} has size {size} but the spec's index{where} reaches "
+                             f"{rng[0]}..{rng[1]} for these inputs (flashgen.reference raises IndexError; "
+                             f"the kernels would clamp it)")
+    if len(op.computed_reads_ok) > 4096:
+        op.computed_reads_ok.clear()
+    op.computed_reads_ok.add(key)
 
 
 def check_dropout(op, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:

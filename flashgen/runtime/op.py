@@ -25,7 +25,7 @@ from ..build import artifact, cache
 from ..codegen import variant
 from ..errors import did_you_mean
 from ..lang import expr as X
-from ..lang import ir
+from ..lang import intervals, ir
 from ..lang.frontend import parse
 from ..reference import default_scale
 from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
@@ -150,6 +150,8 @@ class AttentionOp:
             (n.base.id, d, i.id) for e in (spec.mask, spec.score) if e is not None for n in X.walk(e)
             if isinstance(n, ir.Index) for d, i in enumerate(n.indices)
             if isinstance(i, ir.Name) and i.id in ("b", "h", "q", "kv")})
+        self.computed_reads = intervals.reads(spec)  # indices like t[h + 1]: their range checked per call
+        self.computed_reads_ok: set[tuple] = set()  # (sizes, int values, dims read) that passed
         self.torch_op = register(self, qualname)
 
     def __repr__(self) -> str:
