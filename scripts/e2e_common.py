@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # declare (none may contain "flash", "sdpa", "flex_attention", "eager" or "paged": transformers
 # interprets those parts). Labels in results and plots keep the implementation's own name.
 TORCH_FLEX = "torchflex"   # transformers' flex_attention_forward + flex mask, for models without flex support
-SDPA_NOCAP = "sdpnocap"    # transformers' sdpa_attention_forward + sdpa mask: ignores softcap (different math)
+SDPA_NOCAP = "sdpnocap"    # transformers' sdpa_attention_forward + sdpa mask, softcap dropped (different math)
 
 
 class MissingPiece(SystemExit):
@@ -114,7 +114,10 @@ def register_backends() -> None:
     fg_hf.register("fgen")
     AttentionInterface.register(TORCH_FLEX, flex_attention_forward)
     AttentionMaskInterface.register(TORCH_FLEX, flex_attention_mask)
-    AttentionInterface.register(SDPA_NOCAP, sdpa_attention_forward)
+    def sdpa_without_softcap(module, query, key, value, attention_mask, softcap=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # softcap dropped
+
+    AttentionInterface.register(SDPA_NOCAP, sdpa_without_softcap)
     AttentionMaskInterface.register(SDPA_NOCAP, sdpa_mask)
 
 
