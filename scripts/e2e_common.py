@@ -10,6 +10,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -167,6 +168,12 @@ def graph_breaks() -> int:
     return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
 
 
+def compiled_frames() -> int:
+    """Frames dynamo has compiled since the last reset (a rise inside a timed window means a
+    recompilation was timed)."""
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -226,7 +233,7 @@ def bar_plot(plt, path: Path, groups: list[str], series: dict[str, list[float | 
                     j for j, w in enumerate(values) if w is not None) else None)
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

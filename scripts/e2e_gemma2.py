@@ -37,7 +37,8 @@ in the GPU's free memory is skipped and recorded as such.
 A measurement that does not fit in what is left of --time-limit is skipped and recorded as
 skipped; one out of memory as "oom". Writes ``<out>/gemma2-<tag>.json`` and
 ``gemma2-<tag>-train.png`` / ``-generate.png``; prints tables. Exit status 1 when a measurement
-failed (its error is in the JSON), 2 for a missing prerequisite.
+failed (its error is in the JSON), 2 for a missing prerequisite. A status that says "recompiled
+inside the timed steps" marks a figure that includes compilation time.
 
 Every compiled (impl, shape) compiles afresh, so one H200 run of the default grid does not fit
 10 minutes: split it, e.g. ``--part train``, then ``--part generate --gen-contexts 4096``, and so
@@ -88,6 +89,13 @@ def new_model(args, max_positions: int, device, dtype=None):
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 
 
+def status_of(complete: bool, frames_before: int) -> str:
+    status = "ok" if complete else "truncated (time limit)"
+    if common.compiled_frames() > frames_before:
+        status += "; recompiled inside the timed steps"
+    return status
+
+
 # --- training ------------------------------------------------------------------------------------
 
 def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> dict:
@@ -120,6 +128,7 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
         step(i)
     common.sync(device)
     t1 = time.perf_counter()
+    frames = common.compiled_frames()
     done = args.warmup
     for i in range(args.warmup, steps):
         step(i)
@@ -129,7 +138,7 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
     common.sync(device)
     t2 = time.perf_counter()
     timed = done - args.warmup
-    res = {"status": "ok" if done == steps else "truncated (time limit)", "batch": batch,
+    res = {"status": status_of(done == steps, frames), "batch": batch,
            "params": sum(p.numel() for p in model.parameters()), "timed_steps": timed,
            "tokens_per_s": timed * batch * seqlen / (t2 - t1) if timed else None, "warmup_s": t1 - t0,
            "timed_s": t2 - t1, "peak_memory_gib": common.peak_memory_gib(device),
@@ -201,6 +210,7 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
             pos.add_(1)
         common.sync(device)
         t1 = time.perf_counter()
+        frames = common.compiled_frames()
         done = 0
         out = []
         for _ in range(args.gen_steps):
@@ -212,7 +222,7 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
                 break
         common.sync(device)
         t2 = time.perf_counter()
-    res = {"status": "ok" if done == args.gen_steps else "truncated (time limit)", "timed_steps": done,
+    res = {"status": status_of(done == args.gen_steps, frames), "timed_steps": done,
            "tokens_per_s": batch * done / (t2 - t1) if done else None, "ms_per_step": (t2 - t1) / done * 1e3,
            "warmup_s": t1 - t0, "cache_gib": cache_bytes(args, batch, slots, dtype.itemsize) / 2**30,
            "peak_memory_gib": common.peak_memory_gib(device),
@@ -343,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                     failed = True
                     rec["status"], rec["error"] = "error", f"{type(e).__name__}: {e}"
                     traceback.print_exc()
-                common.reset_memory(device)
-                common.dynamo_reset()
+            common.reset_memory(device)  # after the except clause: its traceback no longer holds the run
+            common.dynamo_reset()
         report[kind].append(rec)
         report["elapsed_s"] = budget.elapsed()
         common.write_json(path, report)
@@ -373,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                 for impl in impls:
                     rec = {"impl": impl, "label": LABELS[impl], "batch": batch, "context": context}
                     if device.type == "cuda":
+                        common.reset_memory(device)  # the previous cell's cache goes back first
                         free, _ = torch.cuda.mem_get_info(device)
                         if need > 0.85 * free:
                             rec["status"] = (f"skipped: the cache needs {need / 2**30:.1f} GiB, "
