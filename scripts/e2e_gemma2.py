@@ -40,6 +40,10 @@ skipped; one out of memory as "oom". Writes ``<out>/gemma2-<tag>.json`` and
 failed (its error is in the JSON), 2 for a missing prerequisite. A status that says "recompiled
 inside the timed steps" marks a figure that includes compilation time.
 
+flashgen's kernels are built (or loaded from flashgen's cache) before any timing, the seconds
+recorded as fgen_build_s; a cold build counts against --time-limit, so build them first:
+``python -c "import flashgen.integrations.transformers as f; f.build('cuda', ['bf16'], [256])"``.
+
 Every compiled (impl, shape) compiles afresh, so one H200 run of the default grid does not fit
 10 minutes: split it, e.g. ``--part train``, then ``--part generate --gen-contexts 4096``, and so
 on per context.

@@ -45,7 +45,8 @@ def check_environment(report: dict) -> None:
 
 def test_gpt2_smoke(tmp_path):
     mod = load("e2e_gpt2")
-    rc = mod.main(["--smoke", "--out", str(tmp_path), "--seqlens", "32", "--curve", "fgen:0,sdpa:0,sdpa:1"])
+    rc = mod.main(["--smoke", "--out", str(tmp_path), "--data-cache", str(tmp_path / "data"), "--seqlens", "32",
+                   "--curve", "fgen:0,sdpa:0,sdpa:1"])
     assert rc == 0
     report = json.loads((tmp_path / "gpt2-smoke.json").read_text())
     check_environment(report)
