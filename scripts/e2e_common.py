@@ -139,6 +139,38 @@ def fgen_calls() -> dict:
     return dict(fg_hf.call_counts)
 
 
+def fgen_note(calls: dict) -> str | None:
+    """What a status says when flashgen's layers left its kernels: calls that fell back to
+    transformers' attention functions (their reasons are in the run's warnings)."""
+    back = {k: v for k, v in calls.items() if k.startswith("fallback:")}
+    if not back:
+        return None
+    kernels = sum(v for k, v in calls.items() if not k.startswith("fallback:"))
+    return (f"flashgen fell back for {sum(back.values())} of {sum(calls.values())} attention calls "
+            f"({', '.join(f'{k[9:]} {v}' for k, v in sorted(back.items()))}; its kernels {kernels}): "
+            "not a flashgen figure")
+
+
+class FgenWarnings:
+    """Records flashgen's transformers warnings (fallback reasons) within a run, each run anew."""
+
+    def __enter__(self):
+        import warnings
+
+        import flashgen.integrations.transformers as fg_hf
+
+        fg_hf._warned.clear()  # warned once per process otherwise: each run reports its own reasons
+        self._cm = warnings.catch_warnings(record=True)
+        self.caught = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        self.messages = sorted({str(w.message) for w in self.caught if "flashgen" in str(w.message)})
+        return False
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

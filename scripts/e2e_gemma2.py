@@ -112,7 +112,7 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
-    fwd = torch.compile(model, mode=args.compile_mode) if not args.no_compile else model
+    fwd = torch.compile(model, mode=args.compile_mode, backend=args.compile_backend) if not args.no_compile else model
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     g = torch.Generator().manual_seed(args.data_seed)
     ids = torch.randint(3, args.vocab, (steps, batch, seqlen), generator=g).to(device)
@@ -205,7 +205,7 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
         logits = model(input_ids=tok, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
         return logits[:, -1:].argmax(-1)
 
-    fn = torch.compile(decode, mode=args.gen_compile_mode) if not args.no_compile else decode
+    fn = torch.compile(decode, mode=args.gen_compile_mode, backend=args.compile_backend) if not args.no_compile else decode
     calls_before = common.fgen_calls()
     with torch.no_grad():
         t0 = time.perf_counter()
@@ -276,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode for training (default torch's)")
     ap.add_argument("--gen-compile-mode", default=None, help="torch.compile mode for decoding (default torch's; "
                     "'reduce-overhead' adds CUDA graphs)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (default inductor; 'eager' traces with dynamo only: a cheap check)")
     ap.add_argument("--no-compile", action="store_true", help="run everything uncompiled")
+    ap.add_argument("--compile-smoke", action="store_true",
+                    help="with --smoke: compile too (with --compile-backend, default 'eager': dynamo only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 with --smoke)")
     ap.add_argument("--time-limit", type=float, default=570.0, help="seconds; later measurements are skipped past it")
     ap.add_argument("--smoke", action="store_true",
-                    help="tiny model (2 layers, width 64, head dim 16, window 8), CPU, fp32, 2 steps, no compile: "
+                    help="tiny model (2 layers, width 64, head dim 16, window 8), CPU, fp32, 2 steps, no compile "
+                         "(unless --compile-smoke): "
                          "a check that the script runs, not a measurement")
     args = ap.parse_args(argv)
 
@@ -296,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, k, v)
     if smoke:
         args.hidden, args.mlp, args.heads, args.kv_heads, args.head_dim = 64, 128, 4, 2, 16
-        args.no_compile = True
+        if args.compile_backend == "inductor":
+            args.compile_backend = "eager"  # dynamo's tracing only (inductor's CPU build takes minutes)
+        args.no_compile = not args.compile_smoke
     else:
         args.hidden, args.mlp, args.heads, args.kv_heads, args.head_dim = 2304, 9216, 8, 4, 256
     parts = [p.strip() for p in args.part.split(",") if p.strip()]
@@ -347,7 +354,13 @@ def main(argv: list[str] | None = None) -> int:
             rec["status"] = f"skipped: about {estimate:.0f} s needed, {budget.left():.0f} s left of --time-limit"
         else:
             try:
-                rec.update(fn())
+                with common.FgenWarnings() as caught:
+                    rec.update(fn())
+                if caught.messages:
+                    rec["warnings"] = caught.messages
+                note = common.fgen_note(rec.get("fgen_calls", {}))
+                if note:
+                    rec["status"] += "; " + note
             except common.MissingPiece:
                 raise
             except Exception as e:  # noqa: BLE001 (recorded; the other measurements go on)

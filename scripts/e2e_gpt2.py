@@ -191,7 +191,7 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
     other = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    fwd = torch.compile(model, mode=args.compile_mode) if run["compiled"] else model
+    fwd = torch.compile(model, mode=args.compile_mode, backend=args.compile_backend) if run["compiled"] else model
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu",
                                                                                                   enabled=False)
     train = data["train"]
@@ -243,7 +243,7 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
     }
     calls = {k: v - calls_before.get(k, 0) for k, v in common.fgen_calls().items() if v != calls_before.get(k, 0)}
     if run["impl"] == "fgen":
-        result["fgen_calls"] = calls  # eager steps only: compiled graphs call the op without the counter
+        result["fgen_calls"] = calls  # kernel calls by spec, and fallbacks
     if run.get("curve") and data["val"].numel() > seqlen:
         result["val_loss"] = val_loss(model, data["val"], seqlen, batch, device, amp)
     return result
@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode (default: torch's default)")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend (default inductor; 'eager' traces with dynamo only: a cheap check)")
     ap.add_argument("--no-compile", action="store_true", help="run everything uncompiled")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 with --smoke: tiny CPU ops only lose to thread contention)")
@@ -368,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.heads, args.width = 2, 4, 32
         args.tokenizer = "bytes" if args.tokenizer == "auto" else args.tokenizer
         args.no_compile = args.no_compile or not any(":" not in r for r in args.runs.split(","))
+        if not args.no_compile and args.compile_backend == "inductor":
+            args.compile_backend = "eager"  # --smoke: dynamo's tracing only (inductor's CPU build takes minutes)
     else:
         args.layers, args.heads, args.width = 12, 12, 768
     tag = args.tag or ("smoke" if smoke else "s" + "-".join(map(str, args.seqlens)))
@@ -421,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t0 = time.perf_counter()
             try:
-                rec.update(train_run(args, r, data, device, budget))
+                with common.FgenWarnings() as caught:
+                    rec.update(train_run(args, r, data, device, budget))
+                if caught.messages:
+                    rec["warnings"] = caught.messages
+                note = common.fgen_note(rec.get("fgen_calls", {}))
+                if note:
+                    rec["status"] += "; " + note
             except Exception as e:  # noqa: BLE001 (recorded; the other runs go on)
                 if common.is_oom(e):
                     rec["status"] = "oom"
