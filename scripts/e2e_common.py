@@ -1,0 +1,273 @@
+"""Shared pieces of the end-to-end scripts (scripts/e2e_gpt2.py, scripts/e2e_gemma2.py): the
+environment record, the attention implementations' registration, a wall-clock budget, timing,
+tables, JSON and plots. Not part of the package; the scripts import it from their own folder."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Names registered with transformers' AttentionInterface for implementations a model does not
+# declare (none may contain "flash", "sdpa", "flex_attention", "eager" or "paged": transformers
+# interprets those parts). Labels in results and plots keep the implementation's own name.
+TORCH_FLEX = "torchflex"   # transformers' flex_attention_forward + flex mask, for models without flex support
+SDPA_NOCAP = "sdpnocap"    # transformers' sdpa_attention_forward + sdpa mask, softcap dropped (different math)
+
+
+class MissingPiece(SystemExit):
+    """A prerequisite is missing: exits with status 2 and a message naming it."""
+
+    def __init__(self, message: str):
+        super().__init__(f"error: {message}")
+
+
+def require_transformers():
+    try:
+        import transformers
+        from transformers import AttentionInterface  # noqa: F401
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: F401
+    except ImportError as e:
+        raise MissingPiece(f"transformers >= 4.53 is needed (pip install 'flashgen[transformers]'): {e}") from e
+    return transformers
+
+
+def require_matplotlib():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise MissingPiece(f"matplotlib is needed for the plots (pip install matplotlib): {e}") from e
+    return plt
+
+
+def check_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MissingPiece(f"--device {device}: CUDA is not available (torch {torch.__version__}, "
+                           f"built with CUDA {torch.version.cuda}); use --smoke or --device cpu on a machine without a GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise MissingPiece(f"--device {device}: expected cpu or cuda")
+    return dev
+
+
+def environment(device: torch.device) -> dict:
+    """Versions, the GPU and the commit: recorded with every result file."""
+    import transformers
+
+    import flashgen
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "flashgen": getattr(flashgen, "__version__", None),
+        "flashgen_path": str(Path(flashgen.__file__).resolve().parent),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+        "argv": sys.argv,
+    }
+    try:
+        import tokenizers
+        env["tokenizers"] = tokenizers.__version__
+    except ImportError:
+        env["tokenizers"] = None
+    try:
+        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                       timeout=10, check=False).stdout.strip() or None
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        env["dirty"] = bool(dirty)
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["gpu"] = props.name
+        env["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        env["gpu_capability"] = f"sm_{props.major}{props.minor}"
+    else:
+        env["gpu"] = None
+    return env
+
+
+def register_backends() -> None:
+    """flashgen under "fgen", and the two aliases above, with transformers."""
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, flex_attention_mask, sdpa_mask
+
+    import flashgen.integrations.transformers as fg_hf
+
+    fg_hf.register("fgen")
+    AttentionInterface.register(TORCH_FLEX, flex_attention_forward)
+    AttentionMaskInterface.register(TORCH_FLEX, flex_attention_mask)
+    def sdpa_without_softcap(module, query, key, value, attention_mask, softcap=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # softcap dropped
+
+    AttentionInterface.register(SDPA_NOCAP, sdpa_without_softcap)
+    AttentionMaskInterface.register(SDPA_NOCAP, sdpa_mask)
+
+
+def build_fgen(device: torch.device, dtype: torch.dtype, head_dim: int) -> float:
+    """Compile (or load) the backend's kernels before any timing; returns the seconds it took."""
+    import flashgen.integrations.transformers as fg_hf
+
+    t0 = time.perf_counter()
+    for name in fg_hf.SPECS:
+        fg_hf.op(name).build(device, [dtype], [head_dim])
+    return time.perf_counter() - t0
+
+
+def fgen_calls() -> dict:
+    """flashgen's per-path call counts so far (kernel calls and fallbacks)."""
+    import flashgen.integrations.transformers as fg_hf
+
+    return dict(fg_hf.call_counts)
+
+
+def fgen_note(calls: dict) -> str | None:
+    """What a status says when flashgen's layers left its kernels: calls that fell back to
+    transformers' attention functions (their reasons are in the run's warnings)."""
+    back = {k: v for k, v in calls.items() if k.startswith("fallback:")}
+    if not back:
+        return None
+    kernels = sum(v for k, v in calls.items() if not k.startswith("fallback:"))
+    return (f"flashgen fell back for {sum(back.values())} of {sum(calls.values())} attention calls "
+            f"({', '.join(f'{k[9:]} {v}' for k, v in sorted(back.items()))}; its kernels {kernels}): "
+            "not a flashgen figure")
+
+
+class FgenWarnings:
+    """Records flashgen's transformers warnings (fallback reasons) within a run, each run anew."""
+
+    def __enter__(self):
+        import warnings
+
+        import flashgen.integrations.transformers as fg_hf
+
+        fg_hf._warned.clear()  # warned once per process otherwise: each run reports its own reasons
+        self._cm = warnings.catch_warnings(record=True)
+        self.caught = self._cm.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+        self.messages = sorted({str(w.message) for w in self.caught if "flashgen" in str(w.message)})
+        return False
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def dynamo_reset() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def graph_breaks() -> int:
+    return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
+
+
+def compiled_frames() -> int:
+    """Frames dynamo has compiled since the last reset (a rise inside a timed window means a
+    recompilation was timed)."""
+    return int(torch._dynamo.utils.counters["frames"]["ok"])
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+class Budget:
+    """The run's wall-clock limit: measurements that would not fit are skipped (and recorded as
+    skipped), never estimated."""
+
+    def __init__(self, limit_s: float):
+        self.start = time.perf_counter()
+        self.limit_s = limit_s
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def left(self) -> float:
+        return self.limit_s - self.elapsed()
+
+    def fits(self, estimate_s: float) -> bool:
+        return self.left() > estimate_s
+
+
+def write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def table(rows: list[dict], cols: list[tuple[str, str]]) -> str:
+    """A Markdown table of ``rows`` with ``cols`` (key, header); missing values as "—"."""
+    def cell(v):
+        if v is None:
+            return "—"
+        if isinstance(v, float):
+            return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+        return str(v)
+
+    lines = ["| " + " | ".join(h for _, h in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(cell(r.get(k)) for k, _ in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def bar_plot(plt, path: Path, groups: list[str], series: dict[str, list[float | None]], ylabel: str,
+             title: str) -> None:
+    """Grouped bars: one group per entry of ``groups``, one bar per series; missing values are
+    left out (marked "n/a"), never drawn as zero."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups) * max(1, len(series)) / 3), 4))
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        for g, v in enumerate(values):
+            x = g + (i - (len(series) - 1) / 2) * width
+            if v is None:
+                ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)
+            else:
+                ax.bar(x, v, width, color=f"C{i}", label=name if g == next(
+                    j for j, w in enumerate(values) if w is not None) else None)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

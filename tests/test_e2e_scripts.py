@@ -1,0 +1,99 @@
+"""The end-to-end scripts (scripts/e2e_gpt2.py, scripts/e2e_gemma2.py) in their --smoke mode:
+tiny models on the CPU, a few steps, uncompiled; they run, every measurement completes, the
+flashgen runs take flashgen's kernels (no fallback), and the JSON and plots are written. The
+figures themselves measure nothing here; the GPU runs are not tested."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+from flashgen.integrations import transformers as fg_hf
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    """--smoke sets one torch thread; the test leaves the process as it found it."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def check_environment(report: dict) -> None:
+    env = report["environment"]
+    assert report["smoke"] is True
+    assert env["torch"] == torch.__version__ and env["transformers"] and env["device"] == "cpu"
+    assert env["gpu"] is None  # never claims a GPU it did not use
+
+
+def test_gpt2_smoke(tmp_path):
+    mod = load("e2e_gpt2")
+    rc = mod.main(["--smoke", "--out", str(tmp_path), "--data-cache", str(tmp_path / "data"), "--seqlens", "32",
+                   "--curve", "fgen:0,sdpa:0,sdpa:1"])
+    assert rc == 0
+    report = json.loads((tmp_path / "gpt2-smoke.json").read_text())
+    check_environment(report)
+    assert report["corpus"]["tokenizer"] == "bytes" and report["corpus"]["vocab"] == 257
+    runs = {(r["impl"], r["seed"]): r for r in report["runs"]}
+    assert set(runs) == {("fgen", 0), ("sdpa", 0), ("sdpa", 1), ("eager", 0)}
+    for r in runs.values():
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0 and not r["compiled"], r
+    assert set(runs["fgen", 0]["fgen_calls"]) <= set(fg_hf.SPECS)  # flashgen's kernels, no fallback
+    for key in (("fgen", 0), ("sdpa", 0), ("sdpa", 1)):  # the loss curves: every step's loss
+        assert runs[key]["curve"] and len(runs[key]["losses"]) == report["settings"]["curve_steps"]
+    assert runs["fgen", 0]["losses"][0] == pytest.approx(runs["sdpa", 0]["losses"][0], rel=1e-4)  # same init, data
+    for png in ("tokens", "loss"):
+        assert (tmp_path / f"gpt2-smoke-{png}.png").stat().st_size > 0
+
+
+def test_gemma2_smoke(tmp_path):
+    mod = load("e2e_gemma2")
+    rc = mod.main(["--smoke", "--out", str(tmp_path), "--train-seqlens", "16", "--gen-batches", "2"])
+    assert rc == 0
+    report = json.loads((tmp_path / "gemma2-smoke.json").read_text())
+    check_environment(report)
+    assert {r["impl"] for r in report["train"]} == {r["impl"] for r in report["generate"]} == {"fgen", "eager", "sdpa"}
+    for r in report["train"] + report["generate"]:
+        assert r["status"] == "ok" and r["tokens_per_s"] > 0, r
+        if r["impl"] == "fgen":
+            assert set(r["fgen_calls"]) == {"transformers"}  # softcap: the general spec, no fallback
+        if r["impl"] == "sdpa":
+            assert "different math" in r["label"]
+    gen = {r["impl"]: r for r in report["generate"]}
+    assert gen["fgen"]["tokens_row0"] == gen["eager"]["tokens_row0"]  # fp32, the same filled cache
+    for png in ("train", "generate"):
+        assert (tmp_path / f"gemma2-smoke-{png}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("script,argv,needle", [
+    ("e2e_gpt2", ["--runs", "fgen,bogus"], "--runs"),
+    ("e2e_gpt2", ["--seqlens", "32,x"], "--seqlens"),
+    ("e2e_gemma2", ["--impls", "fgen,bogus"], "--impls"),
+    ("e2e_gemma2", ["--part", "prefill"], "--part"),
+])
+def test_bad_arguments_are_named(tmp_path, script, argv, needle):
+    with pytest.raises(SystemExit, match=needle):
+        load(script).main(["--smoke", "--out", str(tmp_path), *argv])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_no_cuda_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
+        load("e2e_gemma2").main(["--out", str(tmp_path), "--device", "cuda"])
