@@ -76,6 +76,9 @@ def op(name: str) -> AttentionOp:
     """The compiled op of ``specs/<name>.attn`` (``name`` one of ``SPECS``), one per process."""
     if name not in SPECS:
         raise ValueError(f"name: expected one of {', '.join(SPECS)}, got {name!r}")
+    hit = _ops.get(name)  # compiled already: no lock (which torch.compile cannot trace through)
+    if hit is not None:
+        return hit
     with _ops_lock:
         if name not in _ops:
             _ops[name] = _compile(paths.specs_dir() / f"{name}.attn")
