@@ -32,8 +32,14 @@ class SpecError(FlashgenError, ValueError):
         self.summary, self.expected, self.hint = message, expected, hint
         lines = source.splitlines() or [""]
         text = lines[line - 1] if 0 < line <= len(lines) else ""
+        col = column
+        if len(text) > 160:  # a long line is shown as a window around the column
+            start = max(0, column - 1 - 80)
+            end = min(len(text), start + 160)
+            text = ("…" if start else "") + text[start:end] + ("…" if end < len(text) else "")
+            col = column - start + (1 if start else 0)
         # The caret's indent copies the line's tabs, so it lines up however a terminal shows them.
-        indent = "".join("\t" if c == "\t" else " " for c in text[: column - 1])
+        indent = "".join("\t" if c == "\t" else " " for c in text[: col - 1])
         parts = [f"{file}:{line}:{column}: error: {message}", f"    {text}", f"    {indent}^"]
         if expected:
             parts.append(f"expected {expected}")

@@ -186,3 +186,27 @@ def test_numpy_is_a_declared_dependency():
     """torch warns "Failed to initialize NumPy" at import without numpy, on every command."""
     requires = importlib.metadata.requires("flashgen") or []
     assert any(re.match(r"numpy\b", r) for r in requires), requires
+
+
+def test_a_long_spec_line_is_shown_as_a_window_around_the_error():
+    with pytest.raises(SpecError) as err:
+        flashgen.compile("attention a {\n score = " + " + ".join(["score"] * 3000) + "\n}")
+    text = str(err.value)
+    assert len(text) < 600, len(text)
+    shown, caret = text.splitlines()[1:3]
+    assert shown.endswith("…") and caret.strip() == "^" and shown[caret.index("^")] == "s"
+
+
+def test_numpy_scalars_are_accepted_as_int_and_float_parameters():
+    np = pytest.importorskip("numpy")
+    op = flashgen.compile("specs/gemma.attn")  # window: int, softcap: float (built by other tests too)
+    q = torch.randn(1, 2, 9, 32)
+    want = op(q, q, q, window=3, softcap=20.0)
+    assert torch.equal(op(q, q, q, window=np.int64(3), softcap=np.float32(20.0)), want)
+
+
+def test_a_broadcast_dim_of_size_one_is_not_offered_twice():
+    op = flashgen.compile("specs/bias.attn")
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match=r"^bias: dim 0 has size 2, expected 1 \(\["):
+        op(q, q, q, bias=torch.zeros(2, 1, 16, 16))

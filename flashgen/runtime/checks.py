@@ -418,7 +418,7 @@ def check_params(op, q: torch.Tensor, k: torch.Tensor, params: dict, sizes: dict
                                      f"and parameters (must be at least 1{hint})")
                 got = value.shape[d]
                 if got != size and not (dim.broadcast and got == 1):
-                    alt = " or 1" if dim.broadcast else ""
+                    alt = " or 1" if dim.broadcast and size != 1 else ""
                     raise ValueError(f"{p.name}: dim {d} has size {got}, expected {size}{alt} "
                                      f"({shape_text(p)} = {shape_values(p, ints)} for these inputs)")
         out.append(value)

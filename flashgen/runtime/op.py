@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import numbers
 import sys
 import threading
 from collections.abc import Iterable
@@ -369,7 +370,7 @@ class AttentionOp:
         spec = self.spec
         if len(params) == len(spec.params):
             try:
-                return [params[p.name] for p in spec.params]
+                return [_plain(params[p.name]) for p in spec.params]
             except KeyError:
                 pass
         declared = {p.name: p for p in spec.params}
@@ -770,6 +771,14 @@ class AttentionOp:
         (runtime/launch.py, FlashAttention-2 Alg. 2)."""
         return launch.launch_backward(self, q, k, v, out, lse, dout, dlse, scale, deterministic, values,
                                       need_param_grads, dropout_p, dropout_state, **kw)
+
+
+def _plain(v):
+    """A NumPy (or other numbers.Integral / numbers.Real) scalar as the Python int / float the
+    op's schema takes; anything else unchanged (checked in the op)."""
+    if type(v) in (int, float) or isinstance(v, torch.Tensor | bool):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
 
 
 def _index(device: torch.device) -> int:
