@@ -12,7 +12,7 @@ device memory and clamp, so a decode step needs no host synchronisation.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -322,10 +322,28 @@ def implementation_for(op):
     ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
     family (one with the 'decode' feature), the parameters, the launch."""
     spec = op.spec
+    checked: dict[tuple, KvCall] = {}  # tensor metadata -> the validated call (its tensors replaced per call)
 
     def implementation(q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits,
                        *values):
-        call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, num_splits)
+        tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad)
+        try:
+            key = (num_splits, *((t.dtype, t.device, t.shape, t.stride()) if t is not None else None
+                                 for t in tensors))
+        except (AttributeError, TypeError):
+            key = None
+        call = checked.get(key) if key is not None else None
+        if call is None:
+            call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
+                                 num_splits)
+            if key is not None:
+                if len(checked) > 4096:
+                    checked.clear()
+                checked[key] = call
+        else:  # the same metadata passed the checks: only the metadata tensors are this call's
+            call = replace(call, cache_seqlens=cache_seqlens.contiguous(),
+                           cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
+                           block_table=block_table.contiguous() if block_table is not None else None)
         fam = op.choose_family(q.device, IR_DTYPE[q.dtype], call.head_dim, False, False, False, decode=True).family
         scale = op.scale_for(scale, call.head_dim)
         values = op.check_params(q, k_cache, {p.name: x for p, x in zip(spec.params, values, strict=True)},
