@@ -1,4 +1,5 @@
-"""The ctypes mirrors of templates/include/flashgen/args.h (FgFwdArgs, FgBwdArgs), its status codes."""
+"""The ctypes mirrors of templates/include/flashgen/args.h (FgFwdArgs with FgKvCache, FgBwdArgs), its status
+codes."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ class FgClassifyArgs(ctypes.Structure):
                 ("params", ctypes.c_void_p), ("stream", ctypes.c_void_p)]
 
 
+class FgKvCache(ctypes.Structure):
+    """Decoding with a KV cache (args.h, FgKvCache; op.with_kvcache); seqlens null: none."""
+
+    _fields_ = [("seqlens", ctypes.c_void_p), ("leftpad", ctypes.c_void_p), ("block_table", ctypes.c_void_p),
+                ("block_table_stride", _i64), ("num_pages", _i64), ("page_size", ctypes.c_int32),
+                ("max_pages", ctypes.c_int32), ("capacity", _i64), ("k_new", ctypes.c_void_p),
+                ("v_new", ctypes.c_void_p), ("seqlen_new", _i64),
+                *[(f"{n}_stride_{d}", _i64) for n in ("kn", "vn") for d in "bhn"]]
+
+
 class FgFwdArgs(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
@@ -52,6 +63,7 @@ class FgFwdArgs(ctypes.Structure):
         *_VARLEN,
         ("kv_blocks", FgBlockLists),
         *_DECIDED,
+        ("kv_cache", FgKvCache),
     ]  # fmt: skip
 
 

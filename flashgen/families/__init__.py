@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from .. import env
 from ..lang import ir
 from . import cpu, sm80, sm90
-from .base import FEATURES, Call, Family, LaunchFields
+from .base import FEATURES, PREFILL_FEATURES, Call, Family, LaunchFields
 
 # The order families are tried in: the Hopper family first, then mma.sync, then the CPU.
 _ORDER: tuple[Family, ...] = (sm90.FAMILY, sm80.FAMILY, cpu.FAMILY)
@@ -24,14 +24,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in _ORDER}
 
 # The call argument that asks for each feature, and how a message names the feature.
 _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q", "packed (varlen) batches are"),
-                "sparse": ("block_mask", "block-sparse kernels are"), "backward": ("backward", "the backward pass is")}
+                "sparse": ("block_mask", "block-sparse kernels are"), "backward": ("backward", "the backward pass is"),
+                "decode": ("with_kvcache", "decoding with a KV cache is")}
 
 # The families forced by ``use_family`` blocks, innermost last: process-wide, like
 # torch.nn.attention.sdpa_kernel's backend choice (and readable while torch.compile traces).
 _forced: list[str | None] = []
 _origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
-__all__ = ["FAMILIES", "FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete", "for_arch",
+__all__ = ["FAMILIES", "FEATURES", "PREFILL_FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete", "for_arch",
            "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
 
 
@@ -45,10 +46,12 @@ def get(name: str, what: str = "family") -> Family:
 
 
 def complete(fam: Family) -> bool:
-    """Whether ``fam`` has every feature (FEATURES): it serves every kind of call its dtypes and
-    head dims allow, so it is what a device falls back to (sm80, cpu); a partial family (sm90,
-    forward only) serves what it declares and leaves the rest to the next family."""
-    return fam.features == frozenset(FEATURES)
+    """Whether ``fam`` has every prefill feature (PREFILL_FEATURES): it serves every kind of
+    prefill call its dtypes and head dims allow, so it is what a device falls back to (sm80,
+    cpu); a partial family (sm90, forward only) serves what it declares and leaves the rest to
+    the next family. Decoding ('decode', ``op.with_kvcache``) is not part of it: a family
+    without decode kernels (sm80 in this version) declines those calls, naming with_kvcache."""
+    return fam.features >= frozenset(PREFILL_FEATURES)
 
 
 def of(what: Family | str) -> Family:

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 from ..build import artifact
 from ..lang import ir
 
-# What a call may need beyond the forward of the padded layout.
-FEATURES = ("backward", "dropout", "varlen", "sparse")
+# What a call may need beyond the forward of the padded layout: the prefill features (a family with all
+# of them is complete: it serves every prefill call its dtypes and head dims allow), and decoding with a
+# KV cache (op.with_kvcache), which a complete family may lack while its decode kernels do not exist.
+PREFILL_FEATURES = ("backward", "dropout", "varlen", "sparse")
+FEATURES = (*PREFILL_FEATURES, "decode")
 
 
 class LaunchFields:
@@ -41,7 +44,7 @@ class Call:
     """What selects a family (and, with the tiles, a library) for one call: the device type and
     architecture (None for a CPU), the dtype, the head dim, and the features it needs (a subset
     of FEATURES: 'varlen' for the packed layout, 'sparse' for block lists, 'dropout' for
-    dropout_p > 0)."""
+    dropout_p > 0, 'decode' for ``op.with_kvcache``)."""
 
     device: str
     arch: str | None
@@ -153,4 +156,4 @@ class Family:
 
 
 _FEATURE_TEXT = {"backward": "backward kernels", "dropout": "dropout", "varlen": "packed (varlen) batches",
-                 "sparse": "block-sparse kernels"}
+                 "sparse": "block-sparse kernels", "decode": "decode kernels (with_kvcache)"}

@@ -369,7 +369,13 @@ class CpuTiles:
                 self.cache.clear()
             tiles = self.cache[key] = derived_fwd_tiles(self.spec, bh, nq, nk, d, named, threads=threads,
                                                         l2=l2_bytes(), rng=self.rng)
-        args.tile_q, args.tile_kv = override_fwd(tiles, nq, nk, overrides()[0])
+        qb, kvb = override_fwd(tiles, nq, nk, overrides()[0])
+        if args.kv_cache.seqlens:  # a decode call: a tile even without queries (it may append)
+            qb = max(qb, 1)
+            ps = args.kv_cache.page_size if args.kv_cache.block_table else 0
+            if ps >= 64 and ps % 8 == 0:  # tiles within pages read the cache in place (cpu/kvcache.h)
+                kvb = max(t for t in range(8, min(kvb, ps) + 1, 8) if ps % t == 0)
+        args.tile_q, args.tile_kv = qb, kvb
 
     def bwd(self, args, values, config=None) -> None:
         """Set ``args.tile_q`` / ``args.tile_kv`` (FgBwdArgs) for the call (``config``, the library's,

@@ -18,7 +18,7 @@ class Sm80Family(Family):
     device = "cuda"
     dtypes = (ir.DType.FP16, ir.DType.BF16)
     head_dims = tuple(range(8, HEAD_DIM_MAX + 1, 8))
-    features = frozenset(FEATURES)
+    features = frozenset(FEATURES) - {"decode"}  # no decode (with_kvcache) kernels yet
     split_layouts = True
     dq_lists = True
     block_classifier = True

@@ -42,7 +42,9 @@ RESERVED = set(X.POSITION_NAMES) | set(X.CONSTANTS) | {
 OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p", "dropout_seed", "dropout_state",
             "dropout_offset", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "out",
             "lse", "dout", "dlse", "need_param_grads", "params", "Params", "spec", "lowp_matmuls", "atol", "grads",
-            "param_grads", "wrt", "dropout"}
+            "param_grads", "wrt", "dropout",
+            # op.with_kvcache's keyword arguments (runtime/decode.py) and its schema's
+            "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad", "num_splits", "validate"}
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if

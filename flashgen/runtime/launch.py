@@ -93,6 +93,12 @@ def _launch(entry, args, q: torch.Tensor) -> int:
         return entry(ctypes.byref(args))
 
 
+def call_entry(entry, args, q: torch.Tensor) -> int:
+    """``_launch`` for the other runtime modules (runtime/decode.py): the entry point called with
+    ``args`` on q's device and current stream, with no host synchronisation."""
+    return _launch(entry, args, q)
+
+
 def _misaligned(t: torch.Tensor) -> bool:
     """Whether t's pointer or strides break the 16-byte vector loads."""
     elems = 16 // t.element_size()

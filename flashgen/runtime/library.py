@@ -258,3 +258,40 @@ def register(op, qualname: str):
     op.eager_autograd = EagerAttention.apply
     return getattr(torch.ops.flashgen, qualname).default
 
+
+
+def register_kvcache(op, qualname: str, implementation):
+    """Define ``flashgen::<qualname>_kvcache``, the decode call (``op.with_kvcache``,
+    runtime/decode.py): schema ``(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor
+    cache_seqlens, Tensor? block_table, Tensor? k, Tensor? v, Tensor? cache_leftpad, float? scale,
+    SymInt num_splits, *params) -> (Tensor out, Tensor lse)`` (the caches are written when k / v
+    are given), with ``implementation`` as its CPU/CUDA kernel, a fake implementation, and an
+    Autograd kernel that refuses inputs requiring grad (decoding is inference only). Returns the
+    op's overload."""
+    spec = op.spec
+    schema_type = {"int": "SymInt", "float": "float", "tensor": "Tensor"}
+    pdecl = "".join(f", {schema_type[p.kind]} {p.name}" for p in spec.params)
+    name = qualname + "_kvcache"
+    _LIBRARY.define(f"{name}(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+                    f"Tensor? block_table, Tensor? k, Tensor? v, Tensor? cache_leftpad, float? scale, "
+                    f"SymInt num_splits{pdecl}) -> (Tensor, Tensor)")
+    for key in ("CPU", "CUDA"):
+        _LIBRARY.impl(name, implementation, key)
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "block_table", "k", "v", "cache_leftpad")
+
+    def refuse_grad(*args):
+        if torch.is_grad_enabled():
+            for n, t in zip(names + tuple(p.name for p in spec.params), args[:8] + args[10:], strict=True):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    raise NotImplementedError(f"{n}: {op.name}_kvcache is inference only (no backward); call it "
+                                              "under torch.no_grad() or pass detached tensors")
+        with torch._C._AutoDispatchBelowAutograd():
+            return getattr(torch.ops.flashgen, name).default(*args)
+
+    _LIBRARY.impl(name, refuse_grad, "Autograd")
+
+    def fake(q, k_cache, v_cache, *rest):
+        return torch.empty_like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
+
+    torch.library.register_fake(f"flashgen::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.flashgen, name).default

@@ -31,7 +31,7 @@ from ..lang.frontend import parse
 from ..reference import default_scale
 from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
 from ..tune import store as tune_store
-from . import checks, launch, loader
+from . import checks, decode, launch, loader
 from .checks import (
     FLOAT32_MAX,
     IR_DTYPE,
@@ -48,7 +48,7 @@ from .checks import (
     spec_dtypes,
 )
 from .launch import classify, dropout_state
-from .library import register
+from .library import register, register_kvcache
 
 # The kernel families (flashgen/families) whose kernels apply dropout; on the others
 # dropout_p > 0 raises NotImplementedError naming dropout_p.
@@ -154,6 +154,8 @@ class AttentionOp:
         self.computed_reads = intervals.reads(spec)  # indices like t[h + 1]: their range checked per call
         self.computed_reads_ok: set[tuple] = set()  # (sizes, int values, dims read) that passed
         self.torch_op = register(self, qualname)
+        self.kvcache_implementation = decode.implementation_for(self)  # with_kvcache's (runtime/decode.py)
+        self.torch_kvcache = register_kvcache(self, qualname, self.kvcache_implementation)
 
     def __repr__(self) -> str:
         params = ", ".join(describe_param(p) for p in self.spec.params)
@@ -161,6 +163,8 @@ class AttentionOp:
                 + (" (dropout)" if self.spec.dropout else "") + ">")
 
     # ------------------------------------------------------------ call
+
+    with_kvcache = decode.with_kvcache  # decoding with a KV cache (runtime/decode.py)
 
     def __call__(
         self,
@@ -406,16 +410,18 @@ class AttentionOp:
         return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
-                dropout: bool, family: str | None = None, backward: bool = False) -> families.Choice:
+                dropout: bool, family: str | None = None, backward: bool = False,
+                decode: bool = False) -> families.Choice:
         """The family of one pass of a call (``backward``: the backward's, which may differ from
-        the forward's: it recomputes from q, k, v, out and LSE, which every family defines alike)."""
+        the forward's: it recomputes from q, k, v, out and LSE, which every family defines alike;
+        ``decode``: a ``with_kvcache`` call's)."""
         key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
-               families.forced_block(), env.library_selection()[0], _generation[0], backward)
+               families.forced_block(), env.library_selection()[0], _generation[0], backward, decode)
         hit = self._choices.get(key)
         if hit is None:
             arch = artifact.cuda_arch_of(_index(device)) if device.type == "cuda" else None
             feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout),
-                                              ("backward", backward)) if on)
+                                              ("backward", backward), ("decode", decode)) if on)
             hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats), family)
             self._choices[key] = hit
         return hit

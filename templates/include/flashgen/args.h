@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 6
+#define FG_ABI_VERSION 7
 
 #ifdef __cplusplus
 extern "C" {
@@ -104,6 +104,42 @@ typedef struct FgClassifyArgs {
   void* stream;
 } FgClassifyArgs;
 
+// Decoding with a KV cache (op.with_kvcache), the last field of FgFwdArgs. seqlens null: an
+// ordinary forward (the layouts above). seqlens set: q [B, Hq, Sq, d] holds the last Sq queries
+// of each sequence (seqlen_q = Sq) and k / v are the cache, seqlen_k its capacity (slots per
+// sequence):
+//   * contiguous (block_table null): k/v [B, Hkv, capacity, d] with the usual strides;
+//   * paged (block_table set): k/v [num_pages, page_size, Hkv, d]; *_stride_b is the page stride,
+//     *_stride_n the slot stride within a page, *_stride_h the head stride; slot s of sequence b
+//     lives in page block_table[b * block_table_stride + s / page_size], row s % page_size;
+//     capacity = max_pages * page_size.
+// Sequence b holds n = seqlens[b] cached keys in slots [pad, n) (pad = leftpad[b], 0 when leftpad
+// is null), then k_new / v_new (nullable, [B, Hkv, seqlen_new, d]) are written into slots
+// [n, n + seqlen_new) before attention; its length is L = n + seqlen_new - pad and key j (a
+// position in [0, L)) is slot pad + j. Query row i is position L - Sq + i: the kernels compute
+// exactly the last Sq rows of the prefill call on the whole sequence (hooks see seqlen_q =
+// seqlen_k = L and absolute positions). A row whose position is negative (Sq > L) gets out 0
+// and lse -inf. The values of seqlens, leftpad and block_table live on the device and are never
+// trusted: a sequence with n < 0, pad < 0, pad > n, n + seqlen_new > capacity or a page index
+// of a slot in [pad, n + seqlen_new) outside [0, num_pages) writes nothing into the cache and
+// gets out and lse NaN (every index is clamped: nothing is read or written out of bounds).
+// Without block lists, dropout or packed batches (FG_ERR_BAD_SHAPE otherwise). Families without
+// decode kernels refuse seqlens set with FG_ERR_BAD_SHAPE.
+typedef struct FgKvCache {
+  const int32_t* seqlens;      // int32 [batch], inputs' device; null: no KV cache
+  const int32_t* leftpad;      // nullable int32 [batch]
+  const int32_t* block_table;  // null: contiguous cache; paged: int32 [batch, max_pages]
+  int64_t block_table_stride;  // elements between rows of block_table
+  int64_t num_pages;
+  int32_t page_size, max_pages;
+  int64_t capacity;
+  const void* k_new;           // nullable (then v_new too): nothing is appended
+  const void* v_new;
+  int64_t seqlen_new;
+  int64_t kn_stride_b, kn_stride_h, kn_stride_n;
+  int64_t vn_stride_b, vn_stride_h, vn_stride_n;
+} FgKvCache;
+
 typedef struct FgFwdArgs {
   const void* q;
   const void* k;
@@ -131,6 +167,7 @@ typedef struct FgFwdArgs {
   // lists: tile_q = kv_blocks.block_r, tile_kv a multiple of kv_blocks.block_c); 0 is refused
   // with FG_ERR_BAD_SHAPE (cpu/tiles.h). CUDA: unused (the tiles are the instantiation's).
   int32_t tile_q, tile_kv;
+  FgKvCache kv_cache;             // decoding with a KV cache (see above); seqlens null: none
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved

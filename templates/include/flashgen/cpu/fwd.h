@@ -48,6 +48,14 @@
 // cols and indices out of range ignored, so malformed lists cannot make the kernel touch memory
 // out of range.
 //
+// Decoding with a KV cache (args.kv_cache.seqlens set; layout in args.h, FgKvCache): fwd_kvcache
+// appends k_new / v_new into the cache first (cpu/kvcache.h), then runs one task per (sequence,
+// query head, query tile of the Sq rows) through the same fwd_tile, the sequence's length L as
+// both seqlen_q and seqlen_k and the rows at positions L - Sq .. L - 1, so every hook sees what
+// it sees in the prefill call on the whole sequence. A contiguous cache is read in place from
+// its left padding on; a paged one in place where a tile lies within one page, else gathered
+// row by row into the work's kg / vg buffers (kvb x d Elements each, allocated only then).
+//
 // Variant hooks (contract: flashgen/variant.h). The Params reference is *args.params, or a
 // value-initialised Params when args.params is null (allowed when Params is empty); it is shared
 // read-only by all threads. kv_lo / kv_hi / tile_full are evaluated per work item with its own
@@ -136,6 +144,7 @@
 #include "flashgen/cpu/convert.h"
 #include "flashgen/cpu/dropout.h"
 #include "flashgen/cpu/gemm.h"
+#include "flashgen/cpu/kvcache.h"
 #include "flashgen/cpu/simd.h"
 #include "flashgen/cpu/tiles.h"
 #include "flashgen/cpu/work.h"
@@ -160,11 +169,18 @@ namespace detail {
 struct FwdWork {
   float *qbuf, *kbuf, *vbuf, *S, *O, *M, *L, *A;
   uint8_t *mask, *colkeep;
+  void *kg, *vg;  // paged KV cache: kvb x d Elements each, the gathered rows of a tile; else null
   int64_t ldS;
 };
 
+// The K and V rows of one (sequence, kv head) of a paged KV cache (cpu/kvcache.h).
+template <class T>
+struct KvPages {
+  PagedRows<T> k, v;
+};
+
 template <class Variant, class Element>
-static inline size_t fwd_work_bytes(const Tiles t, int64_t d) {
+static inline size_t fwd_work_bytes(const Tiles t, int64_t d, bool paged = false) {
   constexpr bool kLowp = Conv<Element>::kLowp;
   const int64_t qb = t.qb, kvb = t.kvb;
   const int64_t ldS = round_up(kvb, 16) + 16;
@@ -177,11 +193,12 @@ static inline size_t fwd_work_bytes(const Tiles t, int64_t d) {
   off += al64(sizeof(float) * qb * d);
   off += 3 * al64(sizeof(float) * qb);
   off += Variant::kHasMask ? al64(qb * kvb) + al64(kvb) : 0;
+  off += paged ? 2 * al64(sizeof(typename Conv<Element>::T) * kvb * d) : 0;
   return off;
 }
 
 template <class Variant, class Element>
-static inline FwdWork fwd_work_carve(const Tiles t, int64_t d, char* base) {
+static inline FwdWork fwd_work_carve(const Tiles t, int64_t d, char* base, bool paged = false) {
   constexpr bool kLowp = Conv<Element>::kLowp;
   const int64_t qb = t.qb, kvb = t.kvb;
   FwdWork w;
@@ -203,19 +220,25 @@ static inline FwdWork fwd_work_carve(const Tiles t, int64_t d, char* base) {
   w.A = reinterpret_cast<float*>(take(sizeof(float) * qb));
   w.mask = Variant::kHasMask ? reinterpret_cast<uint8_t*>(take(qb * kvb)) : nullptr;
   w.colkeep = Variant::kHasMask ? reinterpret_cast<uint8_t*>(take(kvb)) : nullptr;
+  w.kg = paged ? take(sizeof(typename Conv<Element>::T) * kvb * d) : nullptr;
+  w.vg = paged ? take(sizeof(typename Conv<Element>::T) * kvb * d) : nullptr;
   return w;
 }
 
 // One work item: query rows [q_lo, q_hi) (positions within the sequence) of query head h of
-// sequence / batch element b, whose lengths are Nq, Nk; its q rows start at row q_row0 and its
-// k/v rows at k_row0 (0 padded; cu_seqlens_*[b] packed), its lse rows at lse_row.
+// sequence / batch element b, whose lengths are Nq, Nk; its q (and out) rows start at row
+// q_row0 (0 padded; cu_seqlens_q[b] packed; Sq - L for a decode call, whose positions are
+// L - Sq .. L - 1) and its k/v rows at k_row0 (0 padded; cu_seqlens_k[b] packed; the left
+// padding of a contiguous KV cache), its lse rows at lse_row. pg: the rows of a paged KV cache
+// (then k_row0 is unused and key j is read through pg).
 template <class Variant, class Element>
 static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
                             const bool blas, const Dropout& dr, const FwdWork& w, const int64_t b,
                             const int64_t h, const int64_t q_lo, const int64_t q_hi,
                             const int64_t Nq, const int64_t Nk, const int64_t q_row0,
                             const int64_t k_row0, const int64_t lse_row,
-                            const int32_t* brow = nullptr, uint8_t* tflag = nullptr) {
+                            const int32_t* brow = nullptr, uint8_t* tflag = nullptr,
+                            const KvPages<typename Conv<Element>::T>* pg = nullptr) {
   using C = Conv<Element>;
   using T = typename C::T;  // storage: float or uint16_t bits
   constexpr bool kLowp = C::kLowp;
@@ -248,8 +271,8 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
     const int bi = (int)b, hi_ = (int)h;
 
     const T* Qt = Qg + b * a.q_stride_b + h * a.q_stride_h + (q_row0 + q_lo) * a.q_stride_n;
-    const T* Kh = Kg + b * a.k_stride_b + hk * a.k_stride_h + k_row0 * a.k_stride_n;
-    const T* Vh = Vg + b * a.v_stride_b + hk * a.v_stride_h + k_row0 * a.v_stride_n;
+    const T* Kh = pg ? nullptr : Kg + b * a.k_stride_b + hk * a.k_stride_h + k_row0 * a.k_stride_n;
+    const T* Vh = pg ? nullptr : Vg + b * a.v_stride_b + hk * a.v_stride_h + k_row0 * a.v_stride_n;
     int64_t kv_begin = Variant::kv_lo(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     int64_t kv_end = Variant::kv_hi(prm, bi, hi_, (int)q_lo, (int)q_hi, nq_i, nk_i);
     kv_begin = kv_begin < 0 ? 0 : kv_begin;
@@ -340,6 +363,19 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
       const int64_t nn = c1 - c0;
       const int64_t kvs = kv0 + c0;
       const int64_t nn8 = round_up(nn, 8);
+      // The tile's K and V rows kvs .. kvs + nn - 1, rows ldkt / ldvt apart (paged: in place
+      // within one page, else gathered into the work's kg / vg).
+      const T *Kt, *Vt;
+      int64_t ldkt, ldvt;
+      if (pg) {
+        pg->k.rows(kvs, nn, static_cast<T*>(w.kg), Kt, ldkt);
+        pg->v.rows(kvs, nn, static_cast<T*>(w.vg), Vt, ldvt);
+      } else {
+        Kt = Kh + kvs * a.k_stride_n;
+        ldkt = a.k_stride_n;
+        Vt = Vh + kvs * a.v_stride_n;
+        ldvt = a.v_stride_n;
+      }
 
       // S (row-major mq x nn, ld ldS) = alpha * Q K^T.
       if (blas) {
@@ -348,18 +384,18 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
         int64_t ldk;
         if constexpr (kLowp) {
           for (int64_t j = 0; j < nn; ++j)
-            C::to_f32(Kh + (kvs + j) * a.k_stride_n, kbuf + j * d, d);
+            C::to_f32(Kt + j * ldkt, kbuf + j * d, d);
           Kf = kbuf;
           ldk = d;
         } else {
-          Kf = reinterpret_cast<const float*>(Kh) + kvs * a.k_stride_n;
-          ldk = a.k_stride_n;
+          Kf = reinterpret_cast<const float*>(Kt);
+          ldk = ldkt;
         }
         blas_sgemm(true, false, nn, mq, d, gemm_alpha, Kf, ldk, Qf, ldq, 0.f, S, ldS);
       } else {
         // Own kernels: K^T packed into 16-column panels (zero-padded to a multiple of 16).
         const int64_t npan = (nn + 15) / 16;
-        pack_kt<Element>(Kh + kvs * a.k_stride_n, a.k_stride_n, nn, d, kbuf);
+        pack_kt<Element>(Kt, ldkt, nn, d, kbuf);
         gemm_abt<kEpiScale>(Qf, ldq, kbuf, npan, mq, d, gemm_alpha, nullptr, S, ldS);
       }
 
@@ -437,16 +473,16 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
           if (holes && !colkeep[c0 + j]) {
             memset(dst, 0, sizeof(float) * d);
           } else if constexpr (kLowp) {
-            C::to_f32(Vh + (kvs + j) * a.v_stride_n, dst, d);
+            C::to_f32(Vt + j * ldvt, dst, d);
           } else {
-            memcpy(dst, Vh + (kvs + j) * a.v_stride_n, sizeof(float) * d);
+            memcpy(dst, Vt + j * ldvt, sizeof(float) * d);
           }
         }
         Vf = vbuf;
         ldv = d;
       } else {
-        Vf = reinterpret_cast<const float*>(Vh) + kvs * a.v_stride_n;
-        ldv = a.v_stride_n;
+        Vf = reinterpret_cast<const float*>(Vt);
+        ldv = ldvt;
       }
       if (blas) {
         // column-major d x mq = V (col-major d x nn) * P (col-major nn x mq)
@@ -495,16 +531,18 @@ void fwd_chunk(const FgFwdArgs& a, const typename Variant::Params& prm, const Ti
 }
 
 // Runs body(w, flags, i) for i = 0 .. ntasks - 1, handed out one at a time (an atomic counter) to
-// at most at::get_num_threads() threads, each with its own forward scratch w and a zeroed byte
-// buffer `flags` of flag_bytes (fwd_tile's per-tile marks with block lists).
+// at most at::get_num_threads() threads, each with its own forward scratch w (with the gather
+// buffers of a paged KV cache when `paged`) and a zeroed byte buffer `flags` of flag_bytes
+// (fwd_tile's per-tile marks with block lists).
 template <class Variant, class Element, class Body>
-void for_each_task(const Tiles t, int64_t d, int64_t ntasks, int64_t flag_bytes, const Body& body) {
+void for_each_task(const Tiles t, int64_t d, int64_t ntasks, int64_t flag_bytes, const Body& body,
+                   bool paged = false) {
   const int64_t nthr = std::min<int64_t>(std::max(1, at::get_num_threads()), ntasks);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, nthr, 1, [&](int64_t begin, int64_t end) {
     if (begin >= end) return;
-    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d));
-    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p));
+    Scratch scratch(fwd_work_bytes<Variant, Element>(t, d, paged));
+    const FwdWork w = fwd_work_carve<Variant, Element>(t, d, static_cast<char*>(scratch.p), paged);
     std::vector<uint8_t> flags(flag_bytes, 0);
     for (;;) {
       const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
@@ -580,6 +618,87 @@ void fwd_sparse(const FgFwdArgs& a, const Seqs& sq, const typename Variant::Para
   for_each_task<Variant, Element>(t, d, ntasks, cols + 1, body);
 }
 
+
+// Decoding with a KV cache (args.kv_cache.seqlens set; layout in args.h, FgKvCache): k_new / v_new
+// of the valid sequences are appended first (cpu/kvcache.h), then one task per (sequence, query
+// head, query tile of the Sq rows) attends over the sequence's L keys as the rows L - Sq .. L - 1
+// of the prefill call on the whole sequence (fwd_tile with Nq = Nk = L; a paged cache's rows are
+// read in place within a page or gathered per tile). Tasks are handed out dynamically, the
+// longest sequences first. Every row of an invalid sequence gets out and lse NaN; rows at
+// negative positions (Sq > L) get out 0 and lse -inf.
+template <class Variant, class Element>
+void fwd_kvcache(const FgFwdArgs& a, const typename Variant::Params& prm, const Tiles t,
+                 const bool blas, const Dropout& dr) {
+  using C = Conv<Element>;
+  using T = typename C::T;
+  const FgKvCache& c = a.kv_cache;
+  const int64_t B = a.batch, Hq = a.heads_q, Sq = a.seqlen_q, d = a.head_dim, qb = t.qb;
+  const int64_t group = a.heads_q / a.heads_kv;
+  std::vector<KvSeq> seqs;
+  kv_seqs(c, B, seqs);
+  kv_append<T>(a, seqs);
+  const int64_t nqt = (Sq + qb - 1) / qb, ntasks = B * Hq * nqt;
+  if (ntasks == 0) return;
+  std::vector<double> work(ntasks);  // keys per task (+ the epilogue)
+  for (int64_t i = 0; i < ntasks; ++i) work[i] = double(seqs[i / (Hq * nqt)].len) + 8.0;
+  std::vector<int64_t> order;
+  order_by_work(work.data(), ntasks, order);
+  const bool paged = c.block_table != nullptr;
+  const T* Kg = static_cast<const T*>(a.k);
+  const T* Vg = static_cast<const T*>(a.v);
+  T* Og = static_cast<T*>(a.out);
+  const auto body = [&](const FwdWork& w, uint8_t*, int64_t i) {
+    const int64_t task = order[i];
+    const int64_t b = task / (Hq * nqt), h = task / nqt % Hq, r0 = task % nqt * qb;
+    const int64_t r1 = std::min(r0 + qb, Sq);
+    const KvSeq& s = seqs[b];
+    const int64_t L = s.len;
+    // Rows r0 .. first - 1 have no row of the prefill call (or the sequence is invalid).
+    const int64_t first = s.ok ? std::min(std::max(r0, Sq - L), r1) : r1;
+    float* lse = a.lse + (b * Hq + h) * Sq;
+    if (!s.ok)
+      for (int64_t j = 0; j < d; ++j) w.O[j] = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t r = r0; r < first; ++r) {
+      T* orow = Og + b * a.o_stride_b + h * a.o_stride_h + r * a.o_stride_n;
+      if (s.ok) {
+        memset(orow, 0, sizeof(T) * d);
+        lse[r] = kNegInf;
+      } else {
+        C::scale_from_f32(w.O, 1.f, orow, d);
+        lse[r] = std::numeric_limits<float>::quiet_NaN();
+      }
+    }
+    if (first == r1) return;
+    KvPages<T> pg;
+    if (paged) {
+      const int64_t hk = h / group;
+      pg.k = PagedRows<T>{&c, b, s.pad, d, Kg + hk * a.k_stride_h, a.k_stride_b, a.k_stride_n};
+      pg.v = PagedRows<T>{&c, b, s.pad, d, Vg + hk * a.v_stride_h, a.v_stride_b, a.v_stride_n};
+    }
+    fwd_tile<Variant, Element>(a, prm, t, blas, dr, w, b, h, first - Sq + L, r1 - Sq + L, L, L,
+                               Sq - L, s.pad, (b * Hq + h) * Sq + first, nullptr, nullptr,
+                               paged ? &pg : nullptr);
+  };
+  for_each_task<Variant, Element>(t, d, ntasks, 0, body, paged);
+}
+
+// The sizes of a decode call (args.h, FgKvCache) that index memory: a capacity within
+// FG_MAX_SEQLEN (paged: max_pages * page_size, page_size >= 1, a pool with pages when there are
+// slots), seqlen_new within it, the cache and seqlens pointers set, k_new and v_new together;
+// no block lists, dropout or packed batch with it.
+static inline bool kvcache_ok(const FgFwdArgs& a) {
+  const FgKvCache& c = a.kv_cache;
+  if (a.kv_blocks.data || a.cu_seqlens_q || a.cu_seqlens_k || a.dropout_state) return false;
+  if (c.capacity < 0 || c.capacity > FG_MAX_SEQLEN || c.capacity != a.seqlen_k) return false;
+  if (c.seqlen_new < 0 || c.seqlen_new > c.capacity || (!c.k_new) != (!c.v_new)) return false;
+  if (c.k_new && c.seqlen_new > 0 && a.heads_kv > 0 && (!a.k || !a.v)) return false;
+  if (c.block_table) {
+    if (c.page_size < 1 || c.max_pages < 0 || c.block_table_stride < 0 ||
+        c.capacity != int64_t(c.page_size) * c.max_pages || (c.capacity > 0 && c.num_pages < 1))
+      return false;
+  }
+  return a.batch == 0 || c.seqlens != nullptr;
+}
 }  // namespace detail
 
 template <class Variant, class Element>
@@ -594,13 +713,16 @@ int run_fwd(const FgFwdArgs& args) {
   if (B < 0 || Hq < 0 || Nq < 0 || Nk < 0 || Nq > FG_MAX_SEQLEN || Nk > FG_MAX_SEQLEN)
     return FG_ERR_BAD_SHAPE;
   if (!detail::blocks_ok(args.kv_blocks, Nq, Nk)) return FG_ERR_BAD_SHAPE;
-  if (B == 0 || Hq == 0 || Nq == 0) return FG_OK;
+  const bool decode = args.kv_cache.seqlens != nullptr;
+  if (decode && !detail::kvcache_ok(args)) return FG_ERR_BAD_SHAPE;
+  if (B == 0 || Hq == 0 || (Nq == 0 && !(decode && args.kv_cache.k_new))) return FG_OK;
   if (Hkv <= 0 || Hq % Hkv != 0) return FG_ERR_BAD_SHAPE;
   detail::Seqs sq;
   if (!detail::seqs_of(args, sq)) return FG_ERR_BAD_SHAPE;
   if (sq.packed() && sq.total_q == 0) return FG_OK;
   const bool any_k = sq.packed() ? sq.total_k > 0 : Nk > 0;
-  if (!args.q || !args.out || !args.lse || (any_k && (!args.k || !args.v))) return FG_ERR_BAD_SHAPE;
+  if ((Nq > 0 && (!args.q || !args.out || !args.lse)) || (any_k && (!args.k || !args.v)))
+    return FG_ERR_BAD_SHAPE;
 
   const typename Variant::Params empty_params{};
   const typename Variant::Params& prm =
@@ -612,6 +734,10 @@ int run_fwd(const FgFwdArgs& args) {
   const bool blas = detail::use_blas(args);
   const Dropout dr = dropout_of<Variant>(args);
   try {
+    if (decode) {
+      detail::fwd_kvcache<Variant, Element>(args, prm, t, blas, dr);
+      return FG_OK;
+    }
     if (sq.packed()) {
       FgFwdArgs a = args;  // the batch strides are ignored in the packed layout (args.h)
       a.q_stride_b = a.k_stride_b = a.v_stride_b = a.o_stride_b = 0;

@@ -226,6 +226,10 @@ int fwd_prelude(const FgFwdArgs& a, P& p, int& dev, bool& empty) {
   empty = false;
   int st = detail::check_sizes(a, kHeadDim, kPacked, false);
   if (st != FG_OK) return st;
+  if (a.kv_cache.seqlens != nullptr) {  // args.h, FgKvCache: no CUDA decode kernels yet
+    return detail::fail(FG_ERR_BAD_SHAPE, "kv_cache: this forward kernel takes no KV cache "
+                                          "(kv_cache.seqlens must be null)");
+  }
   const bool packed = a.cu_seqlens_q != nullptr;
   dev = 0;
   cudaError_t err = cudaGetDevice(&dev);

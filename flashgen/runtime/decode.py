@@ -1,0 +1,353 @@
+"""Decoding with a KV cache: ``AttentionOp.with_kvcache`` (FlashAttention's
+``flash_attn_with_kvcache`` in our layouts), its validation, the implementation of its torch op
+``flashgen::<spec>_<hash12>_kvcache`` (registered by runtime/library.py: the cache tensors
+declared mutated, a fake implementation, no autograd) and its launch (args.h, FgKvCache).
+
+The call returns exactly the last Sq rows of the prefill call on each whole sequence, so every
+spec's mask and score hooks see absolute positions. Nothing here reads a device-side value
+(cache_seqlens, cache_leftpad, block_table) unless ``validate=True``: the kernels take them from
+device memory and clamp, so a decode step needs no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import families
+from ..abi import FgFwdArgs, FgKvCache
+from ..lang import expr as X
+from . import launch
+from .checks import IR_DTYPE, TORCH_DTYPE, describe_tensor, ranges_text, spec_dtypes
+
+MAX_PAGE_SIZE = 256
+
+# Keywords of the prefill call that a decode call does not take: TypeError naming them.
+_PREFILL_ONLY = ("deterministic", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@dataclass(frozen=True)
+class KvCall:
+    """A validated decode call's host-known layout: sizes, the cache's capacity (slots per
+    sequence) and paging, the number of appended keys, and the int32 metadata tensors (made
+    contiguous where needed; on q's device)."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seqlen_q: int
+    head_dim: int
+    capacity: int
+    page_size: int  # 0: contiguous cache
+    max_pages: int
+    num_pages: int
+    seqlen_new: int
+    cache_seqlens: torch.Tensor
+    cache_leftpad: torch.Tensor | None
+    block_table: torch.Tensor | None
+
+    def sizes(self) -> dict:
+        """The parameter dims of a decode call: positions reach the capacity on both sides."""
+        return {"batch": self.batch, "heads": self.heads_q, "seqlen_q": self.capacity, "seqlen_k": self.capacity}
+
+
+def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=None, v=None, cache_leftpad=None,
+                 scale=None, return_lse=False, num_splits=0, validate=False, **params):
+    """Attention of this spec for the last queries of sequences whose keys sit in a KV cache
+    (decoding; FlashAttention's ``flash_attn_with_kvcache``, in our [B, H, S, d] layouts).
+
+    For sequence b with n = cache_seqlens[b] cached keys, pad = cache_leftpad[b] (0 without) and
+    Sn new keys in ``k`` / ``v`` (0 without), the sequence has L = n + Sn − pad keys: the cache's
+    slots pad .. n − 1, then the new ones, which are written into slots n .. n + Sn − 1 first.
+    The call returns exactly the last Sq rows of the prefill call ``op(q_full, k_full, v_full)``
+    on the whole sequence: query row i is position L − Sq + i, and the spec's mask and score
+    expressions see seqlen_q = seqlen_k = L and those absolute positions (causal, windows,
+    ALiBi, relative tables, document ids indexed by position mean what they mean in training).
+    A row whose position is negative (Sq > L) gets out 0 and lse −inf.
+
+    Args:
+        q: [B, Hq, Sq, d] (any Sq: 1 for plain decoding, a few for speculative decoding or
+            chunked prefill), dtype and head dim as the op takes them, last dim contiguous.
+        k_cache, v_cache: the cache, q's dtype and device, last dim contiguous, any other strides:
+            contiguous [B, Hkv, capacity, d], or with ``block_table`` paged
+            [num_pages, page_size, Hkv, d] (page_size 1 to 256; FlashAttention's
+            [B, capacity, Hkv, d] cache passes as ``.transpose(1, 2)``). Hq must be a multiple
+            of Hkv. Mutated when ``k`` is given (declared so in the op's schema).
+        cache_seqlens: int32 [B] on q's device: the keys already in each sequence's cache (not
+            modified: the caller advances it).
+        block_table: None, or int32 [B, max_pages] on q's device (vLLM's and FlashAttention's
+            page tables): slot s of sequence b is row s % page_size of page
+            block_table[b, s // page_size]; pages anywhere in the pool, shared between sequences
+            allowed. capacity = max_pages · page_size.
+        k, v: None, or [B, Hkv, Sn, d] (q's dtype and device, last dim contiguous), both or
+            neither, Sn ≤ capacity: written into the cache at slots n .. n + Sn − 1 of each
+            sequence before attention.
+        cache_leftpad: None, or int32 [B] on q's device: cache slots before it are padding
+            (left-padded batches).
+        scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
+        return_lse: also return the log-sum-exp, fp32 [B, Hq, Sq], natural log.
+        num_splits: split-KV count, an int ≥ 0: 0 chooses, 1 disables splitting. The cpu family
+            does not split (any value gives the same result).
+        validate: check the device-side values on the host first (cache_seqlens, cache_leftpad,
+            block_table: one device-to-host copy), raising ValueError naming the argument.
+            Without it nothing syncs the host, and values out of range never make the kernels
+            read or write out of bounds: a sequence with n < 0, pad < 0, pad > n,
+            n + Sn > capacity or a page index of one of its slots outside [0, num_pages) writes
+            nothing into the cache and gets out and lse NaN.
+        **params: the spec's parameters, as the op takes them, with the dims seqlen_q and
+            seqlen_k both the capacity (positions are absolute: ``document_id: i32[batch,
+            seqlen_k]`` is [B, capacity], ``bias[b, h, q, kv]`` [B|1, Hq|1, capacity, capacity]).
+
+    Returns:
+        out [B, Hq, Sq, d] in q's dtype, or ``(out, lse)``.
+
+    Raises:
+        TypeError / ValueError: bad arguments, naming the argument, before any launch (shapes,
+            dtypes, devices, page size, block_table's dtype; with ``validate=True`` the values).
+        NotImplementedError: autograd (an input requires grad with grad mode on: decoding is
+            inference only), ``dropout_p`` (no dropout), or a kernel family without decode
+            kernels (sm80 and sm90 in this version), naming what it lacks.
+        KernelError: the kernel reported a failure.
+    """
+    for name in ("dropout_p", "dropout_seed"):
+        if name in params:
+            raise NotImplementedError(f"{name}: with_kvcache is inference only and applies no dropout (a spec's "
+                                      "`dropout` line is ignored here, as in eval mode)")
+    for name in _PREFILL_ONLY:
+        if name in params:
+            raise TypeError(f"{name}: not an argument of with_kvcache (it takes q, k_cache, v_cache, cache_seqlens, "
+                            "block_table, k, v, cache_leftpad, scale, return_lse, num_splits, validate and the "
+                            "spec's parameters)")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt):
+        raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
+    values = op._param_values(params)
+    tensors = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+               *((p.name, x) for p, x in zip(op.spec.params, values, strict=True)))
+    if torch.is_grad_enabled():
+        for name, t in tensors:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                raise NotImplementedError(f"{name}: with_kvcache is inference only (no backward); call it under "
+                                          "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
+    if validate:
+        call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, num_splits)
+        check_values(call)
+    args = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits, *values)
+    if launch.direct(q, k_cache, v_cache, values) and all(
+            t is None or type(t) is torch.Tensor for t in (cache_seqlens, block_table, k, v, cache_leftpad)):
+        out, lse = op.kvcache_implementation(*args)
+    else:
+        out, lse = op.torch_kvcache(*args)
+    return (out, lse) if return_lse else out
+
+
+def _int32_vector(name: str, t, B: int, device: torch.device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != B \
+            or t.device != device:
+        raise ValueError(f"{name}: expected an int32 tensor of shape [batch] = [{B}] on {device}, "
+                         f"got {describe_tensor(t)}")
+    return t.contiguous()
+
+
+def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
+                  num_splits) -> KvCall:
+    """Validate a decode call's tensors as ``with_kvcache`` documents; raise TypeError /
+    ValueError naming the argument. Reads no tensor value."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    paged = block_table is not None
+    layout = "[num_pages, page_size, kv_heads, head_dim] (paged: block_table given)" if paged else \
+        "[batch, kv_heads, capacity, head_dim]"
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims [batch, heads, seqlen_q, head_dim], got shape {tuple(q.shape)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims {layout}, got shape {tuple(t.shape)}")
+    device = q.device
+    B = q.shape[0]
+    if paged and (not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32
+                  or block_table.dim() != 2 or block_table.shape[0] != B or block_table.device != device):
+        raise ValueError(f"block_table: expected an int32 tensor of shape [batch, max_pages] = [{B}, max_pages] "
+                         f"on {device}, got {describe_tensor(block_table)}")
+    if not any(f.device == device.type for f in families.FAMILIES.values()):
+        raise ValueError(f"q: device type '{device.type}' is not supported (expected cpu or cuda)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device} but q is on {device}")
+    allowed = spec_dtypes(op.spec, device.type)
+    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
+        names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
+        raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{op.spec.name}' on {device.type} "
+                         f"(expected one of: {names})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache: shape {tuple(v_cache.shape)} differs from k_cache's {tuple(k_cache.shape)}")
+    B, Hq, Sq, d = q.shape
+    dims = op.head_dims(device.type)
+    if d not in dims:
+        raise ValueError(f"q: head_dim {d} is not supported by spec '{op.spec.name}' on {device.type} "
+                         f"(expected one of {ranges_text(dims)})")
+    if k_cache.shape[-1] != d:
+        raise ValueError(f"k_cache: head_dim {k_cache.shape[-1]} differs from q's {d}")
+    Hkv = k_cache.shape[2] if paged else k_cache.shape[1]
+    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
+        raise ValueError(f"k_cache: {Hkv} kv heads do not divide {Hq} query heads (GQA/MQA need heads_q to be a "
+                         "multiple of heads_kv)")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
+    if Sq > X.MAX_SEQLEN:
+        raise ValueError(f"q: seqlen_q {Sq} exceeds the kernels' limit of 2^30 = {X.MAX_SEQLEN}")
+    if paged:
+        num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
+        if not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"k_cache: page_size (dim 1) is {page_size}, expected 1 to {MAX_PAGE_SIZE}")
+        max_pages = block_table.shape[1]
+        capacity = max_pages * page_size
+        if capacity and num_pages == 0:
+            raise ValueError("k_cache: the page pool is empty (num_pages = 0) but block_table has pages")
+        if block_table.stride(1) != 1:
+            block_table = block_table.contiguous()
+    else:
+        if k_cache.shape[0] != B:
+            raise ValueError(f"k_cache: batch {k_cache.shape[0]} differs from q's {B}")
+        num_pages = page_size = max_pages = 0
+        capacity = k_cache.shape[2]
+    if capacity > X.MAX_SEQLEN:
+        raise ValueError(f"k_cache: a capacity of {capacity} slots exceeds the kernels' limit of 2^30")
+    cache_seqlens = _int32_vector("cache_seqlens", cache_seqlens, B, device)
+    if cache_leftpad is not None:
+        cache_leftpad = _int32_vector("cache_leftpad", cache_leftpad, B, device)
+    if (k is None) != (v is None):
+        raise ValueError(f"{'v' if k is not None else 'k'}: k and v are given together or not at all")
+    Sn = 0
+    if k is not None:
+        want = (B, Hkv, k.shape[2] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0, d)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != want or t.dtype != q.dtype \
+                    or t.device != device or t.stride(-1) != 1:
+                raise ValueError(f"{name}: expected a {q.dtype} tensor of shape [batch, kv_heads, seqlen_new, "
+                                 f"head_dim] = {list(want)} on {device} with a contiguous last dim, got "
+                                 f"{describe_tensor(t)}")
+        Sn = k.shape[2]
+        if Sn > capacity:
+            raise ValueError(f"k: {Sn} new keys exceed the cache's capacity of {capacity} slots")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if Sn and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
+                raise ValueError(f"{name}: a broadcast (stride 0) cache cannot be written; pass a real tensor")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt) or num_splits < 0:
+        raise ValueError(f"num_splits: expected an int >= 0 (0 chooses, 1 disables splitting), got {num_splits!r}")
+    return KvCall(B, Hq, Hkv, Sq, d, capacity, page_size, max_pages, num_pages, Sn, cache_seqlens, cache_leftpad,
+                  block_table)
+
+
+def check_values(call: KvCall) -> None:
+    """``validate=True``: the device-side values on the host (one copy each); ValueError naming
+    the argument when a sequence's cache_seqlens, cache_leftpad or page indices are out of range."""
+    n = call.cache_seqlens.to("cpu", torch.int64)
+    limit = call.capacity - call.seqlen_new
+    bad = torch.nonzero((n < 0) | (n > limit))
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"cache_seqlens: entry {b} is {int(n[b])}, expected 0 to capacity - seqlen_new = "
+                         f"{call.capacity} - {call.seqlen_new} = {limit}")
+    pad = call.cache_leftpad.to("cpu", torch.int64) if call.cache_leftpad is not None else torch.zeros_like(n)
+    bad = torch.nonzero((pad < 0) | (pad > n))
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"cache_leftpad: entry {b} is {int(pad[b])}, expected 0 to cache_seqlens[{b}] = {int(n[b])}")
+    if call.block_table is not None and call.capacity:
+        table = call.block_table.to("cpu", torch.int64)
+        page = torch.arange(call.max_pages)
+        end = n + call.seqlen_new
+        used = (page[None] >= (pad // call.page_size)[:, None]) & (page[None] * call.page_size < end[:, None])
+        bad = torch.nonzero(used & ((table < 0) | (table >= call.num_pages)))
+        if bad.numel():
+            b, j = (int(x) for x in bad[0])
+            raise ValueError(f"block_table: entry [{b}, {j}] is {int(table[b, j])}, outside the pool of "
+                             f"{call.num_pages} pages (k_cache.shape[0])")
+
+
+def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
+                   fam) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of one decode launch of a validated call (appending k / v into the cache first),
+    on ``fam``; no host synchronisation."""
+    B, Hq, Sq, d = call.batch, call.heads_q, call.seqlen_q, call.head_dim
+    fill = float("nan") if launch.poison_outputs else None
+    out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
+    lse = q.new_empty((B, Hq, Sq), dtype=torch.float32)
+    if fill is not None:
+        lse.fill_(fill)
+    if B == 0 or (out.numel() == 0 and not call.seqlen_new):
+        return out, lse
+    lib = op.library(fam, q.device, IR_DTYPE[q.dtype], d, False, False, call.capacity)
+    block = op.params_block(values)
+    paged = call.block_table is not None
+
+    def strides(t):
+        s = t.stride()
+        return (s[0], s[2], s[1]) if paged else s[:3]
+
+    args = FgFwdArgs(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        B, Hq, call.heads_kv, Sq, call.capacity, d,
+        *q.stride()[:3], *strides(k_cache), *strides(v_cache), *out.stride()[:3],
+        scale, 0, None, ctypes.addressof(block) if block is not None else None,
+    )  # fmt: skip
+    ptr = lambda t: t.data_ptr() if t is not None else None
+    kn = k.stride()[:3] if k is not None else (0, 0, 0)
+    vn = v.stride()[:3] if v is not None else (0, 0, 0)
+    args.kv_cache = FgKvCache(
+        call.cache_seqlens.data_ptr(), ptr(call.cache_leftpad), ptr(call.block_table),
+        call.block_table.stride(0) if paged else 0, call.num_pages, call.page_size, call.max_pages, call.capacity,
+        ptr(k), ptr(v), call.seqlen_new, *kn, *vn)
+    op.launch_fields(lib).fwd(args, values)
+    launch.check_status(lib, "fwd", launch.call_entry(lib.fwd, args, q))
+    if call.seqlen_new:
+        torch.autograd.graph.increment_version(k_cache)
+        torch.autograd.graph.increment_version(v_cache)
+    return out, lse
+
+
+def implementation_for(op):
+    """The decode op's implementation for ``op`` (registered by runtime/library.py's
+    ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
+    family (one with the 'decode' feature), the parameters, the launch."""
+    spec = op.spec
+    checked: dict[tuple, KvCall] = {}  # tensor metadata -> the validated call (its tensors replaced per call)
+
+    def implementation(q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits,
+                       *values):
+        tensors = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad)
+        try:
+            key = (num_splits, *((t.dtype, t.device, t.shape, t.stride()) if t is not None else None
+                                 for t in tensors))
+        except (AttributeError, TypeError):
+            key = None
+        call = checked.get(key) if key is not None else None
+        if call is None:
+            call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
+                                 num_splits)
+            if key is not None:
+                if len(checked) > 4096:
+                    checked.clear()
+                checked[key] = call
+        else:  # the same metadata passed the checks: only the metadata tensors are this call's
+            call = replace(call, cache_seqlens=cache_seqlens.contiguous(),
+                           cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
+                           block_table=block_table.contiguous() if block_table is not None else None)
+        fam = op.choose_family(q.device, IR_DTYPE[q.dtype], call.head_dim, False, False, False, decode=True).family
+        scale = op.scale_for(scale, call.head_dim)
+        values = op.check_params(q, k_cache, {p.name: x for p, x in zip(spec.params, values, strict=True)},
+                                 call.sizes())
+        return launch_kvcache(op, call, q, k_cache, v_cache, k, v, scale, values, fam)
+
+    return implementation
