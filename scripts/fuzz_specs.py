@@ -11,6 +11,7 @@ Seeds are --seed, --seed + 1, ...; a failure prints its seed, and
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
     seeds = list(range(args.seed, args.seed + args.count))
     failures: dict[int, list[str]] = {}
     counts = {"parsed": 0, "hooks": 0, "kernels": 0}
+    seen: collections.Counter = collections.Counter()
     for c in range(0, len(seeds), args.hooks_batch):
         chunk = seeds[c:c + args.hooks_batch]
         fzs = {s: fuzz_gen.generate(s) for s in chunk}
@@ -40,6 +42,7 @@ def main(argv=None) -> int:
         for s, fz in fzs.items():
             if args.show:
                 print(fz.text)
+            seen.update(fuzz_check.features(fz))
             spec, probs = fuzz_check.check_parse(fz)
             if probs:
                 failures[s] = probs
@@ -75,6 +78,7 @@ def main(argv=None) -> int:
         print(f"FAIL seed {s}:")
         for p in probs[:3]:
             print("   ", p)
+    print("coverage (specs using each):", ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
     print(f"seeds {args.seed}..{args.seed + args.count - 1}: {counts['parsed']} parsed, {counts['hooks']} hook "
           f"checks, {counts['kernels']} kernel checks, {len(failures)} failing, "
           f"{time.perf_counter() - start:.0f} s")

@@ -161,6 +161,11 @@ class _Gen:
         what, value, _ = dim
         rng = self.rng
         r = rng.random()
+        if r < 0.25 and what not in ("batch", "heads") and d >= 0:  # nested: an index read from a tensor
+            inner = self.read(rng.choice(("i32", "i64")), d - 1)
+            if inner is not None:
+                size = _num(value) if what == "lit" else ("name", what) if what != "pexpr" else self._pexpr(*value)
+                return ("bin", "%", inner, size)
         if what in ("batch", "heads"):
             pos = ("name", "b" if what == "batch" else "h")
             if r < 0.6:
@@ -274,11 +279,11 @@ class _Gen:
             r = rng.random()
             if self.score_ctx and r < 0.45:
                 return ("name", "score")
-            if r < 0.6:
+            if r < 0.58:
                 n = self.scalar("float")
                 if n is not None:
                     return ("name", n)
-            if r < 0.75 and d > 0:
+            if r < 0.78 and d > 0:
                 e = self.read("f32", d - 1)
                 if e is not None:
                     return e
