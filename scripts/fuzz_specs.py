@@ -19,6 +19,14 @@ import time
 from flashgen.tools import fuzz_check, fuzz_gen
 
 
+def _report(failures: dict, seed: int, problems: list[str]) -> None:
+    """Record and print a seed's problems as they are found (a long run may be cut short)."""
+    if problems:
+        failures.setdefault(seed, []).extend(problems)
+        for p in problems[:3]:
+            print(f"FAIL seed {seed}: {p}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--count", type=int, default=100, help="specs to draw (default 100)")
@@ -56,8 +64,8 @@ def main(argv=None) -> int:
             failures.setdefault(chunk[0], []).append(str(e))
             continue
         for s, spec in specs.items():
-            probs = fuzz_check.check_hooks(fzs[s], spec, hooks)
-            failures.setdefault(s, []).extend(probs) if probs else None
+            probs = fuzz_check.check_hooks(fzs[s], spec, hooks) + fuzz_check.check_far(fzs[s], spec, hooks)
+            _report(failures, s, probs)
             counts["hooks"] += 1
         kern = [s for s in specs if s - args.seed < args.kernels]
         for b in range(0, len(kern), args.batch):
@@ -69,15 +77,12 @@ def main(argv=None) -> int:
                 continue
             for s, spec in part.items():
                 probs = fuzz_check.check_kernels(fzs[s], spec, ops[s])
-                failures.setdefault(s, []).extend(probs) if probs else None
+                _report(failures, s, probs)
                 counts["kernels"] += 1
             print(f"... {counts['kernels']} kernel specs, {time.perf_counter() - start:.0f} s", flush=True)
         print(f"... {c + len(chunk)} specs drawn, {time.perf_counter() - start:.0f} s", flush=True)
     failures = {s: p for s, p in failures.items() if p}
-    for s, probs in sorted(failures.items()):
-        print(f"FAIL seed {s}:")
-        for p in probs[:3]:
-            print("   ", p)
+    print("failing seeds:", sorted(failures) or "none")
     print("coverage (specs using each):", ", ".join(f"{k} {v}" for k, v in sorted(seen.items())))
     print(f"seeds {args.seed}..{args.seed + args.count - 1}: {counts['parsed']} parsed, {counts['hooks']} hook "
           f"checks, {counts['kernels']} kernel checks, {len(failures)} failing, "

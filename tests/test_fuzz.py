@@ -67,6 +67,14 @@ def test_fuzzed_hooks_are_sound_and_match_the_reference(hook_cases):
     assert problems == []
 
 
+def test_fuzzed_hooks_are_exact_at_far_positions(hook_cases):
+    fzs, specs, hooks = hook_cases
+    problems = []
+    for seed, spec in specs.items():
+        problems += fuzz_check.check_far(fzs[seed], spec, hooks)
+    assert problems == []
+
+
 def test_the_hook_checks_catch_broken_hooks(tmp_path):
     """A key range one short, a full-tile test that always says full and a wrong score are
     each reported (the checks are not vacuous)."""

@@ -29,6 +29,7 @@ from ..build import cache
 from ..codegen import render, variant
 from ..families import cpu_tiles
 from ..lang import frontend, ir
+from ..lang import expr as X
 from ..lang.expr import FUNCTIONS
 from ..paths import include_dir
 from ..runtime import op as op_mod
@@ -95,18 +96,43 @@ template <class V> int range_violations(const void* p, int b, int h, int nq, int
   }
   return bad;
 }
+template <class V> int keep_at(const void* p, int b, int h, int q, int kv, int nq, int nk) {
+  return V::keep(*static_cast<const typename V::Params*>(p), b, h, q, kv, nq, nk);
+}
+template <class V> float score_at(const void* p, float s, int b, int h, int q, int kv, int nq, int nk) {
+  return V::score(*static_cast<const typename V::Params*>(p), s, b, h, q, kv, nq, nk);
+}
+// Row q's key range and the full-tile test of [q, q+1) x [k0, k0 + 8) at the sampled keys
+// (positions far beyond what an exhaustive check reaches: 32-bit narrowing, 64-bit bounds).
+template <class V> int far_row(const void* p, int b, int h, int q, int nq, int nk, const int* kvs, int n) {
+  const typename V::Params& P = *static_cast<const typename V::Params*>(p);
+  int lo = V::kv_lo(P, b, h, q, q + 1, nq, nk), hi = V::kv_hi(P, b, h, q, q + 1, nq, nk);
+  lo = lo < 0 ? 0 : lo; hi = hi > nk ? nk : hi;
+  int bad = 0;
+  for (int i = 0; i < n; ++i) {
+    const int kv = kvs[i];
+    if (kv < 0 || kv >= nk) continue;
+    if (V::keep(P, b, h, q, kv, nq, nk) && (kv < lo || kv >= hi)) ++bad;
+    const int k0 = kv & ~7, k1 = k0 + 8 < nk ? k0 + 8 : nk;
+    if (V::tile_full(P, b, h, q, q + 1, k0, k1, nq, nk) && !V::keep(P, b, h, q, kv, nq, nk)) ++bad;
+  }
+  return bad;
+}
 template <class V> int param_grad_enabled(const void* p) {
   return V::param_grad_enabled(*static_cast<const typename V::Params*>(p));
 }
 """
 _FUNCS = ("keep_matrix", "score_matrix", "param_grad_all", "row_exact_violations", "range_violations",
-          "param_grad_enabled")
+          "param_grad_enabled", "keep_at", "score_at", "far_row")
 _SIGS = {"keep_matrix": "void(*)(const void*, int, int, int, int, uint8_t*)",
          "score_matrix": "void(*)(const void*, int, int, int, int, const float*, float*, float*)",
          "param_grad_all": "void(*)(const void*, int, int, int, int, const float*, const float*)",
          "row_exact_violations": "int(*)(const void*, int, int, int, int)",
          "range_violations": "int(*)(const void*, int, int, int, int, int, int)",
-         "param_grad_enabled": "int(*)(const void*)"}
+         "param_grad_enabled": "int(*)(const void*)",
+         "keep_at": "int(*)(const void*, int, int, int, int, int, int)",
+         "score_at": "float(*)(const void*, float, int, int, int, int, int, int)",
+         "far_row": "int(*)(const void*, int, int, int, int, int, const int*, int)"}
 
 HOOK_SHAPES = ((1, 1), (9, 9), (13, 7), (6, 17))
 HOOK_TILES = ((1, 1), (2, 3), (4, 4), (5, 3), (3, 8))
@@ -219,7 +245,10 @@ class HookBinary:
             "param_grad_all": ctypes.CFUNCTYPE(None, vp, i, i, i, i, vp, vp),
             "row_exact_violations": ctypes.CFUNCTYPE(i, vp, i, i, i, i),
             "range_violations": ctypes.CFUNCTYPE(i, vp, i, i, i, i, i, i),
-            "param_grad_enabled": ctypes.CFUNCTYPE(i, vp)}
+            "param_grad_enabled": ctypes.CFUNCTYPE(i, vp),
+            "keep_at": ctypes.CFUNCTYPE(i, vp, i, i, i, i, i, i),
+            "score_at": ctypes.CFUNCTYPE(ctypes.c_float, vp, ctypes.c_float, i, i, i, i, i, i),
+            "far_row": ctypes.CFUNCTYPE(i, vp, i, i, i, i, i, vp, i)}
 
     def fn(self, seed: int, name: str):
         return self._types[name](self.lib.fz_fn(self.index[seed], _FUNCS.index(name)))
@@ -415,3 +444,58 @@ def small_tiles() -> tuple[str, str]:
 
 
 clear_tile_overrides = cpu_tiles.overrides.cache_clear
+
+
+# (q, kv, seqlen_q, seqlen_k) near the kernels' limit (seqlens up to 2^30, FG_MAX_SEQLEN)
+FAR = ((0, (1 << 30) - 1, 1, 1 << 30), ((1 << 30) - 1, 0, 1 << 30, 1), ((1 << 30) - 1, (1 << 30) - 1, 1 << 30, 1 << 30),
+       (12345678, 987654321, 1 << 30, (1 << 30) - 5), (999999999, 3, (1 << 30) - 1, 7), (46341, 46340, 46342, 46341))
+_BIG = 1 << 62
+
+
+def _exact_ints(spec: ir.Spec, e: ir.Expr, env: dict, vals: dict) -> bool:
+    """Whether every int subexpression of ``e`` at this point stays within ±2^62 (beyond 64 bits
+    the kernels wrap where the reference is exact, as README's "Operators" says)."""
+    scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
+    tensors = {p.name for p in spec.params if p.is_tensor}
+    for n in X.walk(e):
+        if isinstance(n, ir.Name) and n.id in tensors:  # the base of a read
+            continue
+        if X.type_of(n, scope) == X.INT:
+            v = reference.evaluate(n, spec, env, vals, torch.float64, check_bounds=False)
+            if abs(int(v)) >= _BIG:
+                return False
+    return True
+
+
+def check_far(fz: Fuzzed, spec: ir.Spec, hooks: HookBinary) -> list[str]:
+    """keep and score at positions near 2^30 against the reference (indices clamped as the
+    kernels clamp them), and the key range and full-tile test of those rows at sampled keys."""
+    op = op_mod.compile(spec)
+    rng = random.Random(fz.seed ^ 0xFA4)
+    keep_at, score_at, far_row = (hooks.fn(fz.seed, n) for n in ("keep_at", "score_at", "far_row"))
+    problems = []
+    vals = values(fz, 2, 3, 7, 9, rng)
+    block = op.params_block([vals[p.name] for p in spec.params])
+    ptr = ctypes.addressof(block) if block is not None else None
+    for q, kv, nq, nk in FAR:
+        b, h = rng.randrange(2), rng.randrange(3)
+        env = {"b": torch.tensor(b), "h": torch.tensor(h), "q": torch.tensor(q), "kv": torch.tensor(kv),
+               "seqlen_q": nq, "seqlen_k": nk, "score": torch.tensor(0.5, dtype=torch.float64)}
+        where = f"seed {fz.seed} b={b} h={h} q={q} kv={kv} nq={nq} nk={nk} {_show(vals)}"
+        if spec.mask is not None and _exact_ints(spec, spec.mask, env, vals):
+            want = bool(reference.evaluate(spec.mask, spec, env, vals, torch.float64, check_bounds=False))
+            if bool(keep_at(ptr, b, h, q, kv, nq, nk)) != want:
+                problems.append(f"{where}: keep is {not want}, the reference says {want}")
+            kvs = sorted({kv, kv - 1, kv + 1, 0, nk - 1, *(rng.randrange(nk) for _ in range(6))})
+            arr = (ctypes.c_int * len(kvs))(*kvs)
+            if all(_exact_ints(spec, spec.mask, env | {"kv": torch.tensor(j)}, vals) for j in kvs):
+                bad = far_row(ptr, b, h, q, nq, nk, ctypes.cast(arr, ctypes.c_void_p), len(kvs))
+                if bad:
+                    problems.append(f"{where}: {bad} key-range or full-tile violations in row {q} at keys {kvs}")
+        if spec.score is not None and _exact_ints(spec, spec.score, env, vals):
+            want = [float(reference.evaluate(spec.score, spec, env, vals, dt, check_bounds=False))
+                    for dt in (torch.float64, torch.float32)]
+            got = score_at(ptr, 0.5, b, h, q, kv, nq, nk)
+            if not any(abs(got - w) <= 1e-5 * (1 + abs(w)) or got == w for w in want):
+                problems.append(f"{where}: score {got}, the reference {want[0]}")
+    return problems
