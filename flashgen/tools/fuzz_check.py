@@ -28,8 +28,8 @@ from .. import check, reference
 from ..build import cache
 from ..codegen import render, variant
 from ..families import cpu_tiles
-from ..lang import frontend, ir
 from ..lang import expr as X
+from ..lang import frontend, ir
 from ..lang.expr import FUNCTIONS
 from ..paths import include_dir
 from ..runtime import op as op_mod
