@@ -20,7 +20,7 @@ from flashgen.tools.fuzz_gen import Fuzzed, Param
 
 PARSE_SEEDS = range(300)
 HOOK_SEEDS = range(300, 350)
-KERNEL_SEEDS = (7, 31)
+KERNEL_SEEDS = (7,)
 
 # Specs of the bugs the fuzzer found (docs/reliability.md, "Spec fuzzer"), with their parameters.
 REGRESSIONS = {
@@ -31,6 +31,16 @@ REGRESSIONS = {
                              " score = score + max(n0, w1[h]) - abs(w1[h % 2])\n}"),
                             [Param("n0", "int"), Param("w1", "tensor", "i64", [("heads", None, False)])]),
 }
+# Specs whose CPU kernels are checked too (forward and backward).
+KERNEL_REGRESSIONS = {
+    # fp32 gradients at large |lse| (scores of magnitude ~60): P = exp(s - lse) recomputed in fp32
+    # is off by ~|lse|·2^-24 relative; check.compare_grads' bound lacked that term (seeds 107 and
+    # 113 of the first generator)
+    "int_scores": (("attention int_scores {\n param n0: int\n mask = -b <= where(2 + h <= kv, h, kv)\n"
+                    " score = max(kv, n0) * 2\n}"), [Param("n0", "int")]),
+    "scaled_scores": ("attention scaled_scores {\n score = seqlen_q * score\n mask = true\n}", []),
+}
+REGRESSIONS |= KERNEL_REGRESSIONS
 
 
 def _regression(name: str) -> Fuzzed:
@@ -106,6 +116,7 @@ def small_tiles(monkeypatch):
 def test_fuzzed_cpu_kernels_match_the_reference(small_tiles):
     """A few fuzzed specs' CPU kernels, built together in one library, forward and backward."""
     fzs = {s: fuzz_gen.generate(s) for s in KERNEL_SEEDS}
+    fzs |= {fz.seed: fz for fz in map(_regression, KERNEL_REGRESSIONS)}
     specs = {s: fuzz_check.check_parse(fz)[0] for s, fz in fzs.items()}
     ops = fuzz_check.build_kernels(specs)
     problems = []
@@ -114,4 +125,4 @@ def test_fuzzed_cpu_kernels_match_the_reference(small_tiles):
     assert problems == []
     entry = env.cache_dir() / ops[KERNEL_SEEDS[0]].instantiation("cpu", ir.DType.FP32, 8, family="cpu").name
     manifest = json.loads((entry / "manifest.json").read_text())
-    assert "built_together" not in manifest or len(manifest["built_together"]) == len(KERNEL_SEEDS)
+    assert entry.name in manifest.get("built_together", [entry.name])  # one library for several entries
