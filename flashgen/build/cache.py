@@ -31,7 +31,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import filelock
@@ -202,6 +203,98 @@ def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = No
                     raise BuildError(f"built {entry} but it does not load or verify ({why})")
     with _loaded_lock:
         return _loaded.setdefault(key, lib)
+
+
+def load_together(insts: Sequence[Instantiation], announce: Callable[[str], None] | None = None, *,
+                  units: int | None = None) -> list[LoadedLibrary]:
+    """The loaded libraries of ``insts``, as ``load_cached`` gives them, those missing from the
+    cache compiled together into one shared library: their translation units concatenated into
+    ``units`` files (default twice the cores) that ninja compiles in parallel, the library
+    published as each one's entry (its lib.so; src/ its own sources, as a build of its own
+    writes them). One build instead of one per instantiation saves each its compiler start-up,
+    header parsing and link: for many small instantiations (tests, the spec fuzzer).
+
+    Raises ValueError unless the instantiations share one target and have distinct spec names
+    (their entry points share the library); otherwise as ``load_cached``.
+    """
+    insts = list(dict.fromkeys(insts))
+    if len({i.target for i in insts}) > 1:
+        raise ValueError("insts: instantiations of one target only")
+    if len({i.spec.name for i in insts}) < len(insts):
+        raise ValueError("insts: two instantiations of one spec name (their variants and entry points would "
+                         "clash in one library)")
+    root = env.cache_dir()
+    missing = [i for i in insts if (str(root), i.key) not in _loaded and _try_load(i, root, root / i.name)[0] is None]
+    if missing:
+        check_toolchain([missing[0].target])
+        with ExitStack() as stack:
+            for inst in sorted(missing, key=lambda i: i.name):  # one order: no deadlock between processes
+                stack.enter_context(_build_lock(root, inst, announce))
+            missing = [i for i in missing if _try_load(i, root, root / i.name)[0] is None]
+            if missing:
+                if announce:
+                    announce(f"compiling {len(missing)} instantiations together (first use; cached in {root})")
+                for inst in missing:
+                    _sweep(root, inst.name)
+                _build_together(missing, root, units or 2 * (os.cpu_count() or 1))
+    return [load_cached(i, announce) for i in insts]
+
+
+def _build_together(insts: list[Instantiation], root: Path, units: int) -> None:
+    """Compile ``insts`` into one library and publish it as each one's entry (the caller holds
+    their locks). As ``_build_and_publish``: no entry is left by a failure."""
+    tmp_root = root / ".tmp"
+    work = tmp_root / f"{insts[0].name}-{uuid.uuid4().hex[:8]}"  # swept only under insts[0]'s lock
+    publish = {i: tmp_root / f"{i.name}-{uuid.uuid4().hex[:8]}-publish" for i in insts}
+    try:
+        if os.path.lexists(tmp_root) and not tmp_root.is_dir():
+            tmp_root.unlink()
+        private_dir(tmp_root)
+        private_dir(work)
+        private_dir(work / "src")
+        rendered = {i: i.sources() for i in insts}
+        # The backward units cost about twice the forward ones: the heaviest first, each to the
+        # lightest file that holds nothing of its spec yet (one variant struct per file).
+        tus = sorted(((2 if "bwd" in f else 1, i, f) for i in insts for f in rendered[i]), key=lambda t: -t[0])
+        files: list[list[str]] = [[] for _ in range(max(1, min(units, len(tus))))]
+        load, held = [0] * len(files), [set() for _ in files]
+        for cost, inst, fname in tus:
+            free = [j for j in range(len(files)) if inst not in held[j]]
+            if not free:
+                files.append([])
+                load.append(0)
+                held.append(set())
+                free = [len(files) - 1]
+            j = min(free, key=lambda x: load[x])
+            files[j].append(f"// ---- {inst.name}: {fname}\n" + rendered[inst][fname])
+            load[j] += cost
+            held[j].add(inst)
+        paths = []
+        for j, texts in enumerate(files):
+            paths.append(work / "src" / f"unit{j}.cpp")
+            paths[-1].write_text("\n".join(texts))
+        name = "fg_together_" + hashlib.sha256("".join(i.key for i in insts).encode()).hexdigest()[:12]
+        try:
+            lib, seconds = _compile(name, insts[0].target, paths, work)
+        except BuildError as e:
+            raise _compile_failed(insts[0], work, e.__cause__ or e) from None
+        together = sorted(i.name for i in insts)
+        for inst in insts:
+            _assemble(inst, lib, rendered[inst], seconds, publish[inst], built_together=together)
+        for inst in insts:
+            entry = root / inst.name
+            if os.path.lexists(entry):  # a broken entry (we hold the lock): replace it
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+            publish[inst].rename(entry)
+    except OSError as e:
+        for folder in (work, *publish.values()):
+            shutil.rmtree(folder, ignore_errors=True)
+        raise BuildError(f"failed to build {len(insts)} instantiations together: could not write "
+                         f"{e.filename or root} ({e.strerror or e}); nothing was cached") from None
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _try_load(inst: Instantiation, root: Path, entry: Path) -> tuple[LoadedLibrary | None, str | None]:
@@ -384,47 +477,66 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
 def _build_into(inst: Instantiation, work: Path, publish: Path) -> None:
     """Render and compile ``inst`` in ``work``, then assemble its entry (lib.so, src/, manifest)
     owner-only in ``publish``. OSError for a failed write; BuildError for a failed compile."""
-    from torch.utils import cpp_extension
-
     private_dir(work)
     private_dir(work / "src")
-    sources = []
-    for fname, text in inst.sources().items():
-        sources.append(work / "src" / fname)
-        sources[-1].write_text(text)
-    cflags, cuda_cflags = compiler_flags(inst.target)
+    sources = inst.sources()
+    for fname, text in sources.items():
+        (work / "src" / fname).write_text(text)
+    try:
+        path, seconds = _compile(inst.name, inst.target, [work / "src" / f for f in sources], work)
+    except BuildError as e:
+        raise _compile_failed(inst, work, e.__cause__ or e) from None
+    _assemble(inst, path, sources, seconds, publish)
+
+
+def _compile(name: str, target, sources: list[Path], work: Path) -> tuple[Path, float]:
+    """Compile and link ``sources`` into ``work``'s shared library ``name`` with ``target``'s
+    flags: (its path, the seconds it took). OSError (ENOSPC) for a full disk; BuildError, caused
+    by the compiler's exception, for a failed compile."""
+    from torch.utils import cpp_extension
+
+    cflags, cuda_cflags = compiler_flags(target)
     start = time.perf_counter()
     try:
         path = cpp_extension.load(
-            name=inst.name,
+            name=name,
             sources=[str(p) for p in sources],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=["-fopenmp"] if inst.target.backend == "cpu" else [],
+            extra_ldflags=["-fopenmp"] if target.backend == "cpu" else [],
             extra_include_paths=[str(include_dir())],
             build_directory=str(work),
             verbose=env.verbose(),
-            with_cuda=inst.target.backend == "cuda",
+            with_cuda=target.backend == "cuda",
             is_python_module=False,
         )
     except OSError as e:
         if _no_space(e):
             raise
-        raise _compile_failed(inst, work, e) from None
+        raise BuildError(str(e)) from e
     except (RuntimeError, ValueError) as e:
         if "No space left on device" in str(e):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(work)) from None
-        raise _compile_failed(inst, work, e) from None
-    seconds = time.perf_counter() - start
+        raise BuildError(str(e)) from e
+    return Path(path), time.perf_counter() - start
+
+
+def _assemble(inst: Instantiation, lib: Path, sources: dict[str, str], seconds: float, publish: Path,
+              **extra) -> None:
+    """``inst``'s entry, owner-only, in ``publish``: a copy of ``lib``, its rendered ``sources``
+    under src/ and the manifest (``extra`` fields added to it)."""
     private_dir(publish)
-    shutil.copy2(path, publish / "lib.so")
-    shutil.copytree(work / "src", publish / "src")
+    shutil.copy2(lib, publish / "lib.so")
+    private_dir(publish / "src")
+    for fname, text in sources.items():
+        (publish / "src" / fname).write_text(text)
     manifest = {
         "key": inst.key,
         "sha256": sha256_of(publish / "lib.so"),
         "fields": inst.key_fields(),
         "build_seconds": round(seconds, 2),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **extra,
     }
     (publish / "manifest.json").write_text(json.dumps(manifest, indent=1))
     owner_only(publish)

@@ -461,7 +461,9 @@ class Cxx:
                 return self.names.get("score", "s")
             if e.id in POSITION_NAMES:
                 return e.id if t == NARROW else self.names.get(e.id, f"(fg_int){e.id}")
-            return f"p.{e.id}"
+            # int parameters are int64_t fields: as fg_int (long long), or the int / fg_int
+            # overloads of fg_absi, fg_mini, ... are ambiguous for them where int64_t is long
+            return f"(fg_int)p.{e.id}" if t == INT else f"p.{e.id}"
         if isinstance(e, ir.Index):
             p = self.params[e.base.id]
             strided, _ = self.index_code(e)

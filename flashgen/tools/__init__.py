@@ -1,2 +1,2 @@
-"""Tools above the runtime: ahead-of-time builds, golden renders (the command line is
-flashgen/cli.py)."""
+"""Tools above the runtime: ahead-of-time builds, golden renders, the spec fuzzer (the command line
+is flashgen/cli.py)."""

@@ -41,7 +41,7 @@ struct Variant_relative_bias {
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
-    return (s + p.rel[fg_index(h, p.rel_size[0]) * p.rel_stride[0] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.max_distance)), p.max_distance) + p.max_distance), p.rel_size[1]) * p.rel_stride[1]]);
+    return (s + p.rel[fg_index(h, p.rel_size[0]) * p.rel_stride[0] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-(fg_int)p.max_distance)), (fg_int)p.max_distance) + (fg_int)p.max_distance), p.rel_size[1]) * p.rel_stride[1]]);
   }
   static FG_HD float dscore(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                             int seqlen_k) {
@@ -53,7 +53,7 @@ struct Variant_relative_bias {
   static FG_HD void param_grad(const Params& p, float ds, float s, int b, int h, int q, int kv,
                                int seqlen_q, int seqlen_k) {
     if (p.rel_grad) {
-      fg_atomic_add(p.rel_grad + ((fg_index(h, p.rel_size[0])) * p.rel_size[1] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-p.max_distance)), p.max_distance) + p.max_distance), p.rel_size[1])), ds * (1.0f));
+      fg_atomic_add(p.rel_grad + ((fg_index(h, p.rel_size[0])) * p.rel_size[1] + fg_index((fg_mini(fg_maxi((fg_int)((kv - q)), (-(fg_int)p.max_distance)), (fg_int)p.max_distance) + (fg_int)p.max_distance), p.rel_size[1])), ds * (1.0f));
     }
   }
 };

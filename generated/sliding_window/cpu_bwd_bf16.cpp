@@ -23,17 +23,17 @@ struct Variant_sliding_window {
   static constexpr bool kRowExact = true;
   static constexpr bool kHasDropout = false;
   static FG_HD int kv_lo(const Params& p, int b, int h, int q_lo, int q_hi, int seqlen_q, int seqlen_k) {
-    return fg_clamp_kv(((((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q)) - p.window) + 1), seqlen_k);
+    return fg_clamp_kv(((((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q)) - (fg_int)p.window) + 1), seqlen_k);
   }
   static FG_HD int kv_hi(const Params& p, int b, int h, int q_lo, int q_hi, int seqlen_q, int seqlen_k) {
     return fg_clamp_kv(((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) + 1), seqlen_k);
   }
   static FG_HD bool tile_full(const Params& p, int b, int h, int q_lo, int q_hi, int kv_lo, int kv_hi,
                               int seqlen_q, int seqlen_k) {
-    return (((fg_int)kv_hi - 1 <= ((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q))) && ((fg_int)kv_lo > ((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) - p.window)));
+    return (((fg_int)kv_hi - 1 <= ((fg_int)q_lo + ((fg_int)seqlen_k - (fg_int)seqlen_q))) && ((fg_int)kv_lo > ((((fg_int)q_hi - 1) + ((fg_int)seqlen_k - (fg_int)seqlen_q)) - (fg_int)p.window)));
   }
   static FG_HD bool keep(const Params& p, int b, int h, int q, int kv, int seqlen_q, int seqlen_k) {
-    return ((kv <= (q + (seqlen_k - seqlen_q))) && ((fg_int)(kv) > ((fg_int)((q + (seqlen_k - seqlen_q))) - p.window)));
+    return ((kv <= (q + (seqlen_k - seqlen_q))) && ((fg_int)(kv) > ((fg_int)((q + (seqlen_k - seqlen_q))) - (fg_int)p.window)));
   }
   static FG_HD float score(const Params& p, float s, int b, int h, int q, int kv, int seqlen_q,
                            int seqlen_k) {
