@@ -22,6 +22,7 @@ import torch
 
 import flashgen
 from flashgen import bench, families, flops
+from flashgen.families import sm90 as sm90_family
 from flashgen.lang import ir
 from flashgen.runtime import loader
 
@@ -46,14 +47,7 @@ def main(argv=None) -> int:
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, 256)
     sm90 = families.get("sm90")
-    tile_sets = []
-    for t in a.tiles.split(","):
-        bn, st, *rest = map(int, t.split("x"))
-        tiles = {"fwd_block_n": bn, "fwd_stages": st}
-        tiles |= {"fwd_overlap": rest[0]} if rest else {}
-        tiles |= {"fwd_pingpong": rest[1]} if len(rest) > 1 else {}
-        tiles |= {"fwd_persistent": rest[2]} if len(rest) > 2 else {}
-        tile_sets.append((t, tiles))
+    tile_sets = [(t, sm90_family.tiles_from_text(t)) for t in a.tiles.split(",")]
     # Every timed instantiation built first, in parallel (one process, as a tuner would).
     insts = {}
     for name in a.specs.split(","):

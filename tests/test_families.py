@@ -74,6 +74,12 @@ def test_sm90_tiles_are_its_own(causal):
     assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT
     with pytest.raises(ValueError, match="fwd_pingpong: .*needs fwd_overlap=1"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_pingpong": 1, "fwd_overlap": 0})
+    assert sm90_family.tiles_from_text("176x2x1x0x1073741824") == {
+        "fwd_block_n": 176, "fwd_stages": 2, "fwd_overlap": 1, "fwd_pingpong": 0, "fwd_persistent": 1 << 30}
+    assert sm90_family.tiles_from_text("128x3") == {"fwd_block_n": 128, "fwd_stages": 3}
+    for bad in ("128", "128x2x1x0x0x7", "128xtwo"):
+        with pytest.raises(ValueError, match="^tiles: expected keys x stages"):
+            sm90_family.tiles_from_text(bad)
     with pytest.raises(ValueError, match="fwd_persistent: expected the largest seqlen_k"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_persistent": -1})
     with pytest.raises(ValueError, match="fwd_block_n: expected a multiple of 16"):

@@ -261,15 +261,15 @@ def tile_libs(ops):
     import concurrent.futures
 
     from flashgen import families
+    from flashgen.families.sm90 import tiles_from_text
     from flashgen.lang import ir
     from flashgen.runtime import loader
 
-    keys = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent")
     insts = {}
     for mask, op in ops.items():
         for d in (64, 128):
             for t in TILE_VARIANTS:
-                tiles = dict(zip(keys, map(int, t.split("x")), strict=True))
+                tiles = tiles_from_text(t)
                 insts[mask, d, t] = families.get("sm90").instantiation(op.spec, "sm_90a", ir.DType.BF16, d,
                                                                        tiles=tiles)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:

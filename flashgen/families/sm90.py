@@ -43,6 +43,19 @@ def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
 TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent")
 
 
+def tiles_from_text(text: str) -> dict:
+    """A tile config from 'keys x stages [x overlap [x ping-pong [x persistent]]]', e.g.
+    '128x2x1x0x2048' (the TILE_KEYS in order; scripts/bench_sm90.py --tiles). ValueError for
+    anything else (legality is check_tiles')."""
+    try:
+        values = [int(x) for x in text.split("x")]
+    except ValueError:
+        values = []
+    if not 2 <= len(values) <= len(TILE_KEYS):
+        raise ValueError(f"tiles: expected keys x stages [x overlap [x ping-pong [x persistent]]], got {text!r}")
+    return dict(zip(TILE_KEYS, values))
+
+
 def check_tiles(cfg: dict, head_dim: int | None) -> None:
     """ValueError naming the key when an sm90 tile config is illegal: fwd_block_n a multiple of
     16 in [16, 256], fwd_stages in [2, 4], fwd_overlap and fwd_pingpong 0 or 1 (ping-pong only

@@ -288,6 +288,15 @@ def eval_dim(e: ir.Expr, ints: dict) -> int | None:
     return {"+": a + b, "-": a - b, "*": a * b, "//": a // b if b else 0}[e.op]
 
 
+def check_q_dtype(op, q: torch.Tensor, backend: str) -> None:
+    """ValueError unless q's dtype is one the spec allows on ``backend`` ('cpu' / 'cuda')."""
+    allowed = spec_dtypes(op.spec, backend)
+    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
+        names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
+        raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{op.spec.name}' on {backend} "
+                         f"(expected one of: {names})")
+
+
 def check_inputs(op, q, k, v, *, packed: bool = False) -> None:
     """Validate q, k, v as ``__call__`` documents; raise naming the offending argument.
     ``packed``: the varlen layout (q [total_q, Hq, d], k and v [total_k, Hkv, d]). Inputs
@@ -326,11 +335,7 @@ def _check_inputs(op, q, k, v, packed: bool) -> None:
     for name, t in (("k", k), ("v", v)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device} but q is on {q.device}; q, k, v must share a device")
-    allowed = spec_dtypes(op.spec, backend)
-    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:  # q's own dtype first, then k's and v's
-        names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
-        raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{op.spec.name}' on {backend} "
-                         f"(expected one of: {names})")
+    check_q_dtype(op, q, backend)  # q's own dtype first, then k's and v's
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")

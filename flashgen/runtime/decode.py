@@ -20,7 +20,7 @@ from .. import families
 from ..abi import FgFwdArgs, FgKvCache
 from ..lang import expr as X
 from . import launch
-from .checks import IR_DTYPE, TORCH_DTYPE, describe_tensor, ranges_text, spec_dtypes
+from .checks import IR_DTYPE, check_q_dtype, describe_tensor, ranges_text
 
 MAX_PAGE_SIZE = 256
 
@@ -180,11 +180,7 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != device:
             raise ValueError(f"{name}: on {t.device} but q is on {device}")
-    allowed = spec_dtypes(op.spec, device.type)
-    if q.dtype not in IR_DTYPE or IR_DTYPE[q.dtype] not in allowed:
-        names = ", ".join(str(TORCH_DTYPE[d]).removeprefix("torch.") for d in allowed) or "none"
-        raise ValueError(f"q: dtype {q.dtype} is not supported by spec '{op.spec.name}' on {device.type} "
-                         f"(expected one of: {names})")
+    check_q_dtype(op, q, device.type)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
