@@ -357,9 +357,14 @@ def test_plan_for_hopper_builds_each_family_what_it_serves():
     with flashgen.use_family("sm90"):
         forced = aot_build.plan([SPEC, ROOT / "specs" / "document.attn"], arches=["sm_90a"], dtypes=["bf16"],
                                 head_dims=[128])
-        assert {p.inst.target.family for p in forced} == {"sm90"}
+        kernels = [p.inst for p in forced if not dict(p.inst.config).get("mask")]
+        assert {i.target.family for i in kernels} == {"sm90"}
         assert [p.inst.name for p in forced if p.inst.spec.name == "causal"] == [by_family["sm90"].name]
-        with pytest.raises(ValueError, match="head_dims: 256 is not served by family sm90"):
-            aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[256])
-        with pytest.raises(ValueError, match="family sm90 serves the padded, dense layout"):
+        # document ids need block lists per call: the block-sparse forward and the classifier too
+        doc = [p.inst for p in forced if p.inst.spec.name == "document"]
+        assert sorted(bool(dict(i.config).get("sparse")) for i in doc if i in kernels) == [False, True]
+        assert any(dict(i.config).get("mask") for i in doc)
+        big = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[256], sparse=[True])
+        assert [dict(p.inst.config)["fwd_block_n"] for p in big if not dict(p.inst.config).get("mask")] == [64]
+        with pytest.raises(ValueError, match="family sm90 serves the padded layout only"):
             aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128], layouts=["packed"])

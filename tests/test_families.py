@@ -33,19 +33,18 @@ def test_registry_order_and_features():
 
 
 def test_sm90_declares_what_it_serves(causal):
-    """sm90 serves the padded forward (dropout too) at head dims up to 128 on sm_90a; the rest
-    goes to sm80, and the choice names what sm90 lacks."""
+    """sm90 serves the padded forward (dropout and block lists too) at head dims up to 256 on
+    sm_90a; the rest goes to sm80, and the choice names what sm90 lacks."""
     sm90 = families.get("sm90")
-    assert sm90.head_dims == tuple(range(8, 129, 8))
+    assert sm90.head_dims == tuple(range(8, 257, 8))
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 128)
     assert families.choose(causal.spec, call).family is sm90
-    assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, 64,
-                                                      frozenset({"dropout"}))).family is sm90
-    for feats, lacks in ((("backward",), "backward kernels"), (("varlen",), "packed"), (("sparse",), "block-sparse")):
+    for d, feats in ((64, {"dropout"}), (128, {"sparse"}), (256, {"sparse", "dropout"}), (200, set())):
+        assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
+                                                          frozenset(feats))).family is sm90
+    for feats, lacks in ((("backward",), "backward kernels"), (("varlen",), "packed")):
         choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 128, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
-    choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 256))
-    assert choice.family.name == "sm80" and "head_dim 256" in choice.why()
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
     assert choice.family.name == "sm80" and "needs compute capability 9.0" in choice.why()
     assert families.for_arch("cuda", "sm_90a").name == "sm80"
@@ -59,16 +58,26 @@ def test_sm90_tiles_are_its_own(causal):
     sm90 = families.get("sm90")
     # another family's tile keys are dropped; its own are checked
     cfg = dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_m": 64, "fwd_block_n": 64}))
-    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 0, "fwd_pingpong": 0, "fwd_persistent": 0,
+    assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 1, "fwd_pingpong": 0, "fwd_persistent": 4096,
                    "fwd_only": 1}
-    assert dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64))["fwd_overlap"] == 0
+    masked = [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, d)) for d in (64, 128, 256)]
+    assert [(c["fwd_overlap"], c["fwd_persistent"]) for c in masked] == [(0, 4096), (1, 4096), (0, 4096)]
     dense = flashgen.compile(SPECS / "dense.attn").spec
-    cfgs = [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d)) for d in (64, 128)]
-    assert [(c["fwd_overlap"], c["fwd_persistent"]) for c in cfgs] == [(1, 4096), (1, 2048)]
+    cfgs = [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d)) for d in (64, 128, 192, 256)]
+    assert [(c["fwd_block_n"], c["fwd_overlap"], c["fwd_persistent"]) for c in cfgs] == \
+        [(128, 1, 1 << 30), (128, 1, 1 << 30), (80, 1, 2048), (80, 1, 2048)]
+    # block-sparse instantiations take key tiles that divide 128 (lists of 128-blocks nest)
+    assert dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 192))["fwd_block_n"] == 112
+    sparse = [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, d, sparse=True)) for d in (128, 136, 256)]
+    assert [(c["fwd_block_n"], c["sparse"]) for c in sparse] == [(128, 1), (64, 1), (64, 1)]
+    assert sm90.block_tiles(lambda: sparse[2], (128, 128))[:2] == (128, 64)
+    for d in range(136, 257, 8):  # the largest fitting key tile beyond d = 128
+        bn = sm90_family.default_block_n(d)
+        assert sm90_family.smem_bytes(d, bn, 2) <= sm90_family.SMEM_LIMIT < sm90_family.smem_bytes(d, bn + 16, 2)
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
     assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
-    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 0, 0, 0>" in src
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096>" in src and "FgFwdTile, false>" in src
     # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)
     assert not sm90_family.smem_layout(128, 128, 2)[1] and sm90_family.smem_layout(128, 176, 2)[1]
     assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT

@@ -41,17 +41,18 @@ def test_sm90_is_chosen_first_for_the_forward(ops):
     op = ops["causal"]
     assert op.family_for("cuda", torch.bfloat16, 128).family.name == "sm90"
     assert op.family_for("cuda", torch.float16, 64, dropout=True).family.name == "sm90"
+    assert op.family_for("cuda", torch.bfloat16, 256, sparse=True).family.name == "sm90"
     # What sm90 does not serve yet runs on sm80, and the choice says why.
-    for kw in ({"layout": "packed"}, {"sparse": True}):
+    for kw in ({"layout": "packed"}, {"backward": True}):
         choice = op.family_for("cuda", torch.bfloat16, 128, **kw)
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
-    choice = op.family_for("cuda", torch.bfloat16, 256)
-    assert choice.family.name == "sm80" and "head_dim 256" in choice.why()
     # A forced sm90 never falls back.
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = make(1, 2, 2, 64, 64, 256, torch.bfloat16, False, gen)
-    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*head_dim 256"):
-        op(q, k, v)
+    q, k, v = make(1, 2, 2, 64, 64, 128, torch.bfloat16, False, gen)
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*packed"):
+        op(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)), cu_seqlens_q=cu, cu_seqlens_k=cu,
+           max_seqlen_q=64, max_seqlen_k=64)
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal"])
@@ -80,7 +81,7 @@ def test_larger_shapes(ops, mask, d):
         check_case(ops[mask], *make(b, hq, hkv, nq, nk, d, torch.bfloat16, transposed, gen))
 
 
-@pytest.mark.parametrize("d", [8, 40, 64, 96, 112, 128])
+@pytest.mark.parametrize("d", [8, 40, 64, 96, 112, 128, 136, 192, 200, 256])
 def test_head_dims(ops, d):
     gen = torch.Generator(device="cuda").manual_seed(d)
     for nq, nk in [(65, 65), (300, 517), (1024, 1024)]:
@@ -109,6 +110,65 @@ def test_example_specs(name):
             run_case(name, B, Hq, Hkv, nq, nk, 128, torch.bfloat16, device="cuda", seed=i, variant=i, backward=False)
             run_case(name, B, Hq, Hkv, nq, nk, 64, torch.float16, device="cuda", seed=i, variant=i, backward=False)
         run_case(name, B, Hq, Hkv, nq, nk, 128, torch.bfloat16, device="cuda", seed=i, variant=i, backward=True)
+
+
+def _sparse_cases():
+    ids = torch.tensor([[0] * 300 + [1] * 450 + [2] * 250, [0] * 7 + [3] * 993], dtype=torch.int32)
+    # (spec, B, Hq, Hkv, Nq, Nk, params, block mask: a random pattern's density, or None: the spec's own)
+    return [("dense", 2, 4, 2, 1000, 700, {}, 0.5), ("causal", 1, 4, 4, 1300, 1300, {}, 0.6),
+            ("sliding_window", 1, 2, 2, 1500, 1500, {"window": 300}, None),
+            ("document", 2, 4, 2, 1000, 1000, {"document_id": ids}, None),
+            ("alibi", 1, 4, 2, 400, 600, {"slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])}, 0.7)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_block_sparse(d):
+    """Block lists on sm90: a random pattern of 128 x 128 blocks (with an empty query block and a
+    key block nobody sees) and the spec's own block mask, forward forced onto sm90; then the
+    same calls recording grad, unforced: the sm90 forward's lists for its tiles, the sm80
+    backward's for its own (op.block_args), against the float64 reference."""
+    from sparsity_cases import random_pattern
+    from sparsity_cases import run_case as sparse_case
+    from variant_cases import op
+
+    for i, (name, B, Hq, Hkv, Nq, Nk, params, density) in enumerate(_sparse_cases()):
+        fop = op(name)
+        params = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in params.items()}
+        gen = torch.Generator(device="cuda").manual_seed(100 * d + i)
+        q, k, v = make(B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, False, gen)
+        if density is None:
+            bm = flashgen.block_mask(fop, Nq, Nk, B, Hq, block_size=128, device="cuda", **params)
+        else:
+            bm = flashgen.BlockMask.from_pattern(random_pattern(B, Hq, -(-Nq // 128), -(-Nk // 128), density,
+                                                                i).cuda(), 128)
+        with flashgen.use_family("sm90"):
+            assert fop.family_for("cuda", torch.bfloat16, d, sparse=True).family.name == "sm90"
+            out, lse = fop(q, k, v, return_lse=True, block_mask=bm, **params)
+        cmp = check.compare(fop.spec, q, k, v, out, lse, block_mask=bm, **params)
+        assert cmp.ok, f"sm90 {name} d{d} {bm}: {cmp}"
+        if d != 256:
+            sparse_case(name, B, Hq, Hkv, Nq, Nk, d, torch.bfloat16, device="cuda", params=params,
+                        pattern=density, from_spec=density is None, seed=i)
+
+
+def test_per_call_block_lists(ops):
+    """Masks without a closed-form key range (document ids) get block lists from the classifier
+    per call on sm90 too: same output as the sm80 family's, and the reference's."""
+    from variant_cases import op
+
+    doc = op("document")
+    assert doc.auto_sparse
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = make(2, 4, 2, 2000, 2000, 128, torch.bfloat16, False, gen)
+    ids = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate([700, 13, 900, 387])])
+    ids = torch.stack([ids, ids.flip(0)]).cuda()
+    outs = {}
+    for fam in ("sm90", "sm80"):
+        with flashgen.use_family(fam):
+            outs[fam] = doc(q, k, v, return_lse=True, document_id=ids)
+        cmp = check.compare(doc.spec, q, k, v, *outs[fam], document_id=ids)
+        assert cmp.ok, f"{fam}: {cmp}"
+    torch.testing.assert_close(outs["sm90"][1], outs["sm80"][1], atol=1e-3, rtol=0)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -2,15 +2,16 @@
 swizzled shared memory through an mbarrier pipeline, a producer warp and two consumer warpgroups
 of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatomy, Shah et al.
 2024), on sm_90a only. It serves the forward of the padded layout for every spec (mask and score
-hooks, tile classes, dropout with the sm80 family's Philox stream) at head dims up to 128; the
-backward, packed batches, block lists and larger head dims run on ``sm80`` (a backward recomputes
-from q, k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the
-sm80 backward)."""
+hooks, tile classes, dropout with the sm80 family's Philox stream, block lists: ``block_mask=``
+and the lists the block classifier makes per call) at every head dim up to 256; the backward and
+packed batches run on ``sm80`` (a backward recomputes from q, k, v, out and LSE, which both
+families define alike, so an sm90 forward pairs with the sm80 backward)."""
 
 from __future__ import annotations
 
 from ..build import artifact
-from ..lang import ir
+from ..lang import expr, ir
+from . import sm80
 from .base import Family
 
 # Per head dim: key tile (fwd_block_n) and K/V stages. The query tile is 128 rows (two consumer
@@ -18,6 +19,19 @@ from .base import Family
 # block_n·128 B per panel each, and 128 rows of O staging (pitch d + 8) beside them where they
 # fit (194 KiB at d = 128 with 128-key tiles), else overlaying the K/V rings.
 SMEM_LIMIT = 227 * 1024
+HEAD_DIM_MAX = 256
+
+
+def default_block_n(head_dim: int, sparse: bool = False) -> int:
+    """The forward's key tile at ``head_dim``: 128 keys up to d = 128; beyond, the largest
+    multiple of 16 whose two K/V stages fit beside Q (112 at d 136..192, 80 at d 200..256, as
+    FlashAttention-3's 128 x 112 and 128 x 80 tiles). Block-sparse instantiations take a key
+    tile that divides 128 (64 beyond d = 128), so that lists of 128 x 128 blocks nest."""
+    if head_dim <= 128:
+        return 128
+    if sparse:
+        return 64
+    return max(bn for bn in range(16, 129, 16) if smem_bytes(head_dim, bn, 2) <= SMEM_LIMIT)
 
 
 def smem_layout(head_dim: int, block_n: int, stages: int) -> tuple[int, bool]:
@@ -81,25 +95,60 @@ def check_tiles(cfg: dict, head_dim: int | None) -> None:
                          f"{SMEM_LIMIT:,} B")
 
 
-def default_tiles(spec: ir.Spec, head_dim: int) -> dict:
-    """The forward's tile config for ``spec`` at ``head_dim``: 128-key tiles, two stages, no
-    ping-pong. For mask-free specs, the softmax of each tile overlaps the previous tile's PV
-    GEMM (fwd_overlap) and calls with seqlen_k up to 4096 (d <= 64) or 2048 launch one CTA per
-    multiprocessor (fwd_persistent). Measured on an H200 (docs/perf-notes.md, v3): overlap +8 to
-    +15% dense d 128, +5 to +10% dense d 64, -5 to +5% causal; persistent +14 to +17% dense at
-    1K, -4 to -7% dense d 128 from 4K, -35% causal at 16K (a static round-robin over items of
-    unequal cost); 144- to 192-key tiles and ping-pong within noise of these."""
+def elementwise_reads(spec: ir.Spec) -> bool:
+    """Whether the mask or score reads a tensor parameter at an index that varies with q or kv
+    (a load per score element: document ids, a bias table), not once per tile (ALiBi slopes)."""
+    for e in (spec.mask, spec.score):
+        for n in expr.walk(e) if e is not None else ():
+            if isinstance(n, ir.Index) and any(expr.uses(i, "q") or expr.uses(i, "kv") for i in n.indices):
+                return True
+    return False
+
+
+def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False) -> dict:
+    """The forward's tile config for ``spec`` at ``head_dim``: ``default_block_n`` keys, two
+    stages, no ping-pong; the overlap (fwd_overlap: the softmax of each key tile under the
+    previous tile's PV GEMM) and the persistent grid (fwd_persistent: calls with seqlen_k up to
+    it launch one CTA per multiprocessor, taking the work items in serpentine rounds) where
+    they measured faster on an H200 (docs/perf-notes.md, "sm90 forward v4", TFLOP/s):
+
+    - mask-free, d <= 128: overlap, always persistent (d 128 N 16K: 688 against 621 with one CTA
+      per item; N 1K-4K within +-3%);
+    - mask-free, d > 128: 80-key tiles with the overlap (d 256 N 4K: 716-731 against 646
+      without it, although ptxas spills a few registers there: S, P and the 64 x 256
+      accumulator are live at once), persistent up to 2048;
+    - masked: persistent up to seqlen_k 4096 (causal d 128 N 1K: 383-395 against 323; beyond,
+      the serpentine resonates with the number of query tiles per head: 386 against 596 at
+      16K), the overlap at 64 < d <= 128 for masks of positions and scalars only (causal d 128
+      N 4K: 559 against 518; d 64 and d 256 lose 5-10% with it, and with tensor parameters,
+      score expressions or dropout it spills: document d 128 176 B);
+    - for every spec, no overlap where the mask or score loads a tensor parameter per score
+      element (``elementwise_reads``: relative_bias d 128 spills 124 B with it), with dropout,
+      or with a score expression above d = 64 (softcap d 128: 68 B).
+    """
     dense = spec.mask is None
-    return {"fwd_block_n": 128, "fwd_stages": 2, "fwd_overlap": 1 if dense else 0, "fwd_pingpong": 0,
-            "fwd_persistent": (4096 if head_dim <= 64 else 2048) if dense else 0}
+    # The overlap where its registers fit: no tensor parameter loaded per score element, no
+    # dropout, and score expressions only at d <= 64 (softcap d 128 spills 68 B with it).
+    lean = not elementwise_reads(spec) and not spec.dropout and (spec.score is None or head_dim <= 64)
+    block_n = default_block_n(head_dim, sparse)
+    if dense:
+        overlap, persistent = int(lean), (1 << 30 if head_dim <= 128 else 2048)
+        if lean and head_dim > 128 and not sparse:
+            block_n = 80
+    else:
+        overlap, persistent = int(lean and spec.score is None and 64 < head_dim <= 128), 4096
+    return {"fwd_block_n": block_n, "fwd_stages": 2, "fwd_overlap": overlap, "fwd_pingpong": 0,
+            "fwd_persistent": persistent}
 
 
 class Sm90Family(Family):
     name = "sm90"
     device = "cuda"
     dtypes = (ir.DType.FP16, ir.DType.BF16)
-    head_dims = tuple(d for d in range(8, 129, 8) if smem_bytes(d, 128, 2) <= SMEM_LIMIT)
-    features = frozenset({"dropout"})
+    head_dims = tuple(range(8, HEAD_DIM_MAX + 1, 8))
+    features = frozenset({"dropout", "sparse"})
+    split_layouts = True  # dense and block-sparse calls are separate instantiations
+    block_classifier = True  # the sm80 family's classifier kernel (``classifier``)
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
@@ -113,17 +162,31 @@ class Sm90Family(Family):
 
     def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
                sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:
-        if packed or sparse:
-            raise NotImplementedError("family sm90 has no packed (varlen) or block-sparse kernels")
+        if packed:
+            raise NotImplementedError("family sm90 has no packed (varlen) kernels")
         # Only this family's own keys: a tile config of another family (the sm80 tiles a caller
         # chose for the device) says nothing about these kernels.
         cfg = {k: v for k, v in (tiles or {}).items() if k in TILE_KEYS}
         if head_dim is not None:
-            for k, v in default_tiles(spec, head_dim).items():
+            for k, v in default_tiles(spec, head_dim, sparse).items():
                 cfg.setdefault(k, v)
         check_tiles(cfg, head_dim)
         cfg["fwd_only"] = 1
+        if sparse:
+            cfg["sparse"] = 1
         return tuple(sorted(cfg.items()))
+
+    def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
+        """The block classifier of ``spec``: the sm80 family's (the same kernel and library; it
+        classifies blocks of any size)."""
+        return sm80.FAMILY.classifier(spec, arch)
+
+    def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+        # The forward's 128-query tiles by its key tile; no backward of its own (a grad call's
+        # backward lists are made for the backward's family: op.block_args), so its slots repeat
+        # the forward's.
+        bn = dict(config()).get("fwd_block_n", 128)
+        return 128, bn, bn, 128, 128, bn
 
 
 FAMILY = Sm90Family()

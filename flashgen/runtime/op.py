@@ -31,7 +31,7 @@ from ..lang.frontend import parse
 from ..reference import default_scale
 from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
 from ..tune import store as tune_store
-from . import checks, decode, launch, loader
+from . import blocks, checks, decode, launch, loader
 from .checks import (
     FLOAT32_MAX,
     IR_DTYPE,
@@ -428,43 +428,9 @@ class AttentionOp:
 
     def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                    grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False) -> dict:
-        """The op's block-sparsity arguments for ``block_mask``: its lists for the forward's
-        tiles (and, with ``grad``, the backward's), plus their tile sizes. Checks the mask's
-        shape and device against the call first, and that a mask made from a spec's mask
-        (flashgen.block_mask) was made from this spec with the call's parameters and layout
-        (ValueError naming block_mask)."""
-        block_mask.check_binding(self.spec, self.fingerprint, values, cu_seqlens_q if packed else None,
-                                 cu_seqlens_k if packed else None, read=self.mask_reads)
-        if packed:
-            B, Hq, d = cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2]
-            Nq = max_seqlen_q if max_seqlen_q is not None else block_mask.seqlen_q
-            Nk = max_seqlen_k if max_seqlen_k is not None else block_mask.seqlen_k
-            if Nq is None or Nk is None:
-                raise ValueError("block_mask: with cu_seqlens_q, pass max_seqlen_q and max_seqlen_k (the block "
-                                 "grid counts tiles up to them)")
-        else:
-            B, Hq, Nq, d = q.shape
-            Nk = k.shape[2]
-        block_mask.check(B, Hq, Nq, Nk, q.device)
-        bq, bk = block_mask.block_size
-        dtype = IR_DTYPE[q.dtype]
-        fam = self.choose_family(q.device, dtype, d, packed, True, dropout).family
-        fr, fc, br, bc, dr, dc = fam.block_tiles(
-            lambda: dict(self.library(fam, q.device, dtype, d, packed, sparse=True).instantiation.config), (bq, bk))
-        if not block_mask.full_kept and any(x % t for x, t in ((bq, fr), (bk, fc), (bk, br), (bq, bc), (bq, dr),
-                                                               (bk, dc))):
-            # A kernel tile that straddled a kept and an empty block could not honour the
-            # pattern inside it (the element mask is the spec's); tiles must nest in blocks.
-            raise ValueError(f"block_mask: a pattern's block size {bq} x {bk} must be a multiple of the {fam.name} "
-                             f"kernels' tiles at head_dim {d} (forward {fr} x {fc}, backward {bc} x {br} "
-                             f"and {dr} x {dc}, queries x keys); block_size=128 fits every default tile")
-        out = {"block_kv": block_mask.tile_lists(fr, fc, Nq, Nk),
-               "block_meta": [fr, fc, br, bc, dr, dc, int(block_mask.full_kept)]}
-        if grad:
-            out["block_q"] = block_mask.tile_lists(br, bc, Nq, Nk, transpose=True)
-            if fam.dq_lists:
-                out["block_dq"] = block_mask.tile_lists(dr, dc, Nq, Nk)
-        return out
+        """The op's block-sparsity arguments for ``block_mask`` (runtime/blocks.py)."""
+        return blocks.block_args(self, block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad,
+                                 values, cu_seqlens_k, dropout)
 
     def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
         """Validate the raw op's dropout arguments (runtime/checks.py)."""
@@ -613,8 +579,10 @@ class AttentionOp:
                     hd_p = [h for h in (head_dims if head_dims is not None else (64, 128)) if h in self.head_dims(part)]
                     dt_p = [d for d in (dtypes if dtypes is not None else self.dtypes(part))
                             if as_dtype(d) in self.dtypes(part)]
-                    if hd_p and dt_p and "padded" in lays and False in sps:
-                        insts += self.build(device, dt_p, hd_p, jobs=jobs, family=part.name)
+                    sp_p = [s for s in sps if not s or "sparse" in part.features]
+                    if hd_p and dt_p and "padded" in lays and sp_p:
+                        insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts="padded", sparse=sp_p,
+                                            family=part.name)
                 return insts + self.build(device, dtypes, head_dims, jobs=jobs, layouts=layouts, sparse=sparse,
                                           family=fams[-1].name)
             fam = fams[0]
@@ -682,34 +650,11 @@ class AttentionOp:
         return self.spec.mask is not None and not variant.hook_bodies(self.spec)["row_exact"]
 
     def auto_blocks(self, fam: families.Family, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
-        """Block lists for a call without a block_mask on a family with a block classifier, at
-        the kernels' own tiles (``kind`` 'fwd' or 'bwd'), or None when not used (see
-        ``auto_sparse``)."""
-        if not fam.block_classifier or not self.auto_sparse or not env.auto_block_mask():
-            return None
-        B, Hq, _, Nq, Nk, d = dims(q, k, packed)
-        if Nq == 0 or Nk == 0:
-            return None
-        lib = self.library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, sparse=True)
-        fr, fc, br, bc, dr, dc = fam.block_tiles(lambda: dict(lib.instantiation.config), (0, 0))
-        per_b, per_h = self._mask_extents
-        block = self.params_block(values)
-        cu = {}
-        if packed is not None:
-            per_b = True
-            cu = {"cu_seqlens_q": packed.cu_seqlens_q, "cu_seqlens_k": packed.cu_seqlens_k}
-        ext = (B if per_b else 1, Hq if per_h else 1)
-        meta = (fr, fc, br, bc, dr, dc, 0 if mask_has_float(self.spec) else 1)  # as flashgen.block_mask
-        mask_lib = self.mask_library(fam, q.device)
-        if kind == "fwd":
-            return Blocks(lists_of(classify(mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
-                          None, meta)
-        qst = classify(mask_lib, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
-        dq = classify(mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
-        return Blocks(None, lists_of(qst), lists_of(dq), meta)
+        """Block lists classified per call, or None (runtime/blocks.py)."""
+        return blocks.auto_blocks(self, fam, kind, q, k, values, packed)
 
     @functools.cached_property
-    def _mask_extents(self) -> tuple[bool, bool]:
+    def mask_extents(self) -> tuple[bool, bool]:
         return mask_extents(self.spec)
 
     def _remember(self, fam: families.Family, device, dtype, head_dim, packed: bool, sparse: bool, seqlen,

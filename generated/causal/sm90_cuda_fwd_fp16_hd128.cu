@@ -2,7 +2,7 @@
 // spec:        causal (specs/causal.attn:3)
 // fingerprint: 0c3ecd73f8b0
 // family:      sm90 fwd, dtype fp16, head_dim 128
-// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=0, fwd_persistent=0, fwd_pingpong=0, fwd_stages=2
+// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=1, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 
@@ -51,11 +51,11 @@ struct Variant_causal {
 };
 }  // namespace
 
-// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 0 (flashgen/families/sm90.py).
-using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 0>;
+// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 1, ping-pong 0, persistent up to seqlen_k 4096 (flashgen/families/sm90.py).
+using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 4096>;
 
 extern "C" int fg_causal_fwd_fp16_hd128(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_causal, __half, 128, FgFwdTile>(*args);
+  return flashgen::sm90::launch_fwd<Variant_causal, __half, 128, FgFwdTile, false>(*args);
 }
 
 extern "C" const char* fg_causal_fwd_fp16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

@@ -2,7 +2,7 @@
 // spec:        relative_bias (specs/relative_bias.attn:3)
 // fingerprint: b53f23bfec64
 // family:      sm90 fwd, dtype bf16, head_dim 128
-// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=1, fwd_persistent=2048, fwd_pingpong=0, fwd_stages=2
+// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 
@@ -59,11 +59,11 @@ struct Variant_relative_bias {
 };
 }  // namespace
 
-// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 1, ping-pong 0, persistent up to seqlen_k 2048 (flashgen/families/sm90.py).
-using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 2048>;
+// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 1073741824 (flashgen/families/sm90.py).
+using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 1073741824>;
 
 extern "C" int fg_relative_bias_fwd_bf16_hd128(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_relative_bias, __nv_bfloat16, 128, FgFwdTile>(*args);
+  return flashgen::sm90::launch_fwd<Variant_relative_bias, __nv_bfloat16, 128, FgFwdTile, false>(*args);
 }
 
 extern "C" const char* fg_relative_bias_fwd_bf16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

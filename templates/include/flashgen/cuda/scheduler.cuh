@@ -68,7 +68,10 @@ struct QTileScheduler {
     int b, h, m_tile;
   };
   static __device__ __forceinline__ Item decode(int num_m_tiles, int heads_q, int iter) {
-    const int64_t w = int64_t(ptx::ctaid_x()) + int64_t(iter) * ptx::nctaid_x();
+    return decode_index(num_m_tiles, heads_q, int64_t(ptx::ctaid_x()) + int64_t(iter) * ptx::nctaid_x());
+  }
+  // The coordinates of work index w (>= 0).
+  static __device__ __forceinline__ Item decode_index(int num_m_tiles, int heads_q, int64_t w) {
     const int64_t bh = w / num_m_tiles;
     Item it;
     it.m_tile = num_m_tiles - 1 - int(w - bh * num_m_tiles);
