@@ -4,7 +4,8 @@
 One process per tool (memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that torch's caching
 allocator does not hide out-of-bounds accesses inside its blocks; racecheck for shared-memory
 hazards). Each process runs this script with --worker: every spec in specs/ at two small shapes
-(a tile-aligned and a ragged one), bf16, d 64 and 128, forced onto ``--family`` (a forced family
+(a tile-aligned and a ragged one), bf16, d 64 and 128, and at d 128 one packed batch and one
+block-sparse call, forced onto ``--family`` (a forced family
 never falls back, so a call it cannot serve is reported as skipped, not run elsewhere). The
 kernels are built first in a plain process, so the sanitized processes only load them.
 
@@ -53,6 +54,30 @@ def worker(family: str) -> int:
                 except (NotImplementedError, ValueError) as e:  # not served, or params unfit for nq != nk
                     skipped += 1
                     print(f"skip {path.stem} d{d} {nq}x{nk}: {str(e).splitlines()[0][:120]}")
+        # one packed batch (sequences shorter and longer than a tile, an empty one) and one
+        # block-sparse call (a random pattern of 128-blocks) per spec, d 128
+        lens_q, lens_k = [77, 0, 200], [130, 5, 200]
+        cu = [torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+              for n in (lens_q, lens_k)]
+        g = torch.Generator(device="cuda").manual_seed(7)
+        qp = torch.randn(sum(lens_q), 4, 128, device="cuda", generator=g).bfloat16()
+        kp = torch.randn(sum(lens_k), 2, 128, device="cuda", generator=g).bfloat16()
+        pattern = torch.rand(2, 4, 3, 3, device="cuda", generator=g) < 0.6
+        qs = torch.randn(2, 4, 300, 128, device="cuda", generator=g).bfloat16()
+        ks = torch.randn(2, 2, 300, 128, device="cuda", generator=g).bfloat16()
+        calls = [("packed", lambda: op(qp, kp, kp.clone(), cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=200,
+                                       max_seqlen_k=200, **example_params(op.spec, 3, 4, 200, 200, device="cuda"), **kw)),
+                 ("block-sparse", lambda: op(qs, ks, ks.clone(), block_mask=flashgen.BlockMask.from_pattern(pattern, 128),
+                                             **example_params(op.spec, 2, 4, 300, 300, device="cuda"), **kw))]
+        for what, call in calls:
+            try:
+                with flashgen.use_family(family), torch.no_grad():
+                    call()
+                torch.cuda.synchronize()
+                ran += 1
+            except (NotImplementedError, ValueError) as e:
+                skipped += 1
+                print(f"skip {path.stem} {what}: {str(e).splitlines()[0][:120]}")
     print(f"sanitize worker: {ran} calls ran on {family}, {skipped} skipped")
     return 0 if ran else 1  # nothing ran: nothing was checked
 

@@ -268,7 +268,7 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
         assert not any(g[0] == "causal" and (g[3] or g[4]) for g in got)  # no sparse kernels unless asked
     assert len({p.inst.variant_id() for p in planned}) == len(planned)
     causal_packed = next(p.inst for p in planned if p.inst.spec.name == "causal" and p.inst.target.arch == "sm_90a"
-                         and dict(p.inst.config).get("varlen"))
+                         and p.inst.target.family == "sm80" and dict(p.inst.config).get("varlen"))
     text = aot.not_built_message(causal_packed, [], [])
     assert "causal: sm80 sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
     assert "causal.attn --out DIR --arch sm_90a --dtype bf16 --head-dim 64 --layouts packed" in text
@@ -366,5 +366,6 @@ def test_plan_for_hopper_builds_each_family_what_it_serves():
         assert any(dict(i.config).get("mask") for i in doc)
         big = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[256], sparse=[True])
         assert [dict(p.inst.config)["fwd_block_n"] for p in big if not dict(p.inst.config).get("mask")] == [64]
-        with pytest.raises(ValueError, match="family sm90 serves the padded layout only"):
-            aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128], layouts=["packed"])
+        packed = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128],
+                                layouts=["padded", "packed"])
+        assert sorted(bool(dict(p.inst.config).get("varlen")) for p in packed) == [False, True]

@@ -24,7 +24,7 @@ def test_registry_order_and_features():
     assert (sm90.device, sm80.device, cpu.device) == ("cuda", "cuda", "cpu")
     assert ir.DType.FP32 in cpu.dtypes and ir.DType.FP32 not in sm80.dtypes
     assert ops.DROPOUT_BACKENDS == ("sm90", "sm80", "cpu")
-    assert ops.VARLEN_BACKENDS == ("sm80", "cpu")
+    assert ops.VARLEN_BACKENDS == ("sm90", "sm80", "cpu")
     with pytest.raises(ValueError, match="family: unknown kernel family 'sm70' .*sm90, sm80, cpu"):
         families.get("sm70")
     # A device type names its complete family (the one that serves every call there).
@@ -33,16 +33,16 @@ def test_registry_order_and_features():
 
 
 def test_sm90_declares_what_it_serves(causal):
-    """sm90 serves the padded forward (dropout and block lists too) at head dims up to 256 on
-    sm_90a; the rest goes to sm80, and the choice names what sm90 lacks."""
+    """sm90 serves the forward (dropout, block lists, packed batches) at head dims up to 256 on
+    sm_90a; the backward goes to sm80, and the choice names what sm90 lacks."""
     sm90 = families.get("sm90")
     assert sm90.head_dims == tuple(range(8, 257, 8))
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 128)
     assert families.choose(causal.spec, call).family is sm90
-    for d, feats in ((64, {"dropout"}), (128, {"sparse"}), (256, {"sparse", "dropout"}), (200, set())):
+    for d, feats in ((64, {"dropout"}), (128, {"sparse"}), (256, {"sparse", "dropout"}), (200, {"varlen"}), (128, {"varlen", "sparse"})):
         assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
                                                           frozenset(feats))).family is sm90
-    for feats, lacks in ((("backward",), "backward kernels"), (("varlen",), "packed")):
+    for feats, lacks in ((("backward",), "backward kernels"), (("varlen", "backward"), "backward kernels")):
         choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 128, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
@@ -77,7 +77,7 @@ def test_sm90_tiles_are_its_own(causal):
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
     assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
-    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096>" in src and "FgFwdTile, false>" in src
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096>" in src and "FgFwdTile, false, false>" in src
     # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)
     assert not sm90_family.smem_layout(128, 128, 2)[1] and sm90_family.smem_layout(128, 176, 2)[1]
     assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT
@@ -97,8 +97,8 @@ def test_sm90_tiles_are_its_own(causal):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_stages": 5})
     with pytest.raises(ValueError, match="shared memory"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_n": 256})
-    with pytest.raises(NotImplementedError, match="packed"):
-        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, packed=True)
+    packed = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128, packed=True, sparse=True)
+    assert dict(packed.config)["varlen"] == 1 and "FgFwdTile, true, true>" in next(iter(packed.sources().values()))
 
 
 def test_family_for_says_which_and_why(causal):
@@ -111,6 +111,8 @@ def test_family_for_says_which_and_why(causal):
     with pytest.raises(NotImplementedError, match="sm80 needs compute capability 8.0 or newer"):
         families.choose(causal.spec, call)
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "dropout"}))
+    assert families.choose(causal.spec, call).family.name == "sm90"
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "backward"}))
     assert families.choose(causal.spec, call).family.name == "sm80"
 
 

@@ -42,17 +42,10 @@ def test_sm90_is_chosen_first_for_the_forward(ops):
     assert op.family_for("cuda", torch.bfloat16, 128).family.name == "sm90"
     assert op.family_for("cuda", torch.float16, 64, dropout=True).family.name == "sm90"
     assert op.family_for("cuda", torch.bfloat16, 256, sparse=True).family.name == "sm90"
+    assert op.family_for("cuda", torch.bfloat16, 128, layout="packed").family.name == "sm90"
     # What sm90 does not serve yet runs on sm80, and the choice says why.
-    for kw in ({"layout": "packed"}, {"backward": True}):
-        choice = op.family_for("cuda", torch.bfloat16, 128, **kw)
-        assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
-    # A forced sm90 never falls back.
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = make(1, 2, 2, 64, 64, 128, torch.bfloat16, False, gen)
-    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90 .*packed"):
-        op(*(t[0].transpose(0, 1).contiguous() for t in (q, k, v)), cu_seqlens_q=cu, cu_seqlens_k=cu,
-           max_seqlen_q=64, max_seqlen_k=64)
+    choice = op.family_for("cuda", torch.bfloat16, 128, backward=True)
+    assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal"])
@@ -169,6 +162,59 @@ def test_per_call_block_lists(ops):
         cmp = check.compare(doc.spec, q, k, v, *outs[fam], document_id=ids)
         assert cmp.ok, f"{fam}: {cmp}"
     torch.testing.assert_close(outs["sm90"][1], outs["sm80"][1], atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("d, dtype", [(64, torch.float16), (128, torch.bfloat16), (256, torch.bfloat16)])
+def test_packed(d, dtype):
+    """Packed (varlen) batches on sm90 (forced), forward against the float64 reference and the
+    sm80 family's output: sequences shorter and longer than a tile, empty ones (no queries, no
+    keys), GQA, a mask of positions, one of ids and one of lengths; then the training step
+    (sm90 forward, sm80 backward) of varlen_cases.run_case."""
+    from varlen_cases import cu_seqlens, inputs
+    from varlen_cases import run_case as packed_case
+    from variant_cases import make_params, op
+
+    lens = [([700, 64, 1, 129, 0, 300], [7, 0, 1, 128, 5, 300]), ([1000, 257, 3], [1000, 5, 0]),
+            ([1] * 5 + [2049], [100, 0, 37, 512, 1, 2049])]
+    for i, name in enumerate(["causal", "dense", "document", "key_padding"]):
+        fop = op(name)
+        lq, lk = lens[i % len(lens)]
+        if name == "document":  # ids compare query and key positions: equal lengths
+            lk = lq
+        cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+        varlen = {"cu_seqlens_q": cq, "cu_seqlens_k": ck, "max_seqlen_q": max(lq), "max_seqlen_k": max(lk)}
+        q, k, v, _ = inputs(lq, lk, 8, 2, d, dtype, device="cuda", seed=10 * d + i)
+        params = make_params(name, len(lq), 8, max(lq), max(lk), "cuda", torch.Generator().manual_seed(i), i) \
+            if fop.spec.params else {}
+        outs = {}
+        for fam in ("sm90", "sm80"):
+            with flashgen.use_family(fam):
+                assert fop.family_for("cuda", dtype, d, layout="packed").family.name == fam
+                outs[fam] = fop(q, k, v, return_lse=True, **varlen, **params)
+            cmp = check.compare(fop.spec, q, k, v, *outs[fam], **varlen, **params)
+            assert cmp.ok, f"{fam} {name} d{d} lens {lq} / {lk}: {cmp}"
+        torch.testing.assert_close(outs["sm90"][1], outs["sm80"][1], atol=1e-3, rtol=0)
+    if d != 256:
+        packed_case("causal", [300, 0, 129, 1], [300, 5, 129, 64], 4, 2, d, dtype, device="cuda", seed=d)
+
+
+def test_packed_neighbours_holding_nan_do_not_leak():
+    """A packed sequence's last key tile reaches into the next sequence's rows (and its last
+    query tile into the next one's queries): those rows holding NaN must not reach its output."""
+    from varlen_cases import cu_seqlens, inputs
+
+    lq, lk = [100, 200, 77], [150, 200, 90]
+    cq, ck = cu_seqlens(lq, "cuda"), cu_seqlens(lk, "cuda")
+    varlen = {"cu_seqlens_q": cq, "cu_seqlens_k": ck, "max_seqlen_q": 200, "max_seqlen_k": 200}
+    q, k, v, _ = inputs(lq, lk, 2, 2, 128, torch.bfloat16, device="cuda", seed=5)
+    op = flashgen.compile(SPECS / "dense.attn")
+    with flashgen.use_family("sm90"):
+        ref = op(q, k, v, **varlen)
+        q2, k2, v2 = q.clone(), k.clone(), v.clone()
+        q2[100:300], k2[150:350], v2[150:350] = float("nan"), float("nan"), float("nan")  # sequence 1
+        out = op(q2, k2, v2, **varlen)
+    assert out[100:300].isnan().all()
+    assert torch.equal(out[:100], ref[:100]) and torch.equal(out[300:], ref[300:])
 
 
 @pytest.mark.parametrize("d", [64, 128])

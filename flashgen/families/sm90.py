@@ -1,10 +1,10 @@
 """The ``sm90`` family: the Hopper forward (templates/include/flashgen/sm90) — TMA copies into
 swizzled shared memory through an mbarrier pipeline, a producer warp and two consumer warpgroups
 of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatomy, Shah et al.
-2024), on sm_90a only. It serves the forward of the padded layout for every spec (mask and score
-hooks, tile classes, dropout with the sm80 family's Philox stream, block lists: ``block_mask=``
-and the lists the block classifier makes per call) at every head dim up to 256; the backward and
-packed batches run on ``sm80`` (a backward recomputes from q, k, v, out and LSE, which both
+2024), on sm_90a only. It serves the forward for every spec (mask and score hooks, tile classes,
+dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
+classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
+256; the backward runs on ``sm80`` (a backward recomputes from q, k, v, out and LSE, which both
 families define alike, so an sm90 forward pairs with the sm80 backward)."""
 
 from __future__ import annotations
@@ -146,8 +146,8 @@ class Sm90Family(Family):
     device = "cuda"
     dtypes = (ir.DType.FP16, ir.DType.BF16)
     head_dims = tuple(range(8, HEAD_DIM_MAX + 1, 8))
-    features = frozenset({"dropout", "sparse"})
-    split_layouts = True  # dense and block-sparse calls are separate instantiations
+    features = frozenset({"dropout", "sparse", "varlen"})
+    split_layouts = True  # padded / packed and dense / block-sparse calls are separate instantiations
     block_classifier = True  # the sm80 family's classifier kernel (``classifier``)
 
     def arch_reason(self, arch: str | None) -> str | None:
@@ -162,8 +162,6 @@ class Sm90Family(Family):
 
     def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
                sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:
-        if packed:
-            raise NotImplementedError("family sm90 has no packed (varlen) kernels")
         # Only this family's own keys: a tile config of another family (the sm80 tiles a caller
         # chose for the device) says nothing about these kernels.
         cfg = {k: v for k, v in (tiles or {}).items() if k in TILE_KEYS}
@@ -174,6 +172,8 @@ class Sm90Family(Family):
         cfg["fwd_only"] = 1
         if sparse:
             cfg["sparse"] = 1
+        if packed:
+            cfg["varlen"] = 1
         return tuple(sorted(cfg.items()))
 
     def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:

@@ -580,8 +580,9 @@ class AttentionOp:
                     dt_p = [d for d in (dtypes if dtypes is not None else self.dtypes(part))
                             if as_dtype(d) in self.dtypes(part)]
                     sp_p = [s for s in sps if not s or "sparse" in part.features]
-                    if hd_p and dt_p and "padded" in lays and sp_p:
-                        insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts="padded", sparse=sp_p,
+                    lay_p = [lay for lay in lays if lay == "padded" or "varlen" in part.features]
+                    if hd_p and dt_p and lay_p and sp_p:
+                        insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts=lay_p, sparse=sp_p,
                                             family=part.name)
                 return insts + self.build(device, dtypes, head_dims, jobs=jobs, layouts=layouts, sparse=sparse,
                                           family=fams[-1].name)

@@ -137,18 +137,23 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                     if bad:
                         raise ValueError(f"head_dims: {bad[0]} is not served by family {part.name} (it serves "
                                          f"{ranges_text(op.head_dims(part))})")
-                    if "padded" not in layouts or (True in sparse and "sparse" not in part.features):
-                        raise ValueError(f"layouts / sparse: family {part.name} serves the padded layout only "
-                                         "(its kernels have no packed form)")
-                # the requested sparsities it serves, and block lists per call where the spec needs them
+                    if ("packed" in layouts and "varlen" not in part.features) or \
+                            (True in sparse and "sparse" not in part.features):
+                        raise ValueError(f"layouts / sparse: family {part.name} has no "
+                                         + ("packed" if "packed" in layouts else "block-sparse") + " kernels")
+                # the requested layouts and sparsities it serves, and block lists per call where
+                # the spec needs them
                 part_sps = sorted(s for s in set(sparse) | ({True} if op.auto_sparse and part.block_classifier
                                                             else set()) if not s or "sparse" in part.features)
-                if "padded" in layouts:
+                part_pks = sorted({lay == "packed" for lay in layouts if lay == "padded" or "varlen" in part.features})
+                if part_pks:
                     for dt in dts:
                         for hd in part_hds:
                             if dt in op.dtypes(part) and hd in op.head_dims(part):
-                                for sp in part_sps:
-                                    add(Planned(op, part.instantiation(spec, arch, dt, hd, sparse=sp), index))
+                                for pk in part_pks:
+                                    for sp in part_sps:
+                                        add(Planned(op, part.instantiation(spec, arch, dt, hd, packed=pk, sparse=sp),
+                                                    index))
                     if True in part_sps:
                         add(Planned(op, part.classifier(spec, arch), index))
             if not families.complete(fams[-1]):

@@ -62,7 +62,7 @@ struct Variant_bias {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 1073741824>;
 
 extern "C" int fg_bias_fwd_fp16_hd64(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_bias, __half, 64, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_bias, __half, 64, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_bias_fwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

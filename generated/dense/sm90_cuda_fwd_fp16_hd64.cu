@@ -55,7 +55,7 @@ struct Variant_dense {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 1073741824>;
 
 extern "C" int fg_dense_fwd_fp16_hd64(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_dense, __half, 64, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_dense, __half, 64, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_dense_fwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

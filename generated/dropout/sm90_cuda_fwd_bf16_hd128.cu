@@ -55,7 +55,7 @@ struct Variant_dropout {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096>;
 
 extern "C" int fg_dropout_fwd_bf16_hd128(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_dropout, __nv_bfloat16, 128, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_dropout, __nv_bfloat16, 128, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_dropout_fwd_bf16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

@@ -58,7 +58,7 @@ struct Variant_prefix_lm {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 4096>;
 
 extern "C" int fg_prefix_lm_fwd_fp16_hd128(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_prefix_lm, __half, 128, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_prefix_lm, __half, 128, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_prefix_lm_fwd_fp16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

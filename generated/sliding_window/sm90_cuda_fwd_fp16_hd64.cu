@@ -56,7 +56,7 @@ struct Variant_sliding_window {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096>;
 
 extern "C" int fg_sliding_window_fwd_fp16_hd64(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_sliding_window, __half, 64, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_sliding_window, __half, 64, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_sliding_window_fwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

@@ -56,7 +56,7 @@ struct Variant_softcap {
 using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 1073741824>;
 
 extern "C" int fg_softcap_fwd_fp16_hd64(const FgFwdArgs* args) {
-  return flashgen::sm90::launch_fwd<Variant_softcap, __half, 64, FgFwdTile, false>(*args);
+  return flashgen::sm90::launch_fwd<Variant_softcap, __half, 64, FgFwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_softcap_fwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

@@ -2,12 +2,14 @@
 // et al. 2024, arXiv 2407.08608, Sec. 3.1), specialised by a generated Variant (flashgen/variant.h).
 //
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim,
-//             class Tile /* Sm90FwdTile */, bool kSparse = false>
+//             class Tile /* Sm90FwdTile */, bool kSparse = false, bool kPacked = false>
 //   int flashgen::sm90::launch_fwd(const FgFwdArgs& args);   // FgStatus; no host sync
 //
-// Padded layout only (the family declines packed batches; the host prelude refuses them here).
-// Head dims: the kernel compiles for every multiple of 8 up to 256 whose tiles fit shared memory
-// (the static_assert on kSmem); the family serves 8..128 (flashgen/families/sm90.py).
+// Layouts: padded [batch, heads, seqlen, d], or packed (kPacked: [total, heads, d] with
+// cu_seqlens, args.h), whose tensor maps see one batch of total rows; an item of a packed batch
+// addresses its sequence's rows from cu_seqlens (rows past the sequence's end inside the tensor
+// are the next sequence's: masked like keys outside the key range, below). Head dims: every
+// multiple of 8 up to 256 whose tiles fit shared memory (the static_assert on kSmem).
 //
 // ---------------------------------------------------------------------------------------------
 // CTA: three warpgroups (384 threads), one CTA per multiprocessor.
@@ -99,9 +101,11 @@ template <class Element, class VParams>
 struct Sm90FwdParams {  // 64-byte aligned through CUtensorMap
   CUtensorMap tq, tk, tv;  // TMA descriptors of q, k, v (sm90/tma.cuh)
   cuda::FwdParams<Element, VParams> base;  // everything the sm80 forward's Params hold
+  int64_t rows_k;  // rows of the k / v tensor maps: seqlen_k (padded) or total_k (packed)
 };
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false,
+          bool kPacked = false>
 struct Sm90Fwd {
   static_assert(kHeadDim >= 8 && kHeadDim <= 256 && kHeadDim % 8 == 0,
                 "the sm90 forward supports head_dim in {8, 16, ..., 256}");
@@ -138,7 +142,7 @@ struct Sm90Fwd {
   // softmax, tile classes, dropout and accumulator types.
   using Base = cuda::FwdMainloop<Variant, Element, kHeadDim, cuda::FwdTile<64, kBlockN, 4>, kSparse>;
   using Accum = typename Base::Accum;
-  using Epilogue = cuda::FwdEpilogue<Variant, Element, kHeadDim, 1, false>;
+  using Epilogue = cuda::FwdEpilogue<Variant, Element, kHeadDim, 1, kPacked>;
   using BaseParams = cuda::FwdParams<Element, typename Variant::Params>;
   using Params = Sm90FwdParams<Element, typename Variant::Params>;
   using Scheduler = cuda::QTileScheduler;
@@ -156,9 +160,13 @@ struct Sm90Fwd {
     __device__ uint32_t empty_v(int s) const { return base + 24 + 8 * (3 * kStages + s); }
   };
 
-  // The item's sizes and visit list, computed identically by producer and consumers.
+  // The item's sizes and visit list, computed identically by producer and consumers: its
+  // sequence's first rows (q0, k0: 0 in the padded layout) and lengths, the query tile's rows
+  // and the key tiles to visit. skip: a packed batch's query tile past its sequence's end
+  // (nothing to load or write; producer and consumers pass over it alike).
   struct Item {
-    int b, h, m_tile, q_lo, q_hi, kv_begin, kv_end, n_hi, n_tiles;
+    int b, h, m_tile, q0, k0, len_q, len_k, q_lo, q_hi, kv_begin, kv_end, n_hi, n_tiles;
+    bool skip;
     cuda::BlockRow blk;
   };
   // The work index of this CTA's iter-th item: rounds of gridDim.x items, CTAs in reverse order
@@ -171,14 +179,22 @@ struct Sm90Fwd {
     const cuda::QTileScheduler::Item w = Scheduler::decode_index(p.num_m_tiles, p.heads_q, work);
     Item it;
     it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
-    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const cuda::SeqSpan sp = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
+                                     : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    const int Nq = sp.len_q, Nk = sp.len_k;
+    it.q0 = sp.q0, it.k0 = sp.k0, it.len_q = Nq, it.len_k = Nk;
     it.q_lo = w.m_tile * kBlockM;
     it.q_hi = imin(it.q_lo + kBlockM, Nq);
-    it.kv_begin = imin(imax(Variant::kv_lo(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
-    it.kv_end = imin(imax(Variant::kv_hi(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
     it.n_hi = 0;
     it.n_tiles = 0;
     it.blk = cuda::BlockRow{nullptr, 0, 0};
+    it.skip = kPacked && it.q_lo >= Nq;
+    if (it.skip) {
+      it.kv_begin = it.kv_end = 0;
+      return it;
+    }
+    it.kv_begin = imin(imax(Variant::kv_lo(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
+    it.kv_end = imin(imax(Variant::kv_hi(p.vp, it.b, it.h, it.q_lo, it.q_hi, Nq, Nk), 0), Nk);
     if constexpr (kSparse) {
       it.blk = cuda::block_row(p.blk, it.b, it.h, it.m_tile);
       it.n_tiles = it.kv_end > it.kv_begin ? it.blk.n_all : 0;
@@ -208,18 +224,20 @@ struct Sm90Fwd {
     }
     uint32_t cnt = 0, edges = 0;
     int local = 0;
-    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter, ++local) {
+    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       const int64_t work = work_of(iter);
       if (work >= p.total_work) break;  // the last round's CTAs without an item
       const Item it = item(p, work);
+      if (it.skip) continue;
       const int h_kv = it.h / p.group;
+      const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
       // Q: the consumers released the previous item's Q after their last S GEMM.
       if (local > 0) ptx::mbar_wait(bar.empty_q(), (local - 1) & 1);
       if (lane == 0) {
         ptx::mbar_arrive_expect_tx(bar.full_q(), kQBytes);
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) {
-          ptx::tma_load_4d(s0 + pn * kQPanel, &P.tq, bar.full_q(), pn * 64, it.q_lo, it.h, it.b);
+          ptx::tma_load_4d(s0 + pn * kQPanel, &P.tq, bar.full_q(), pn * 64, it.q0 + it.q_lo, it.h, tb);
         }
       }
       for (int j = 0; j < it.n_tiles; ++j, ++cnt) {
@@ -233,12 +251,12 @@ struct Sm90Fwd {
           ptx::mbar_arrive_expect_tx(bar.full_k(stage), kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < kPanels; ++pn) {
-            ptx::tma_load_4d(sK + pn * kKVPanel, &P.tk, bar.full_k(stage), pn * 64, kv0, h_kv, it.b);
+            ptx::tma_load_4d(sK + pn * kKVPanel, &P.tk, bar.full_k(stage), pn * 64, it.k0 + kv0, h_kv, tb);
           }
         }
         if (cnt >= kStages) ptx::mbar_wait(bar.empty_v(stage), phase ^ 1);
         // V rows of this tile inside the tensor but outside the key range (see the header).
-        const int in_hi = imin(kv0 + kBlockN, p.seqlen_k);
+        const int in_hi = int(imin(int64_t(kv0 + kBlockN), P.rows_k - it.k0));
         const int zlo_end = imin(it.kv_begin, in_hi);      // rows [kv0, zlo_end)
         const int zhi_begin = imax(it.kv_end, kv0);        // rows [zhi_begin, in_hi)
         const bool edge = zlo_end > kv0 || zhi_begin < in_hi;
@@ -247,7 +265,7 @@ struct Sm90Fwd {
           ptx::mbar_arrive_expect_tx(done, kKVBytes);
 #pragma unroll
           for (int pn = 0; pn < kPanels; ++pn) {
-            ptx::tma_load_4d(sV + pn * kKVPanel, &P.tv, done, pn * 64, kv0, h_kv, it.b);
+            ptx::tma_load_4d(sV + pn * kKVPanel, &P.tv, done, pn * 64, it.k0 + kv0, h_kv, tb);
           }
         }
         if (edge) {
@@ -272,6 +290,7 @@ struct Sm90Fwd {
           if (lane == 0) ptx::mbar_arrive(bar.full_v(stage));
         }
       }
+      ++local;
     }
   }
 
@@ -369,7 +388,7 @@ struct Sm90Fwd {
                                                     uint32_t sQ, uint32_t s0, const Bars& bar,
                                                     uint32_t cnt, int wq_lo, int wq_hi, int warp_row0,
                                                     int lane, int wg) {
-    const int Nq = p.seqlen_q, Nk = p.seqlen_k, n = it.n_tiles;
+    const int Nq = it.len_q, Nk = it.len_k, n = it.n_tiles;
     float s[1][kBlockN / 8][4];
     uint32_t a[kBlockN / 16][4];
     // Tile 0: S, softmax, P (O is still 0: its rescale is harmless).
@@ -445,16 +464,17 @@ struct Sm90Fwd {
                                                  const Bars& bar, int wg, int warp_in_wg,
                                                  int lane) {
     const BaseParams& p = P.base;
-    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     Element* sO = reinterpret_cast<Element*>(smem + kOffO);
     const int warp_row0 = 64 * wg + 16 * warp_in_wg;  // this warp's first row in the tile
     uint32_t cnt = 0;
     int local = 0;
     if (Tile::kPingPong && wg == 1) pass(wg);  // consumer warpgroup 0 takes the first turn
-    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter, ++local) {
+    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       const int64_t work = work_of(iter);
       if (work >= p.total_work) break;  // the last round's CTAs without an item
       const Item it = item(p, work);
+      if (it.skip) continue;
+      const int Nq = it.len_q, Nk = it.len_k;
       const int wq_lo = it.q_lo + 64 * wg;                 // this warpgroup's rows
       const int wq_hi = imin(wq_lo + 64, Nq);
       Accum acc;
@@ -559,12 +579,15 @@ struct Sm90Fwd {
       // addresses are computed here, not hoisted out of the item loop and held in registers
       // through the key loop (where the accumulators need them; ptxas would spill them).
       const Scheduler::Item w = Scheduler::decode_index(p.num_m_tiles, p.heads_q, work_of(ptx::opaque(iter)));
-      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, 0, w.m_tile * kBlockM, Nq,
+      const cuda::SeqSpan se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
+                                       : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, se.q0, w.m_tile * kBlockM, se.len_q,
                     ptx::opaque(lane), ptx::opaque(warp_row0));
       if constexpr (kOInRing) {  // the rings (and Q) may take the next item's tiles now
         __syncwarp();
         if (lane == 0) ptx::mbar_arrive(bar.empty_q());
       }
+      ++local;
     }
   }
 
@@ -608,28 +631,32 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false, bool kPacked = false>
 int launch_fwd(const FgFwdArgs& a) {
-  using K = Sm90Fwd<Variant, Element, kHeadDim, Tile, kSparse>;
+  using K = Sm90Fwd<Variant, Element, kHeadDim, Tile, kSparse, kPacked>;
   using P = typename K::Params;
   static_assert(K::kSmem <= 227 * 1024, "the sm90 forward's tiles exceed shared memory");
   P p;
   memset(&p, 0, sizeof(p));
   int dev = 0;
   bool empty = false;
-  int st = cuda::fwd_prelude<Variant, Element, kHeadDim, false, kSparse, K::kBlockM, K::kBlockN>(
+  int st = cuda::fwd_prelude<Variant, Element, kHeadDim, kPacked, kSparse, K::kBlockM, K::kBlockN>(
       a, p.base, dev, empty);
   if (st != FG_OK || empty) return st;
   constexpr bool kBf16 = std::is_same<Element, __nv_bfloat16>::value;
-  st = detail::make_tmap(&p.tq, a.q, kBf16, a.batch, a.heads_q, a.seqlen_q, a.head_dim, a.q_stride_b,
+  // Packed batches: one batch of total rows (cu_seqlens locate each sequence's).
+  const int64_t nb = kPacked ? 1 : a.batch;
+  const int64_t rows_q = kPacked ? a.total_q : a.seqlen_q, rows_k = kPacked ? a.total_k : a.seqlen_k;
+  p.rows_k = rows_k;
+  st = detail::make_tmap(&p.tq, a.q, kBf16, nb, a.heads_q, rows_q, a.head_dim, kPacked ? 0 : a.q_stride_b,
                          a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
   if (st != FG_OK) return st;
-  if (a.seqlen_k > 0) {
-    st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, a.head_dim,
-                           a.k_stride_b, a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
+  if (a.seqlen_k > 0 && rows_k > 0) {
+    st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, a.head_dim,
+                           kPacked ? 0 : a.k_stride_b, a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st != FG_OK) return st;
-    st = detail::make_tmap(&p.tv, a.v, kBf16, a.batch, a.heads_kv, a.seqlen_k, a.head_dim,
-                           a.v_stride_b, a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
+    st = detail::make_tmap(&p.tv, a.v, kBf16, nb, a.heads_kv, rows_k, a.head_dim,
+                           kPacked ? 0 : a.v_stride_b, a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
     if (st != FG_OK) return st;
   }
   auto kernel = &fwd_kernel<K>;
