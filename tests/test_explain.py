@@ -701,11 +701,15 @@ def test_sm90_model_counts_its_own_forward_tile():
     assert (rep.family, fwd.block_m, fwd.block_n, fwd.warps) == ("sm90", 128, 128, 12)
     assert fwd.smem_bytes == sm90_smem(d, 128, 2)
     assert rep.fwd.terms["K, V reads"] == B * H * 8 * nk * d * e * 2
-    # sm90 builds no block lists: a document mask visits its closed-form (causal) key range
-    doc = ex.explain(SPECS / "document.attn", 1024, head_dim=64, arch="sm_90a")
+    # a document mask visits the block lists made per call for the sm90 tiles (128 x 128 at d 64)
+    ids = torch.tensor([[0] * 300 + [1] * 500 + [2] * 224], dtype=torch.int32)
+    doc = ex.explain(SPECS / "document.attn", 1024, head_dim=64, arch="sm_90a", params={"document_id": ids})
     causal = ex.explain(SPECS / "causal.attn", 1024, head_dim=64, arch="sm_90a")
-    assert doc.family == "sm90" and "closed-form key range" in doc.model
-    assert doc.fwd.terms["K, V reads"] == causal.fwd.terms["K, V reads"]
+    assert doc.family == "sm90" and doc.model.startswith("block lists") and doc.tiles["fwd"].block_n == 128
+    # key tiles holding a kept (causal, same-document) pair per query tile of 128 rows, documents
+    # [0, 300), [300, 800), [800, 1024): 1, 2, 3, 2, 3, 4, 5, 2 = 22 (causal: 36)
+    assert doc.fwd.terms["K, V reads"] == 22 * 128 * 64 * e * 2
+    assert causal.fwd.terms["K, V reads"] == 36 * 128 * 64 * e * 2
     assert doc.flops < causal.flops  # FLOPs count the kept pairs only
 
 

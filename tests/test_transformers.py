@@ -149,6 +149,45 @@ def test_packed_sequences_match_eager(name):
     assert_same(ref_logits, logits, "logits with cu_seq_lens")
 
 
+def test_training_under_torch_compile_runs_flashgen(monkeypatch):
+    """Under torch.compile transformers always builds packed sequence ids from position_ids in
+    training (its packing check is data-dependent): the backend runs them as a padded call with
+    per-token sequence ids (specs/transformers_packed.attn, no host read) instead of falling back;
+    logits and gradients equal eager attention's, packed rows included. The same ids path, forced
+    outside compile, equals the varlen path it replaces."""
+    m = model("mistral")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
+    pos = torch.tensor([list(range(12)), [*range(5), *range(7)]])  # row 1 holds two sequences
+    weights = torch.randn(2, 12, VOCAB, generator=torch.Generator().manual_seed(6))
+
+    def go(impl, fn):
+        m.set_attn_implementation(impl)
+        m.train()
+        m.zero_grad(set_to_none=True)
+        logits = fn(input_ids=ids, position_ids=pos, use_cache=False).logits
+        (logits * weights).sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.set_attn_implementation("eager")
+        return logits.detach(), grads
+
+    ref_logits, ref_grads = go("eager", m)
+    torch._dynamo.reset()
+    fg_hf.call_counts.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        logits, grads = go("fgen", torch.compile(m, backend="aot_eager"))  # dynamo traces as with inductor
+    assert not [w for w in seen if "flashgen" in str(w.message)], [str(w.message) for w in seen]  # no fallback
+    assert dict(fg_hf.call_counts) == {"transformers_packed": 2}, dict(fg_hf.call_counts)  # two layers
+    assert_same(ref_logits, logits, "logits")
+    for n in ref_grads:
+        assert_same(ref_grads[n], grads[n], f"grad of {n}")
+    torch._dynamo.reset()
+    varlen, _ = go("fgen", m)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    padded, _ = go("fgen", m)
+    assert_same(varlen, padded, "sequence ids against the varlen call")
+
+
 def greedy(m, impl, ids, mask, cache):
     m.set_attn_implementation(impl)
     m.eval()

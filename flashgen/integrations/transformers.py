@@ -38,9 +38,14 @@ builds that are not causal / sliding-window / bidirectional (e.g. chunked attent
 overlays, block_sequence_ids), sinks (``s_aux``), ``position_bias``, ``output_attentions=True``,
 value head dims that differ from the query's, head dims flashgen does not build and fp32 on CUDA.
 
-The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping) and
-``specs/transformers.attn`` (a key mask and ``softcap``), are compiled once per process, at the
-first call that needs each, or together by ``build()``.
+Under torch.compile, transformers hands the mask function packed sequence ids for every
+training call (its check for packing is data-dependent, so it is skipped while tracing); those
+calls run in the padded layout with the ids as a per-token sequence mask, with no host read.
+
+The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping),
+``specs/transformers.attn`` (a key mask and ``softcap``) and ``specs/transformers_packed.attn``
+(sequence ids, under torch.compile), are compiled once per process, at the first call that needs
+each, or together by ``build()``.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from ..runtime.op import compile as _compile
 # A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
 UNBOUNDED = 1 << 30
 
-SPECS = ("transformers", "transformers_window")
+SPECS = ("transformers", "transformers_window", "transformers_packed")
 
 # Calls per path since the process started: spec names, and "fallback:<function>" (for tests and
 # for checking which path a model's layers take).
@@ -146,10 +151,12 @@ def _closure(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
 
 
+@torch.compiler.disable  # closure cells cannot be read while dynamo traces (it would see no pattern)
 def _pattern(fn):
     """("causal" | "bidirectional", packed sequence ids or None) for the mask functions
     transformers builds for causal, sliding-window and bidirectional layers (windows come to the
-    attention function as ``sliding_window``), or None for any other pattern."""
+    attention function as ``sliding_window``), or None for any other pattern. Runs outside
+    torch.compile's tracing (one graph break per mask, i.e. per model call)."""
     from transformers import masking_utils as mu
 
     if fn is mu.causal_mask_function:
@@ -381,7 +388,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     nk = key.shape[2]
     mask = attention_mask
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
-    packed = None
+    packed = seq_ids = None
     if cu_q is not None or cu_k is not None:
         if mask is not None and mask.dtype == torch.bool:
             raise ValueError("cu_seq_lens_q: packed sequences with a 2-D padding attention_mask (pass one or "
@@ -400,8 +407,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if mask.shape != (batch, nq) or nq != nk:
             raise ValueError(f"attention_mask: packed sequence ids of shape {tuple(mask.shape)} for {batch} rows "
                              f"of {nq} queries and {nk} keys")
-        cu, max_len = _packed_from_ids(mask)
-        packed = (cu, cu, max_len, max_len)
+        if torch.compiler.is_compiling():
+            # Under torch.compile transformers builds these ids for every training call (one
+            # sequence per row when nothing is packed): a padded call that keeps each query to
+            # its own sequence's keys (specs/transformers_packed.attn), with no host read.
+            seq_ids = mask.to(torch.int32)
+        else:
+            cu, max_len = _packed_from_ids(mask)
+            packed = (cu, cu, max_len, max_len)
         mask = None
     if mask is not None:
         if mask.shape[-1] > nk:
@@ -413,7 +426,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             key, value = key[:, :, :nk], value[:, :, :nk]
     _, left, right = _window(module, is_causal, sliding_window)
     general = mask is not None or softcap is not None
-    name = "transformers" if general else "transformers_window"
+    name = "transformers_packed" if seq_ids is not None else "transformers" if general else "transformers_window"
     params = {"left": left, "right": right}
     run = {"scale": scaling}
     if dropout:
@@ -426,7 +439,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         v = value.transpose(1, 2).reshape(batch * nk, value.shape[1], d)
         cu_q, cu_k, mq, mk = packed
         run.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
-    if general:
+    if seq_ids is not None:
+        params.update(seq_id=seq_ids, softcap=float(softcap) if softcap else 0.0)
+    elif general:
         if mask is None:
             width = packed[3] if packed is not None else nk
             mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
