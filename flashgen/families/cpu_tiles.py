@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 
 from .. import env, reference
+from ..caches import Bounded
 from ..lang import expr, ir, keyrange
 
 ALPHA = 5.0  # fixed per-tile costs, in score entries per row or column (see the module docstring)
@@ -313,8 +314,8 @@ class CpuTiles:
         self.scalars = tuple(pos[n] for n in names if n in pos and not spec.params[pos[n]].is_tensor)
         self.read_pos = tuple(pos[r.base.id] for r in self.reads)  # each read's tensor in the values
         self.names = tuple(p.name for p in spec.params)
-        self.cache: dict[tuple, tuple[int, int]] = {}
-        self.indices: dict[tuple, tuple[int, ...]] = {}  # (read, sizes, scalars, shape) -> its element
+        self.cache: dict[tuple, tuple[int, int]] = Bounded()
+        self.indices: dict[tuple, tuple[int, ...]] = Bounded()  # (read, sizes, scalars, shape) -> its element
 
     def _index(self, n: int, tensor: torch.Tensor, nq: int, nk: int, scalars: tuple, values) -> tuple[int, ...]:
         """The element of tensor read ``n`` at b = h = 0, clamped (and broadcast dims at 0) as the
@@ -330,8 +331,6 @@ class CpuTiles:
                 size = tensor.shape[dim]
                 i = int(reference.evaluate(e, self.spec, at, named, torch.float64, check_bounds=False))
                 idx.append(0 if size == 1 and decl.shape[dim].broadcast else min(max(i, 0), size - 1))
-            if len(self.indices) > 4096:
-                self.indices.clear()
             idx = self.indices[key] = tuple(idx)
         return idx
 
@@ -365,8 +364,6 @@ class CpuTiles:
         tiles = self.cache.get(key)
         if tiles is None:
             named = dict(zip(self.names, values, strict=True))
-            if len(self.cache) > 4096:
-                self.cache.clear()
             tiles = self.cache[key] = derived_fwd_tiles(self.spec, bh, nq, nk, d, named, threads=threads,
                                                         l2=l2_bytes(), rng=self.rng)
         qb, kvb = override_fwd(tiles, nq, nk, overrides()[0])
@@ -389,8 +386,6 @@ class CpuTiles:
         tiles = self.cache.get(key)
         if tiles is None:
             named = dict(zip(self.names, values, strict=True))
-            if len(self.cache) > 4096:
-                self.cache.clear()
             tiles = self.cache[key] = derived_bwd_tiles(self.spec, nq, nk, d, dropout, named, l2=l2_bytes(),
                                                         rng=self.rng)
         args.tile_q, args.tile_kv = override_bwd(tiles, nq, nk, overrides()[1])

@@ -18,6 +18,7 @@ import torch
 
 from .. import families
 from ..abi import FgFwdArgs, FgKvCache
+from ..caches import Bounded
 from ..lang import expr as X
 from . import launch
 from .checks import IR_DTYPE, check_q_dtype, describe_tensor, ranges_text
@@ -318,7 +319,7 @@ def implementation_for(op):
     ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
     family (one with the 'decode' feature), the parameters, the launch."""
     spec = op.spec
-    checked: dict[tuple, KvCall] = {}  # tensor metadata -> the validated call (its tensors replaced per call)
+    checked: dict[tuple, KvCall] = Bounded()  # tensor metadata -> the validated call (its tensors replaced per call)
 
     def implementation(q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits,
                        *values):
@@ -333,8 +334,6 @@ def implementation_for(op):
             call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
                                  num_splits)
             if key is not None:
-                if len(checked) > 4096:
-                    checked.clear()
                 checked[key] = call
         else:  # the same metadata passed the checks: only the metadata tensors are this call's
             call = replace(call, cache_seqlens=cache_seqlens.contiguous(),

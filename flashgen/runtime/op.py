@@ -23,18 +23,18 @@ import torch
 
 from .. import env, families, tiles
 from ..build import artifact, cache
+from ..caches import Bounded
 from ..codegen import variant
 from ..errors import did_you_mean
 from ..lang import expr as X
 from ..lang import intervals, ir
 from ..lang.frontend import parse
 from ..reference import default_scale
-from ..sparsity import BlockMask, lists_of, mask_extents, mask_has_float, mask_names
+from ..sparsity import BlockMask, mask_extents, mask_names
 from ..tune import store as tune_store
 from . import blocks, checks, decode, launch, loader
 from .checks import (
     FLOAT32_MAX,
-    IR_DTYPE,
     Blocks,
     Packed,
     as_dtype,
@@ -43,11 +43,10 @@ from .checks import (
     check_dropout_seed,
     check_varlen_given,
     describe_param,
-    dims,
     ranges_text,
     spec_dtypes,
 )
-from .launch import classify, dropout_state
+from .launch import dropout_state
 from .library import register, register_kvcache
 
 # The kernel families (flashgen/families) whose kernels apply dropout; on the others
@@ -137,10 +136,10 @@ class AttentionOp:
         self._head_dims = {f: self.head_dims(f) for f in families.FAMILIES}
         self._dtypes = {f: self.dtypes(f) for f in families.FAMILIES}
         self._scales: dict[int, float] = {}  # head dim -> the spec's default scale
-        self._libraries: dict[tuple, cache.LoadedLibrary] = {}  # every key that selects a library
+        self._libraries: dict[tuple, cache.LoadedLibrary] = Bounded()  # every key that selects a library
         self._choices: dict[tuple, families.Choice] = {}
-        self.checked_inputs: set[tuple] = set()  # input metadata check_inputs accepted
-        self.plans: dict[tuple, launch.ForwardPlan] = {}  # launch plans of eager calls (runtime/launch.py)
+        self.checked_inputs = Bounded()  # input metadata check_inputs accepted
+        self.plans: dict[tuple, launch.ForwardPlan] = Bounded()  # launch plans of eager calls (runtime/launch.py)
         self._fields: dict[str, families.LaunchFields] = {}  # family name -> its per-call decisions
         self.implementation = None  # the registered forward implementation (set by _register)
         self.eager_autograd = None  # its autograd.Function for direct eager calls (set by _register)
@@ -152,7 +151,7 @@ class AttentionOp:
             if isinstance(n, ir.Index) for d, i in enumerate(n.indices)
             if isinstance(i, ir.Name) and i.id in ("b", "h", "q", "kv")})
         self.computed_reads = intervals.reads(spec)  # indices like t[h + 1]: their range checked per call
-        self.computed_reads_ok: set[tuple] = set()  # (sizes, int values, dims read) that passed
+        self.computed_reads_ok = Bounded()  # (sizes, int values, dims read) that passed
         self.torch_op = register(self, qualname)
         self.kvcache_implementation = decode.implementation_for(self)  # with_kvcache's (runtime/decode.py)
         self.torch_kvcache = register_kvcache(self, qualname, self.kvcache_implementation)
@@ -323,8 +322,6 @@ class AttentionOp:
             out, lse = self.implementation(q, k, v, scale, deterministic, *values, *dropout)
             plan = launch.forward_plan(self, q, k, v, scale, values, out)
             if plan is not None:
-                if len(self.plans) > 4096:
-                    self.plans.clear()
                 self.plans[key] = plan
             return (out, lse) if return_lse else out
         if direct:  # the schema's optional arguments, in order
@@ -695,8 +692,6 @@ class AttentionOp:
         inst = self.instantiation(device, dtype, head_dim, packed, sparse, seqlen, family=fam)
         lib = loader.load(inst, announce=announce)
         with self._libs_lock:
-            if len(self._libraries) > 4096:
-                self._libraries.clear()
             self._libraries[key] = lib
         return lib
 
