@@ -154,6 +154,9 @@ def test_input_errors_name_the_argument(dense_op):
     qs = torch.randn(1, 4, 32, 8).transpose(2, 3)  # [1,4,8,32] with last-dim stride 8
     error(dense_op, ValueError, "^q: last dim must be contiguous", qs, k, v)
     error(dense_op, ValueError, "^scale: expected a finite float", q, k, v, scale=float("nan"))
+    error(dense_op, TypeError, r"^scale: expected a float, got Tensor \(pass float\(scale\)", q, k, v,
+          scale=torch.tensor(0.5))
+    error(dense_op, TypeError, "^scale: expected a float, got str", q, k, v, scale="0.5")
     error(dense_op, ValueError, "^dropout_p=0.1: spec 'dense' declares no dropout; add a line `dropout`", q, k, v,
           dropout_p=0.1)
     error(dense_op, TypeError, "^block_mask: expected a flashgen.BlockMask", q, k, v, block_mask=object())

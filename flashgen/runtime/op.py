@@ -280,8 +280,8 @@ class AttentionOp:
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, int | float)):
-            raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
+        if scale is not None:
+            _check_scale_type(scale)
         values = self._param_values(params)
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
         varlen = {}
@@ -350,7 +350,8 @@ class AttentionOp:
         """The softmax scale of a call: ``scale`` checked (a finite float within fp32 range), or
         the spec's default at ``head_dim`` (1/sqrt(d) unless the spec sets ``scale``)."""
         if scale is not None:
-            if isinstance(scale, bool) or not isinstance(scale, int | float) or not abs(scale) < FLOAT32_MAX:
+            _check_scale_type(scale)
+            if not abs(scale) < FLOAT32_MAX:
                 raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
             return float(scale)
         hit = self._scales.get(head_dim)
@@ -718,6 +719,14 @@ class AttentionOp:
         (runtime/launch.py, FlashAttention-2 Alg. 2)."""
         return launch.launch_backward(self, q, k, v, out, lse, dout, dlse, scale, deterministic, values,
                                       need_param_grads, dropout_p, dropout_state, **kw)
+
+
+def _check_scale_type(scale) -> None:
+    """TypeError unless ``scale`` is a Python int or float (not a bool, not a tensor)."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        hint = " (pass float(scale): a tensor would be read back from the device)" \
+            if isinstance(scale, torch.Tensor) else ""
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}{hint}")
 
 
 def _plain(v):
