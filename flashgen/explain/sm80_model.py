@@ -77,10 +77,12 @@ def registers(op, target: Target, dt, d, choice, listed: bool, compile_it: bool,
     return (max(fwd) if fwd else None), (max(bwd) if bwd else None), src
 
 
-def describe(call: ModelCall) -> FamilyPart:
+def describe(call: ModelCall, fwd_tile=None) -> FamilyPart:
     """The sm80 family's tiles (flashgen.tiles.choose: env, tuned, table or derived), their
     shared memory and registers, the mask geometry (with block occupancy when the call builds
-    block lists: a mask without a closed-form key range), the GQA split and the peaks."""
+    block lists: a mask without a closed-form key range), the GQA split and the peaks.
+    ``fwd_tile(listed)``: the (rows, keys) of another family's forward, whose block occupancy
+    the geometry counts instead of sm80's forward tile's (sm90_model)."""
     op, spec, target, dt, d = call.op, call.spec, call.target, call.dtype, call.head_dim
     nq, nk, notes = call.nq, call.nk, call.notes
     info = target.info
@@ -115,6 +117,8 @@ def describe(call: ModelCall) -> FamilyPart:
     if bwd_t.smem_bytes(d) > info.smem_optin:
         notes.append("the backward tile exceeds this GPU's shared memory: the kernels take the deterministic "
                      "path (dQ kernel), which the backward byte model does not describe")
+    if fwd_tile is not None:
+        fwd_mn = fwd_tile(listed)
     geo = mask_geometry(spec, nq, nk, call.batch, call.heads, call.values, call.given,
                         (fwd_mn, bwd_mn) if listed else ())
     splits = gqa_splits(-(-nk // bwd_mn[1]), call.hkv, call.batch, call.heads // call.hkv, info.sms)

@@ -8,7 +8,6 @@ from dataclasses import replace
 
 from ..families import sm90
 from . import sm80_model
-from .geometry import mask_geometry
 from .report import TileReport
 from .target import FamilyPart, ModelCall
 
@@ -18,13 +17,14 @@ def describe(call: ModelCall) -> FamilyPart:
     builds block lists (a mask without an exact closed-form key range, e.g. document ids), the
     block occupancy is counted at the sm90 forward's tiles too (the classifier makes its lists
     for them: runtime/blocks.py)."""
-    part = sm80_model.describe(call)
-    cfg = dict(sm90.FAMILY.config(call.spec, call.target.arch, call.dtype, call.head_dim, sparse=part.listed))
+    cfg = {}
+
+    def tile(listed: bool) -> tuple[int, int]:
+        cfg.update(sm90.FAMILY.config(call.spec, call.target.arch, call.dtype, call.head_dim, sparse=listed))
+        return 128, cfg["fwd_block_n"]
+
+    part = sm80_model.describe(call, fwd_tile=tile)
     bn, stages = cfg["fwd_block_n"], cfg["fwd_stages"]
-    if part.listed:
-        geo = mask_geometry(call.spec, call.nq, call.nk, call.batch, call.heads, call.values, call.given,
-                            ((128, bn), part.bwd_mn))
-        part = replace(part, geo=geo)
     fwd = TileReport(128, bn, 12, "family default",
                      sm90.smem_bytes(call.head_dim, bn, stages), None,
                      "not modelled (setmaxnreg: 240 per consumer thread, 24 per producer thread)",

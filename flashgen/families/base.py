@@ -111,6 +111,14 @@ class Family:
             return "has no " + ", ".join(_FEATURE_TEXT[f] for f in missing)
         return None
 
+    def served(self, layouts, sparse) -> tuple[list[str], list[bool]]:
+        """Of the requested ``layouts`` ('padded' / 'packed') and ``sparse`` flags, those this
+        family has kernels for (packed needs 'varlen', block-sparse needs 'sparse'), in order
+        and without repeats: what a build for a partial family takes of a request."""
+        lays = [lay for lay in dict.fromkeys(layouts) if lay == "padded" or "varlen" in self.features]
+        sps = [s for s in dict.fromkeys(sparse) if not s or "sparse" in self.features]
+        return lays, sps
+
     # ------------------------------------------------------------ builds
 
     def target(self, arch: str) -> artifact.Target:

@@ -577,8 +577,7 @@ class AttentionOp:
                     hd_p = [h for h in (head_dims if head_dims is not None else (64, 128)) if h in self.head_dims(part)]
                     dt_p = [d for d in (dtypes if dtypes is not None else self.dtypes(part))
                             if as_dtype(d) in self.dtypes(part)]
-                    sp_p = [s for s in sps if not s or "sparse" in part.features]
-                    lay_p = [lay for lay in lays if lay == "padded" or "varlen" in part.features]
+                    lay_p, sp_p = part.served(lays, sps)
                     if hd_p and dt_p and lay_p and sp_p:
                         insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts=lay_p, sparse=sp_p,
                                             family=part.name)

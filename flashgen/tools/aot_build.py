@@ -143,9 +143,9 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                                          + ("packed" if "packed" in layouts else "block-sparse") + " kernels")
                 # the requested layouts and sparsities it serves, and block lists per call where
                 # the spec needs them
-                part_sps = sorted(s for s in set(sparse) | ({True} if op.auto_sparse and part.block_classifier
-                                                            else set()) if not s or "sparse" in part.features)
-                part_pks = sorted({lay == "packed" for lay in layouts if lay == "padded" or "varlen" in part.features})
+                part_lays, part_sps = part.served(layouts, sorted(set(sparse) | ({True} if op.auto_sparse
+                                                                                  and part.block_classifier else set())))
+                part_pks = sorted({lay == "packed" for lay in part_lays})
                 if part_pks:
                     for dt in dts:
                         for hd in part_hds:
