@@ -8,8 +8,8 @@
 * load: ``--procs`` processes start at once on one fresh cache directory, each compiling the
   ``--specs`` (every process builds or waits for the same artifacts: the cache's locks) and
   calling each on random shapes, every output checked against the float64 reference.
-* threads: ``--threads`` threads call one op (sliding_window, its window drawn per call) on
-  random shapes at once, every output checked against the reference.
+* threads: ``--threads`` threads call one op (``--specs``, default sliding_window, its window
+  drawn per call) on random shapes at once, every output checked against the reference.
 * soak: ``--calls`` calls in one process with random shapes, specs (dense, causal, sliding
   window, ALiBi, document ids, key padding), dtypes and layouts (padded, packed, a random block
   mask), every ``--check-every``-th checked against the reference; host RSS (VmRSS) and CUDA
@@ -60,6 +60,8 @@ def rss_bytes() -> int:
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Specs whose parameters index queries and keys by one size (the random shapes keep Nq = Nk).
+EQUAL_SEQLENS = ("document", "transformers_packed")
 
 
 def _dtypes(device: str, names: str | None = None):
@@ -85,7 +87,7 @@ def checked_call(op, rng: random.Random, device: str, *, layout: str = "padded",
     dtype = rng.choice(_dtypes(device, dtypes))
     B, hkv = rng.randint(1, 2), rng.randint(1, 2)
     hq, d = hkv * rng.choice((1, 2)), rng.choice((32, 64))
-    equal = op.spec.name == "document"  # ids compare query and key positions
+    equal = op.spec.name in EQUAL_SEQLENS  # ids compare query and key positions
     nq = rng.randint(1, 300)
     nk = nq if equal else rng.randint(1, 300)
     kw = {}
@@ -154,14 +156,15 @@ def run_load(a) -> dict:
 def run_threads(a) -> dict:
     import flashgen
 
-    op = flashgen.compile(ROOT / "specs" / "sliding_window.attn")
+    op = flashgen.compile(ROOT / "specs" / f"{a.specs}.attn")
     errors: list[str] = []
 
     def body(i: int) -> None:
         rng = random.Random(1000 + i)
         try:
             for _ in range(a.calls):
-                checked_call(op, rng, a.device, dtypes=a.dtypes, window=rng.randint(1, 200))
+                window = rng.randint(1, 200) if any(p.name == "window" for p in op.spec.params) else None
+                checked_call(op, rng, a.device, dtypes=a.dtypes, window=window)
         except Exception as e:  # noqa: BLE001 - every failure is reported
             errors.append(f"thread {i}: {type(e).__name__}: {e}")
 
@@ -220,6 +223,31 @@ def run_soak(a) -> dict:
             "growth_pct": [round(g, 3) for g in growth], "failed": 0 if ok else 1}
 
 
+def check_args(ap: argparse.ArgumentParser, a) -> None:
+    """ap.error (one line, exit status 2) for an option value the phases cannot run with."""
+    for name in a.specs.split(","):
+        if not (ROOT / "specs" / f"{name}.attn").is_file():
+            ap.error(f"--specs: no spec {name!r} in specs/")
+    if a.phase == "threads" and len(a.specs.split(",")) != 1:
+        ap.error("--specs: the threads phase calls one op (give one spec)")
+    for name in (a.dtypes or "").split(",") if a.dtypes is not None else ():
+        if name not in DTYPES:
+            ap.error(f"--dtypes: unknown dtype {name!r} (expected some of {', '.join(DTYPES)})")
+    for opt, value in (("--calls", a.calls), ("--procs", a.procs), ("--threads", a.threads),
+                       ("--check-every", a.check_every)):
+        if value < 1:
+            ap.error(f"{opt}: expected an int >= 1, got {value}")
+    import torch
+
+    try:
+        dev = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device: expected cpu or cuda[:N], got {a.device!r}")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device: {a.device} is not available here (expected cpu, or cuda on a CUDA build of torch "
+                 "with a GPU)")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("phase", choices=("load", "threads", "soak", "load-worker"))
@@ -242,8 +270,9 @@ def main(argv=None) -> int:
     if a.calls is None:
         a.calls = 20 if a.phase == "threads" else 10000
     if a.specs is None:
-        a.specs = "causal,alibi,document,softcap" if a.phase == "load" else \
-            "dense,causal,sliding_window,alibi,document,key_padding"
+        a.specs = {"load": "causal,alibi,document,softcap", "threads": "sliding_window"}.get(
+            a.phase, "dense,causal,sliding_window,alibi,document,key_padding")
+    check_args(ap, a)
     res = {"load": run_load, "threads": run_threads, "soak": run_soak}[a.phase](a)
     res["device"] = a.device
     if a.json:

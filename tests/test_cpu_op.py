@@ -157,6 +157,10 @@ def test_input_errors_name_the_argument(dense_op):
     error(dense_op, TypeError, r"^scale: expected a float, got Tensor \(pass float\(scale\)", q, k, v,
           scale=torch.tensor(0.5))
     error(dense_op, TypeError, "^scale: expected a float, got str", q, k, v, scale="0.5")
+    import numpy as np
+
+    for s in (np.float32(0.25), np.int64(2)):  # NumPy scalars are the numbers they hold
+        torch.testing.assert_close(dense_op(q, k, v, scale=s), dense_op(q, k, v, scale=float(s)), rtol=0, atol=0)
     error(dense_op, ValueError, "^dropout_p=0.1: spec 'dense' declares no dropout; add a line `dropout`", q, k, v,
           dropout_p=0.1)
     error(dense_op, TypeError, "^block_mask: expected a flashgen.BlockMask", q, k, v, block_mask=object())

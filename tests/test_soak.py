@@ -76,3 +76,15 @@ def test_launch_plans_are_bounded():
     b = Bounded(2)
     b.add(1), b.add(2), b.add(3)
     assert list(b) == [2, 3] and 1 not in b
+
+
+@pytest.mark.parametrize("args, message", [
+    (["soak", "--specs", "nosuch"], "--specs: no spec 'nosuch'"), (["soak", "--calls", "0"], "--calls: expected"),
+    (["soak", "--dtypes", "fp64"], "--dtypes: unknown dtype 'fp64'"), (["load", "--procs", "0"], "--procs: expected"),
+    (["threads", "--specs", "causal,dense"], "--specs: the threads phase calls one op"),
+    (["soak", "--device", "nosuch"], "--device: expected cpu or cuda"),
+])
+def test_bad_options_are_one_line_errors(soak, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        soak.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err

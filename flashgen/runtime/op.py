@@ -281,6 +281,7 @@ class AttentionOp:
         if not isinstance(q, torch.Tensor):
             raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
         if scale is not None:
+            scale = _plain(scale)  # a NumPy scalar as the float the schema takes
             _check_scale_type(scale)
         values = self._param_values(params)
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
