@@ -21,6 +21,7 @@ from .lang import expr as X
 from .lang import ir
 from .ops import TORCH_DTYPE, AttentionOp
 from .params import example_params
+from .runtime import masks as block_masks
 
 
 @dataclass
@@ -235,17 +236,28 @@ def _flex(spec: ir.Spec):
 def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DType, device: torch.device,
         *, reps: int = 10, include: set[str] | None = None, eager_max_bytes: float = 8e9,
         backward: bool = False, log: Callable[[str], None] = print, params: dict | None = None,
-        dropout_p: float = 0.0) -> list[Row]:
+        dropout_p: float = 0.0, block_mask: bool = False) -> list[Row]:
     """Time ours and the peers on each (batch, heads, seqlen, head_dim): the forward, or with
     ``backward`` forward+backward (gradients of q, k, v for a random dout; FLOPs 3.5× the
     forward's, the backward counted as 2.5× as in FlashAttention's benchmarks). Spec parameters
     come from ``params`` where given, else flashgen.params.example_params (per shape). ``include``
     limits the peers timed (ours always are); ValueError for a name that is no peer here
-    (``check_include``)."""
+    (``check_include``).
+
+    Row ``flashgen`` is our op called without a block mask: the kernels skip the tiles outside
+    closed-form key ranges, and on CUDA a mask without one (e.g. document ids) is classified into
+    block lists inside every timed call (FLASHGEN_AUTO_BLOCK_MASK). With ``block_mask`` and a spec
+    that has a mask, row ``flashgen-bm`` is the same op called with ``block_mask=`` the spec's own
+    block mask (flashgen.block_mask, block size 128, the call's batch, heads and parameter
+    values), built once per shape before the timing, as FlexAttention's is: the timed region is
+    the call alone, not the mask's construction. Specs without a mask get no such row."""
     check_include(include, device, dropout_p)
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
+    shape_mask: dict = {}  # the current shape's block mask for flashgen-bm (built outside the timing)
     impls = {"flashgen": lambda q, k, v, p: op(q, k, v, dropout_p=dropout_p, **p)}
+    if block_mask and op.spec.mask is not None:
+        impls["flashgen-bm"] = lambda q, k, v, p: op(q, k, v, block_mask=shape_mask["bm"], dropout_p=dropout_p, **p)
     if dropout_p:  # dropout's overhead: the same op with p = 0
         impls["flashgen-p0"] = lambda q, k, v, p: op(q, k, v, **p)
     if backward:  # the cost of bitwise-repeatable gradients, next to the default
@@ -259,6 +271,14 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
                                       **pv)
         if backward:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
+        bm_failed = ""
+        if "flashgen-bm" in impls:
+            shape_mask.clear()
+            try:
+                shape_mask["bm"] = block_masks.block_mask(op, N, N, batch=B, heads=H, block_size=128, device=device, **pv)
+            except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
+                # its arguments refused, or its build or launch failed: reported on the row, not fatal
+                bm_failed = f"failed: block_mask: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
         for name, fn in impls.items():
             if include and name not in include and not name.startswith("flashgen"):
                 continue
@@ -266,6 +286,8 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
                       device.type, None, None)
             if fn is None:
                 row.note = "unavailable"
+            elif name == "flashgen-bm" and bm_failed:
+                row.note = bm_failed
             elif name == "eager" and B * H * N * N * (36 if backward else 12) > eager_max_bytes:
                 row.note = "skipped (N×N scores too large)"
             else:

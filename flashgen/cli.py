@@ -100,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--dropout-p", type=float, default=0.0,
                     help="dropout probability for ours and SDPA (specs that declare dropout); adds a "
                          "flashgen-p0 row (p = 0) for the overhead; FlexAttention has no dropout")
+    be.add_argument("--block-mask", action="store_true",
+                    help="also time ours given the spec's own block mask (flashgen.block_mask, block 128), built "
+                         "once per shape outside the timing as FlexAttention's is: row flashgen-bm next to the "
+                         "per-call row flashgen; adds nothing for specs without a mask")
 
     tu = sub.add_parser("tune", formatter_class=_Help, help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
     tu.add_argument("spec", type=Path)
@@ -351,10 +355,11 @@ def cmd_bench(args) -> int:
     if args.dropout_p and not op.spec.dropout:
         raise ValueError(f"--dropout-p {args.dropout_p}: spec '{op.spec.name}' declares no dropout; add a line "
                          "`dropout` to the spec to enable it")
-    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None)
+    sparse = (False, True) if args.block_mask and op.spec.mask is not None else (False,)
+    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None, sparse=sparse)
     try:
         rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
-                         backward=args.backward, params=given, dropout_p=args.dropout_p)
+                         backward=args.backward, params=given, dropout_p=args.dropout_p, block_mask=args.block_mask)
     except IndexError as e:
         raise _drawn_index_error(op, given, e) from None
     if args.json:
