@@ -77,7 +77,7 @@ def test_sm90_tiles_are_its_own(causal):
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
     assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
-    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096>" in src and "FgFwdTile, false, false>" in src
+    assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096, 128>" in src and "FgFwdTile, false, false>" in src
     # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)
     assert not sm90_family.smem_layout(128, 128, 2)[1] and sm90_family.smem_layout(128, 176, 2)[1]
     assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT
@@ -86,9 +86,21 @@ def test_sm90_tiles_are_its_own(causal):
     assert sm90_family.tiles_from_text("176x2x1x0x1073741824") == {
         "fwd_block_n": 176, "fwd_stages": 2, "fwd_overlap": 1, "fwd_pingpong": 0, "fwd_persistent": 1 << 30}
     assert sm90_family.tiles_from_text("128x3") == {"fwd_block_n": 128, "fwd_stages": 3}
-    for bad in ("128", "128x2x1x0x0x7", "128xtwo"):
+    assert sm90_family.tiles_from_text("128x2x0x0x0x3")["fwd_consumers"] == 3
+    for bad in ("128", "128x2x1x0x0x2x7", "128xtwo"):
         with pytest.raises(ValueError, match="^tiles: expected keys x stages"):
             sm90_family.tiles_from_text(bad)
+    # three consumer warpgroups: 192-row query tiles, not for block lists nor ping-pong
+    three = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_consumers": 3})
+    assert "Sm90FwdTile<128, 2, 0, 0, 4096, 192>" in three.sources()[three.source_name("fwd")]
+    assert sm90.block_tiles(lambda: three.config, (128, 128))[0] == 192
+    with pytest.raises(ValueError, match="fwd_consumers: block lists take 128-row query tiles"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, sparse=True, tiles={"fwd_consumers": 3})
+    with pytest.raises(ValueError, match="fwd_pingpong: ping-pong takes two consumer warpgroups"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_consumers": 3, "fwd_overlap": 1,
+                                                                     "fwd_pingpong": 1})
+    with pytest.raises(ValueError, match="fwd_consumers: expected 2 or 3"):
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_consumers": 4})
     with pytest.raises(ValueError, match="fwd_persistent: expected the largest seqlen_k"):
         sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_persistent": -1})
     with pytest.raises(ValueError, match="fwd_block_n: expected a multiple of 16"):

@@ -1,5 +1,5 @@
-"""The ``sm90`` family's model for explain: its forward tile (128 query rows in two consumer
-warpgroups × the family's key tile, flashgen/families/sm90.py) and shared memory; everything
+"""The ``sm90`` family's model for explain: its forward tile (128 or 192 query rows in two
+or three consumer warpgroups × the family's key tile, flashgen/families/sm90.py) and shared memory; everything
 else — the mask geometry, the backward (which runs on sm80), the peaks — is the sm80 model's."""
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ def describe(call: ModelCall) -> FamilyPart:
 
     def tile(listed: bool) -> tuple[int, int]:
         cfg.update(sm90.FAMILY.config(call.spec, call.target.arch, call.dtype, call.head_dim, sparse=listed))
-        return 128, cfg["fwd_block_n"]
+        return 64 * cfg.get("fwd_consumers", 2), cfg["fwd_block_n"]
 
     part = sm80_model.describe(call, fwd_tile=tile)
-    bn, stages = cfg["fwd_block_n"], cfg["fwd_stages"]
-    fwd = TileReport(128, bn, 12, "family default",
-                     sm90.smem_bytes(call.head_dim, bn, stages), None,
-                     "not modelled (setmaxnreg: 240 per consumer thread, 24 per producer thread)",
-                     f"128x{bn}, {stages} K/V stages, 1 producer + 2 consumer warpgroups")
+    bm, bn, stages = 64 * cfg.get("fwd_consumers", 2), cfg["fwd_block_n"], cfg["fwd_stages"]
+    consumers = bm // 64
+    fwd = TileReport(bm, bn, 4 * (consumers + 1), "family default",
+                     sm90.smem_bytes(call.head_dim, bn, stages, bm), None,
+                     f"not modelled (setmaxnreg: {240 if consumers == 2 else 160} per consumer thread, "
+                     "24 per producer thread)",
+                     f"{bm}x{bn}, {stages} K/V stages, 1 producer + {consumers} consumer warpgroups")
     call.notes.append("forward: the sm90 family (wgmma, TMA); backward: the sm80 family")
-    return replace(part, tiles={**part.tiles, "fwd": fwd}, fwd_mn=(128, bn))
+    return replace(part, tiles={**part.tiles, "fwd": fwd}, fwd_mn=(bm, bn))

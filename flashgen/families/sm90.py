@@ -34,14 +34,14 @@ def default_block_n(head_dim: int, sparse: bool = False) -> int:
     return max(bn for bn in range(16, 129, 16) if smem_bytes(head_dim, bn, 2) <= SMEM_LIMIT)
 
 
-def smem_layout(head_dim: int, block_n: int, stages: int) -> tuple[int, bool]:
+def smem_layout(head_dim: int, block_n: int, stages: int, block_m: int = 128) -> tuple[int, bool]:
     """(dynamic shared memory in bytes, whether the O staging rows overlay the K/V rings) of
-    the sm90 forward: sm90/fwd.cuh Sm90Fwd::kSmem and kOInRing."""
+    the sm90 forward with ``block_m`` query rows: sm90/fwd.cuh Sm90Fwd::kSmem and kOInRing."""
     kd = -(-head_dim // 16) * 16
     panels = -(-kd // 64)
-    q = panels * 128 * 128
+    q = panels * block_m * 128
     ring = 2 * stages * panels * block_n * 128
-    o = -(-(128 * (kd + 8) * 2) // 16) * 16
+    o = -(-(block_m * (kd + 8) * 2) // 16) * 16
     bars = 8 * (3 + 4 * stages)
     in_ring = q + ring + o + bars + 1024 > SMEM_LIMIT
     if in_ring and ring < o:
@@ -49,32 +49,44 @@ def smem_layout(head_dim: int, block_n: int, stages: int) -> tuple[int, bool]:
     return q + ring + (0 if in_ring else o) + bars + 1024, in_ring
 
 
-def smem_bytes(head_dim: int, block_n: int, stages: int) -> int:
+def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = 128) -> int:
     """Dynamic shared memory of the sm90 forward (bytes; sm90/fwd.cuh Sm90Fwd::kSmem)."""
-    return smem_layout(head_dim, block_n, stages)[0]
+    return smem_layout(head_dim, block_n, stages, block_m)[0]
 
 
-TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent")
+TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent", "fwd_consumers")
 
 
 def tiles_from_text(text: str) -> dict:
-    """A tile config from 'keys x stages [x overlap [x ping-pong [x persistent]]]', e.g.
-    '128x2x1x0x2048' (the TILE_KEYS in order; scripts/bench_sm90.py --tiles). ValueError for
-    anything else (legality is check_tiles')."""
+    """A tile config from 'keys x stages [x overlap [x ping-pong [x persistent [x consumers]]]]',
+    e.g. '128x2x1x0x2048' or '128x2x1x0x0x3' (the TILE_KEYS in order; scripts/bench_sm90.py
+    --tiles). ValueError for anything else (legality is check_tiles')."""
     try:
         values = [int(x) for x in text.split("x")]
     except ValueError:
         values = []
     if not 2 <= len(values) <= len(TILE_KEYS):
-        raise ValueError(f"tiles: expected keys x stages [x overlap [x ping-pong [x persistent]]], got {text!r}")
+        raise ValueError("tiles: expected keys x stages [x overlap [x ping-pong [x persistent [x consumers]]]], "
+                         f"got {text!r}")
     return dict(zip(TILE_KEYS, values))
 
 
 def check_tiles(cfg: dict, head_dim: int | None) -> None:
     """ValueError naming the key when an sm90 tile config is illegal: fwd_block_n a multiple of
     16 in [16, 256], fwd_stages in [2, 4], fwd_overlap and fwd_pingpong 0 or 1 (ping-pong only
-    with the overlap), fwd_persistent an int >= 0, and (at ``head_dim``) within shared memory."""
-    bn, st = cfg.get("fwd_block_n", 128), cfg.get("fwd_stages", 2)
+    with the overlap and two consumer warpgroups), fwd_persistent an int >= 0, fwd_consumers 2
+    or 3 (consumer warpgroups of 64 query rows: 128- or 192-row query tiles; 3 not with block
+    lists, whose 128-row blocks must nest in the query tiles), and (at ``head_dim``) within
+    shared memory."""
+    bn, st, wgs = cfg.get("fwd_block_n", 128), cfg.get("fwd_stages", 2), cfg.get("fwd_consumers", 2)
+    if wgs not in (2, 3):
+        raise ValueError(f"fwd_consumers: expected 2 or 3 consumer warpgroups (128 or 192 query rows), got {wgs!r}")
+    bm = 64 * wgs
+    if wgs != 2 and cfg.get("sparse"):
+        raise ValueError("fwd_consumers: block lists take 128-row query tiles (2 consumer warpgroups: blocks of 128 "
+                         "nest in them), got 3")
+    if wgs != 2 and cfg.get("fwd_pingpong", 0):
+        raise ValueError("fwd_pingpong: ping-pong takes two consumer warpgroups (fwd_consumers=2)")
     if not (isinstance(bn, int) and 16 <= bn <= 256 and bn % 16 == 0):
         raise ValueError(f"fwd_block_n: expected a multiple of 16 in [16, 256] for the sm90 forward, got {bn!r}")
     if not (isinstance(st, int) and 2 <= st <= 4):
@@ -89,9 +101,9 @@ def check_tiles(cfg: dict, head_dim: int | None) -> None:
                          f"0: never), got {ps!r}")
     if cfg.get("fwd_pingpong", 0) and not cfg.get("fwd_overlap", 0):
         raise ValueError("fwd_pingpong: ping-pong between the consumer warpgroups needs fwd_overlap=1")
-    if head_dim is not None and smem_bytes(head_dim, bn, st) > SMEM_LIMIT:
-        raise ValueError(f"fwd_block_n: {bn} keys x {st} stages at head_dim {head_dim} need "
-                         f"{smem_bytes(head_dim, bn, st):,} B of shared memory, over the sm90 forward's "
+    if head_dim is not None and smem_bytes(head_dim, bn, st, bm) > SMEM_LIMIT:
+        raise ValueError(f"fwd_block_n: {bm} queries x {bn} keys x {st} stages at head_dim {head_dim} need "
+                         f"{smem_bytes(head_dim, bn, st, bm):,} B of shared memory, over the sm90 forward's "
                          f"{SMEM_LIMIT:,} B")
 
 
@@ -168,10 +180,10 @@ class Sm90Family(Family):
         if head_dim is not None:
             for k, v in default_tiles(spec, head_dim, sparse).items():
                 cfg.setdefault(k, v)
-        check_tiles(cfg, head_dim)
-        cfg["fwd_only"] = 1
         if sparse:
             cfg["sparse"] = 1
+        check_tiles(cfg, head_dim)
+        cfg["fwd_only"] = 1
         if packed:
             cfg["varlen"] = 1
         return tuple(sorted(cfg.items()))
@@ -185,8 +197,9 @@ class Sm90Family(Family):
         # The forward's 128-query tiles by its key tile; no backward of its own (a grad call's
         # backward lists are made for the backward's family: op.block_args), so its slots repeat
         # the forward's.
-        bn = dict(config()).get("fwd_block_n", 128)
-        return 128, bn, bn, 128, 128, bn
+        cfg = dict(config())
+        bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
+        return bm, bn, bn, 128, 128, bn
 
 
 FAMILY = Sm90Family()

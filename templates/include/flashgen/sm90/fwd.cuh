@@ -12,12 +12,12 @@
 // multiple of 8 up to 256 whose tiles fit shared memory (the static_assert on kSmem).
 //
 // ---------------------------------------------------------------------------------------------
-// CTA: three warpgroups (384 threads), one CTA per multiprocessor.
+// CTA: three or four warpgroups (384 / 512 threads), one CTA per multiprocessor.
 //   warpgroup 0, the producer: its first warp issues the TMA copies (sm90/tma.cuh) of the Q tile
-//     (kBlockM = 128 rows) and of the K and V tiles (kBlockN keys each) into a kStages-deep ring,
+//     (kBlockM = 128 or 192 rows) and of the K and V tiles (kBlockN keys each) into a kStages-deep ring,
 //     each completing on an mbarrier ("full"); it refills a stage once the consumers have
 //     released it ("empty"). It gives its registers away (setmaxnreg) to the consumers.
-//   warpgroups 1 and 2, the consumers: 64 query rows each. Per key tile: S = Q K^T by wgmma with
+//   warpgroups 1 .. kBlockM / 64, the consumers: 64 query rows each. Per key tile: S = Q K^T by wgmma with
 //     both operands in shared memory (fp32 accumulators in registers, the mma.sync C layout per
 //     warp of 16 rows), the variant's tile class, mask and score hooks and the online softmax
 //     (the sm80 family's FwdMainloop::softmax_classed, unchanged: one implementation of the
@@ -71,11 +71,14 @@
 namespace flashgen {
 namespace sm90 {
 
-// kBlockN keys per K/V tile, kStages K/V stages; the query tile is 128 rows (two consumer
-// warpgroups of 64).
-template <int kBlockN_, int kStages_ = 2, int kOverlap_ = 0, int kPingPong_ = 0, int kPersistentMaxSeqlenK_ = 0>
+// kBlockN keys per K/V tile, kStages K/V stages; the query tile is kBlockM rows: 128 (two
+// consumer warpgroups of 64) or 192 (three, FlashAttention-3's tile at d <= 64: at small head
+// dims the exponentials cost as much issue time as the GEMMs, and a third warpgroup gives the
+// scheduler more independent work to hide them under; each consumer then has 160 registers).
+template <int kBlockN_, int kStages_ = 2, int kOverlap_ = 0, int kPingPong_ = 0, int kPersistentMaxSeqlenK_ = 0,
+          int kBlockM_ = 128>
 struct Sm90FwdTile {
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
   // 1: intra-warpgroup overlap (FlashAttention-3, Sec. 3.2): the S GEMM of tile j and the PV
@@ -90,11 +93,18 @@ struct Sm90FwdTile {
   // it pays where items are short); longer ones (and 0: all) launch one CTA per item, which
   // the hardware hands out as multiprocessors free up (it balances items of unequal cost).
   static constexpr int kPersistentMaxSeqlenK = kPersistentMaxSeqlenK_;
-  static constexpr int kConsumers = 2;  // warpgroups of 64 query rows
+  static constexpr int kConsumers = kBlockM / 64;  // warpgroups of 64 query rows
   static constexpr int kThreads = 128 * (kConsumers + 1);
+  // setmaxnreg: the producer warpgroup keeps 24 registers, the consumers take the rest of the
+  // 64K-register file (the launch gives every thread 65536 / kThreads: 168 or 128).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static_assert(kBlockM == 128 || kBlockM == 192, "kBlockM: 128 or 192 query rows");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
   static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256, "kBlockN: 16..256, step 16");
   static_assert(kStages >= 2 && kStages <= 4, "2 to 4 K/V stages");
   static_assert(!kPingPong || kOverlap, "ping-pong needs the overlapped key loop");
+  static_assert(!kPingPong || kConsumers == 2, "ping-pong takes two consumer warpgroups");
 };
 
 template <class Element, class VParams>
@@ -459,7 +469,8 @@ struct Sm90Fwd {
   }
 
   // ---------------------------------------------------------------------------------------------
-  // Consumers: warpgroup wg (0 or 1) owns query rows [64 wg, 64 wg + 64) of each item's tile.
+  // Consumers: warpgroup wg (0 .. kConsumers - 1) owns query rows [64 wg, 64 wg + 64) of each
+  // item's tile.
   static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
                                                  const Bars& bar, int wg, int warp_in_wg,
                                                  int lane) {
@@ -571,7 +582,7 @@ struct Sm90Fwd {
         }
       }
       if constexpr (kOInRing) {
-        ptx::bar_sync<3, 256>();  // both consumer warpgroups are done reading the rings
+        ptx::bar_sync<3, 128 * Tile::kConsumers>();  // every consumer warpgroup is done reading the rings
       } else {
         __syncwarp();  // the warp's previous item left its staging rows
       }
@@ -612,10 +623,10 @@ struct Sm90Fwd {
     }
     __syncthreads();
     if (wg == 0) {
-      ptx::reg_dealloc<24>();
+      ptx::reg_dealloc<Tile::kProducerRegs>();
       if (warp == 0) produce(P, s0, bar, lane);
     } else {
-      ptx::reg_alloc<240>();
+      ptx::reg_alloc<Tile::kConsumerRegs>();
       consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
     }
   }
