@@ -65,7 +65,13 @@ def test_sm90_tiles_are_its_own(causal):
     dense = flashgen.compile(SPECS / "dense.attn").spec
     cfgs = [dict(sm90.config(dense, "sm_90a", ir.DType.BF16, d)) for d in (64, 128, 192, 256)]
     assert [(c["fwd_block_n"], c["fwd_overlap"], c["fwd_persistent"]) for c in cfgs] == \
-        [(128, 1, 1 << 30), (128, 1, 1 << 30), (80, 1, 2048), (80, 1, 2048)]
+        [(128, 0, 1 << 30), (128, 1, 1 << 30), (80, 1, 2048), (80, 1, 2048)]
+    # d <= 64 without score expressions or tensor reads: three consumer warpgroups (not sparse)
+    assert [c.get("fwd_consumers", 2) for c in cfgs] == [3, 2, 2, 2]
+    assert [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, sparse=sp)).get("fwd_consumers", 2)
+            for sp in (False, True)] == [3, 2]
+    softcap = flashgen.compile(SPECS / "softcap.attn").spec
+    assert "fwd_consumers" not in dict(sm90.config(softcap, "sm_90a", ir.DType.BF16, 64))
     # block-sparse instantiations take key tiles that divide 128 (lists of 128-blocks nest)
     assert dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 192))["fwd_block_n"] == 112
     sparse = [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, d, sparse=True)) for d in (128, 136, 256)]
@@ -82,7 +88,7 @@ def test_sm90_tiles_are_its_own(causal):
     assert not sm90_family.smem_layout(128, 128, 2)[1] and sm90_family.smem_layout(128, 176, 2)[1]
     assert sm90_family.smem_bytes(128, 176, 2) <= sm90_family.SMEM_LIMIT
     with pytest.raises(ValueError, match="fwd_pingpong: .*needs fwd_overlap=1"):
-        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_pingpong": 1, "fwd_overlap": 0})
+        sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_pingpong": 1, "fwd_overlap": 0})
     assert sm90_family.tiles_from_text("176x2x1x0x1073741824") == {
         "fwd_block_n": 176, "fwd_stages": 2, "fwd_overlap": 1, "fwd_pingpong": 0, "fwd_persistent": 1 << 30}
     assert sm90_family.tiles_from_text("128x3") == {"fwd_block_n": 128, "fwd_stages": 3}

@@ -134,6 +134,10 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False) -> dict:
       16K), the overlap at 64 < d <= 128 for masks of positions and scalars only (causal d 128
       N 4K: 559 against 518; d 64 and d 256 lose 5-10% with it, and with tensor parameters,
       score expressions or dropout it spills: document d 128 176 B);
+    - d <= 64 without a score expression, tensor reads, dropout or block lists: three consumer
+      warpgroups (192-row query tiles, FlashAttention-3's d 64 tile) without the overlap
+      (docs/perf-notes.md "sm90 forward v5": dense N 4K / 16K 479 / 496 against 429 / 431 with
+      128 rows; causal 393 / 465 against 361 / 407; causal N 1K loses, 234 against 271);
     - for every spec, no overlap where the mask or score loads a tensor parameter per score
       element (``elementwise_reads``: relative_bias d 128 spills 124 B with it), with dropout,
       or with a score expression above d = 64 (softcap d 128: 68 B).
@@ -149,8 +153,13 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False) -> dict:
             block_n = 80
     else:
         overlap, persistent = int(lean and spec.score is None and 64 < head_dim <= 128), 4096
-    return {"fwd_block_n": block_n, "fwd_stages": 2, "fwd_overlap": overlap, "fwd_pingpong": 0,
-            "fwd_persistent": persistent}
+    cfg = {"fwd_block_n": block_n, "fwd_stages": 2, "fwd_overlap": overlap, "fwd_pingpong": 0,
+           "fwd_persistent": persistent}
+    if head_dim <= 64 and lean and spec.score is None and not sparse:
+        # Three consumer warpgroups (192-row query tiles), without the overlap (160 registers
+        # per consumer: with it, or with a score expression or tensor reads, ptxas spills).
+        cfg.update(fwd_overlap=0, fwd_consumers=3)
+    return cfg
 
 
 class Sm90Family(Family):

@@ -51,8 +51,8 @@ struct Variant_dense {
 };
 }  // namespace
 
-// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 1, ping-pong 0, persistent up to seqlen_k 1073741824 (flashgen/families/sm90.py).
-using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 1073741824>;
+// Tile: 128 queries (2 consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 1, ping-pong 0, persistent up to seqlen_k 1073741824 (flashgen/families/sm90.py).
+using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 1, 0, 1073741824, 128>;
 
 extern "C" int fg_dense_fwd_fp16_hd128(const FgFwdArgs* args) {
   return flashgen::sm90::launch_fwd<Variant_dense, __half, 128, FgFwdTile, false, false>(*args);

@@ -53,8 +53,8 @@ struct Variant_gemma {
 };
 }  // namespace
 
-// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 4096 (flashgen/families/sm90.py).
-using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096>;
+// Tile: 128 queries (2 consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 4096 (flashgen/families/sm90.py).
+using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096, 128>;
 
 extern "C" int fg_gemma_fwd_fp16_hd128(const FgFwdArgs* args) {
   return flashgen::sm90::launch_fwd<Variant_gemma, __half, 128, FgFwdTile, false, false>(*args);

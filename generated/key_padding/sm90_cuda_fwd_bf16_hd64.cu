@@ -2,7 +2,7 @@
 // spec:        key_padding (specs/key_padding.attn:3)
 // fingerprint: 918b4c695d36
 // family:      sm90 fwd, dtype bf16, head_dim 64
-// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
+// config:      fwd_block_n=128, fwd_consumers=3, fwd_only=1, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 
@@ -54,8 +54,8 @@ struct Variant_key_padding {
 };
 }  // namespace
 
-// Tile: 128 queries (two consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 4096 (flashgen/families/sm90.py).
-using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096>;
+// Tile: 192 queries (3 consumer warpgroups) x 128 keys, 2 K/V stages, intra-warpgroup overlap 0, ping-pong 0, persistent up to seqlen_k 4096 (flashgen/families/sm90.py).
+using FgFwdTile = flashgen::sm90::Sm90FwdTile<128, 2, 0, 0, 4096, 192>;
 
 extern "C" int fg_key_padding_fwd_bf16_hd64(const FgFwdArgs* args) {
   return flashgen::sm90::launch_fwd<Variant_key_padding, __nv_bfloat16, 64, FgFwdTile, false, false>(*args);
