@@ -145,7 +145,7 @@ def test_causal_hbm_bytes_tile_granularity(nq, nk, kv_rows, q_rows, sm80):
 def test_causal_hbm_bytes_gqa_counts_kv_per_query_head():
     B, H, Hkv, n, d, e = 2, 8, 2, 256, 64, 2
     rep = ex.explain(SPECS / "causal.attn", n, head_dim=d, batch=B, heads=H, kv_heads=Hkv, arch="sm_90a")
-    kv_rows = 128 + 256  # two query tiles of 128
+    kv_rows = 192 + 256  # two query tiles of 192 rows (three consumer warpgroups at d 64)
     assert rep.fwd.terms["K, V reads"] == B * H * kv_rows * d * e * 2
     assert rep.compulsory_bytes == B * (2 * H * n + 2 * Hkv * n) * d * e + B * H * n * 4
 
@@ -559,10 +559,11 @@ def test_kv_reread_note_counts_kv_only():
     # one query tile, one key: no K/V re-read at all (the backward's extra traffic is not K/V)
     rep = ex.explain(SPECS / "dense.attn", 64, 1, head_dim=d, arch="sm_90a", backward=True)
     assert not any("re-read" in n for n in rep.notes), rep.notes
-    # 1024 queries = 8 query tiles of 128, each loading the one key: 7 re-reads of K and V
+    # 1024 queries = 6 query tiles of 192 (three consumer warpgroups at d 64), each loading the
+    # one key: 5 re-reads of K and V
     rep = ex.explain(SPECS / "dense.attn", 1024, 1, head_dim=d, arch="sm_90a")
     note = next(n for n in rep.notes if "re-read" in n)
-    assert ex.fmt_bytes(7 * 2 * d * e) in note
+    assert ex.fmt_bytes(5 * 2 * d * e) in note
 
 
 def test_default_dtype_follows_the_spec(tmp_path, capsys):
@@ -651,7 +652,7 @@ def test_measure_on_cuda():
     assert rep.tiles["fwd"].origin in ("table", "derived", "tuned", "env", "family default")
     op = flashgen.compile(SPECS / "causal.attn")
     if expected == "sm90":  # the family's own tile (flashgen/families/sm90.py)
-        assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (128, 128)
+        assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (192, 128)  # three consumer warpgroups at d 64
     else:
         choice = op.tiles("cuda", ir.DType.BF16, 64, 2048)
         assert (rep.tiles["fwd"].block_m, rep.tiles["fwd"].block_n) == (choice.fwd.block_m, choice.fwd.block_n)
@@ -709,7 +710,9 @@ def test_sm90_model_counts_its_own_forward_tile():
     # key tiles holding a kept (causal, same-document) pair per query tile of 128 rows, documents
     # [0, 300), [300, 800), [800, 1024): 1, 2, 3, 2, 3, 4, 5, 2 = 22 (causal: 36)
     assert doc.fwd.terms["K, V reads"] == 22 * 128 * 64 * e * 2
-    assert causal.fwd.terms["K, V reads"] == 36 * 128 * 64 * e * 2
+    # causal at d 64 without lists: query tiles of 192 rows (three consumer warpgroups), each
+    # reading the keys up to its last row: 192 + 384 + 576 + 768 + 960 + 1024
+    assert causal.fwd.terms["K, V reads"] == 3904 * 64 * e * 2
     assert doc.flops < causal.flops  # FLOPs count the kept pairs only
 
 

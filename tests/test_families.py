@@ -70,6 +70,9 @@ def test_sm90_tiles_are_its_own(causal):
     assert [c.get("fwd_consumers", 2) for c in cfgs] == [3, 2, 2, 2]
     assert [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 64, sparse=sp)).get("fwd_consumers", 2)
             for sp in (False, True)] == [3, 2]
+    # an explicit two-warpgroup tile at d 64 (no fwd_consumers) stays one
+    pp = dict(sm90.config(dense, "sm_90a", ir.DType.BF16, 64, tiles={"fwd_overlap": 1, "fwd_pingpong": 1}))
+    assert "fwd_consumers" not in pp and pp["fwd_pingpong"] == 1
     softcap = flashgen.compile(SPECS / "softcap.attn").spec
     assert "fwd_consumers" not in dict(sm90.config(softcap, "sm_90a", ir.DType.BF16, 64))
     # block-sparse instantiations take key tiles that divide 128 (lists of 128-blocks nest)

@@ -117,7 +117,7 @@ def elementwise_reads(spec: ir.Spec) -> bool:
     return False
 
 
-def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False) -> dict:
+def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: bool = True) -> dict:
     """The forward's tile config for ``spec`` at ``head_dim``: ``default_block_n`` keys, two
     stages, no ping-pong; the overlap (fwd_overlap: the softmax of each key tile under the
     previous tile's PV GEMM) and the persistent grid (fwd_persistent: calls with seqlen_k up to
@@ -155,7 +155,7 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False) -> dict:
         overlap, persistent = int(lean and spec.score is None and 64 < head_dim <= 128), 4096
     cfg = {"fwd_block_n": block_n, "fwd_stages": 2, "fwd_overlap": overlap, "fwd_pingpong": 0,
            "fwd_persistent": persistent}
-    if head_dim <= 64 and lean and spec.score is None and not sparse:
+    if three and head_dim <= 64 and lean and spec.score is None and not sparse:
         # Three consumer warpgroups (192-row query tiles), without the overlap (160 registers
         # per consumer: with it, or with a score expression or tensor reads, ptxas spills).
         cfg.update(fwd_overlap=0, fwd_consumers=3)
@@ -187,7 +187,10 @@ class Sm90Family(Family):
         # chose for the device) says nothing about these kernels.
         cfg = {k: v for k, v in (tiles or {}).items() if k in TILE_KEYS}
         if head_dim is not None:
-            for k, v in default_tiles(spec, head_dim, sparse).items():
+            # An explicit tile config without fwd_consumers describes a two-warpgroup tile (the
+            # 'keys x stages x overlap x ping-pong x persistent' form): its other keys are filled
+            # from the two-warpgroup defaults.
+            for k, v in default_tiles(spec, head_dim, sparse, three=not cfg or cfg.get("fwd_consumers") == 3).items():
                 cfg.setdefault(k, v)
         if sparse:
             cfg["sparse"] = 1
