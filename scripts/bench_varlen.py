@@ -9,6 +9,8 @@ forward and forward+backward:
              (what a batch without varlen support costs; the padded rows' outputs are unused);
   * ideal:   the packed batch's FLOPs at the TFLOP/s of a uniform batch of the same spec
              (B = 16384 // N sequences of N = --uniform-seqlen tokens): the padding-free cost.
+  * packed-kernels, uniform-kernels (--kernel-time, forward): the GPU time of the call's
+             kernels alone (torch.profiler), without the packed call's host-side validation.
   * sdpa-nested: torch SDPA on a jagged nested tensor (flash/cuDNN varlen kernels), when
              torch supports it for the spec (causal and dense only).
 FLOPs count the visible (query, key) pairs of each sequence: 4 · H · d · pairs (forward),
@@ -30,6 +32,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
 from flashgen import flops  # noqa: E402
 from flashgen.bench import time_fn  # noqa: E402
+
+
+def kernel_ms(fn, reps: int) -> float:
+    """GPU time of one call's kernels (torch.profiler's CUDA kernel durations summed over
+    ``reps`` calls, divided by reps; copies excluded): what a call costs the GPU when its host
+    work -- here the packed layout's validation, one device-to-host copy -- is not on the
+    critical path."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower() \
+                and "memset" not in e.name.lower():
+            total_us += e.device_time
+    return total_us / reps / 1e3
 
 
 def pairs(spec, n: int) -> int:
@@ -56,6 +80,8 @@ def main() -> int:
     ap.add_argument("--uniform-seqlen", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--kernel-time", action="store_true",
+                    help="also the forward kernels' GPU time alone (torch.profiler), packed and uniform")
     a = ap.parse_args()
 
     dev = torch.device("cuda")
@@ -122,8 +148,11 @@ def main() -> int:
         if "uniform" in times:
             tf_u = fl_u[direction] / times["uniform"] / 1e9
             times["ideal"] = fl[direction] / (tf_u * 1e9)
+        if direction == "fwd" and a.kernel_time:  # kernels alone (profiler), packed and uniform
+            for impl in ("packed", "uniform"):
+                times[f"{impl}-kernels"] = kernel_ms(impls[impl], a.reps)
         for impl, ms in times.items():
-            f = (fl_u if impl == "uniform" else fl)[direction]
+            f = (fl_u if impl.startswith("uniform") else fl)[direction]
             row = {"impl": impl, "direction": direction, "ms": round(ms, 4), "tflops": round(f / ms / 1e9, 1),
                    "lengths": lens, "heads": H, "head_dim": d, "dtype": a.dtype, "spec": name}
             rows.append(row)

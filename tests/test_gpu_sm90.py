@@ -170,9 +170,9 @@ def test_packed(d, dtype):
     sm80 family's output: sequences shorter and longer than a tile, empty ones (no queries, no
     keys), GQA, a mask of positions, one of ids and one of lengths; then the training step
     (sm90 forward, sm80 backward) of varlen_cases.run_case."""
+    from variant_cases import make_params, op
     from varlen_cases import cu_seqlens, inputs
     from varlen_cases import run_case as packed_case
-    from variant_cases import make_params, op
 
     lens = [([700, 64, 1, 129, 0, 300], [7, 0, 1, 128, 5, 300]), ([1000, 257, 3], [1000, 5, 0]),
             ([1] * 5 + [2049], [100, 0, 37, 512, 1, 2049])]
@@ -196,6 +196,39 @@ def test_packed(d, dtype):
         torch.testing.assert_close(outs["sm90"][1], outs["sm80"][1], atol=1e-3, rtol=0)
     if d != 256:
         packed_case("causal", [300, 0, 129, 1], [300, 5, 129, 64], 4, 2, d, dtype, device="cuda", seed=d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_many_sequences(d):
+    """The packed work enumeration (each sequence's slots read off cu_seqlens, sm90/fwd.cuh
+    ``coord``): many sequences whose lengths straddle the 128- and 192-row query tiles, empty
+    ones among them, every query row written (outputs poisoned) and right against the float64
+    reference, for a mask-free, a causal and a block-sparse call (dense at d 64 takes the
+    192-row tiles of three consumer warpgroups)."""
+    from varlen_cases import cu_seqlens, inputs
+
+    g = torch.Generator().manual_seed(d)
+    edges = [0, 1, 63, 64, 127, 128, 129, 191, 192, 193, 255, 256, 383, 384, 385, 577]
+    lens = edges + [int(x) for x in torch.randint(1, 1500, (21,), generator=g)]
+    lens = [lens[i] for i in torch.randperm(len(lens), generator=g)]
+    cq = cu_seqlens(lens, "cuda")
+    varlen = {"cu_seqlens_q": cq, "cu_seqlens_k": cq, "max_seqlen_q": max(lens), "max_seqlen_k": max(lens)}
+    q, k, v, _ = inputs(lens, lens, 4, 2, d, torch.bfloat16, device="cuda", seed=d)
+    for name in ("dense", "causal"):
+        fop = flashgen.compile(SPECS / f"{name}.attn")
+        with flashgen.use_family("sm90"):
+            assert fop.family_for("cuda", torch.bfloat16, d, layout="packed").family.name == "sm90"
+            out, lse = fop(q, k, v, return_lse=True, **varlen)
+        cmp = check.compare(fop.spec, q, k, v, out, lse, **varlen)
+        assert cmp.ok, f"{name} d{d}: {cmp}"
+    # block-sparse packed call: the lists a block mask of the causal spec gives
+    fop = flashgen.compile(SPECS / "causal.attn")
+    bm = flashgen.block_mask(fop, max(lens), max(lens), block_size=128, device="cuda",
+                             cu_seqlens_q=cq, cu_seqlens_k=cq)
+    with flashgen.use_family("sm90"):
+        out, lse = fop(q, k, v, return_lse=True, block_mask=bm, **varlen)
+    cmp = check.compare(fop.spec, q, k, v, out, lse, **varlen)
+    assert cmp.ok, f"block-sparse causal d{d}: {cmp}"
 
 
 def test_packed_neighbours_holding_nan_do_not_leak():

@@ -26,7 +26,8 @@
 //   The epilogue is the sm80 family's FwdEpilogue (O / l, LSE), staged through each warp's own
 //     rows of a separate buffer.
 // Work items are (batch, query head, query tile), the sm80 family's QTileScheduler order (query
-// tile fastest, heaviest first); each CTA loops over items (gridDim.x may be smaller than the
+// tile fastest, heaviest first; a packed batch enumerates only its sequences' own query tiles,
+// ``coord``); each CTA loops over items (gridDim.x may be smaller than the
 // number of items), the producer running ahead into the next item's Q once the consumers have
 // released the previous one. A persistent grid takes the items in rounds of gridDim.x, CTAs in
 // reverse order in odd rounds (serpentine, ``work_of``): under a causal mask a CTA that took a
@@ -112,6 +113,7 @@ struct Sm90FwdParams {  // 64-byte aligned through CUtensorMap
   CUtensorMap tq, tk, tv;  // TMA descriptors of q, k, v (sm90/tma.cuh)
   cuda::FwdParams<Element, VParams> base;  // everything the sm80 forward's Params hold
   int64_t rows_k;  // rows of the k / v tensor maps: seqlen_k (padded) or total_k (packed)
+  int batch;       // sequences (kPacked: the work index enumerates their query tiles, ``coord``)
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false,
@@ -185,10 +187,60 @@ struct Sm90Fwd {
     const int64_t g = cuda::ptx::nctaid_x(), c = cuda::ptx::ctaid_x();
     return int64_t(iter) * g + ((iter & 1) ? g - 1 - c : c);
   }
-  static __device__ __forceinline__ Item item(const BaseParams& p, int64_t work) {
-    const cuda::QTileScheduler::Item w = Scheduler::decode_index(p.num_m_tiles, p.heads_q, work);
+  // The coordinates (sequence, query head, query tile) of work index w. Padded: the
+  // QTileScheduler order. Packed: a sequence b of len_q rows owns the slots [slot(b), slot(b + 1))
+  // with slot(b) = b + cu_seqlens_q[b] / kBlockM -- at least ceil(len_q / kBlockM) of them and at
+  // most one more, read off cu_seqlens alone (no pre-pass, no host synchronisation) -- and the
+  // work index runs over heads_q * slot(batch) items, (sequence, head, slot) with the slot
+  // fastest, heaviest query tile first. So a launch enumerates the real query tiles plus at most
+  // one empty slot per (sequence, head), not max_seqlen_q / kBlockM tiles of every sequence: a
+  // batch of short and long sequences then balances over the persistent rounds like a uniform
+  // one. skip: an empty slot (or indices past the last sequence's slots, or metadata that is
+  // not monotone: nothing is read or written for them).
+  struct Coord {
+    int b, h, m_tile;
+    bool skip;
+  };
+  static __device__ __forceinline__ Coord coord(const Params& P, int64_t w) {
+    const BaseParams& p = P.base;
+    if constexpr (!kPacked) {
+      const cuda::QTileScheduler::Item c = Scheduler::decode_index(p.num_m_tiles, p.heads_q, w);
+      return Coord{c.b, c.h, c.m_tile, false};
+    } else {
+      const int64_t hq = p.heads_q;
+      auto slot = [&](int b) { return int64_t(b) + int64_t(__ldg(p.cu_q + b)) / kBlockM; };
+      int lo = 0, hi = P.batch - 1;  // the last b with heads_q * slot(b) <= w (slot(0) = 0)
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (hq * slot(mid) <= w) lo = mid; else hi = mid - 1;
+      }
+      const int64_t s0 = slot(lo), n = slot(lo + 1) - s0;  // the sequence's slots
+      Coord c;
+      c.b = lo;
+      const int64_t r = w - hq * s0;
+      c.skip = n <= 0 || r >= hq * n;
+      if (c.skip) {
+        c.h = 0, c.m_tile = 0;
+        return c;
+      }
+      c.h = int(r / n);
+      c.m_tile = int(n - 1 - (r - int64_t(c.h) * n));
+      c.skip = c.m_tile >= p.num_m_tiles;
+      return c;
+    }
+  }
+  static __device__ __forceinline__ Item item(const Params& P, int64_t work) {
+    const BaseParams& p = P.base;
+    const Coord w = coord(P, work);
     Item it;
     it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
+    if (w.skip) {
+      it.q0 = it.k0 = it.len_q = it.len_k = it.q_lo = it.q_hi = 0;
+      it.n_hi = it.n_tiles = it.kv_begin = it.kv_end = 0;
+      it.blk = cuda::BlockRow{nullptr, 0, 0};
+      it.skip = true;
+      return it;
+    }
     const cuda::SeqSpan sp = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
                                      : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
     const int Nq = sp.len_q, Nk = sp.len_k;
@@ -237,7 +289,7 @@ struct Sm90Fwd {
     for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       const int64_t work = work_of(iter);
       if (work >= p.total_work) break;  // the last round's CTAs without an item
-      const Item it = item(p, work);
+      const Item it = item(P, work);
       if (it.skip) continue;
       const int h_kv = it.h / p.group;
       const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
@@ -483,7 +535,7 @@ struct Sm90Fwd {
     for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
       const int64_t work = work_of(iter);
       if (work >= p.total_work) break;  // the last round's CTAs without an item
-      const Item it = item(p, work);
+      const Item it = item(P, work);
       if (it.skip) continue;
       const int Nq = it.len_q, Nk = it.len_k;
       const int wq_lo = it.q_lo + 64 * wg;                 // this warpgroup's rows
@@ -589,7 +641,7 @@ struct Sm90Fwd {
       // The item decoded again, and the lane and rows, from opaque copies: the epilogue's
       // addresses are computed here, not hoisted out of the item loop and held in registers
       // through the key loop (where the accumulators need them; ptxas would spill them).
-      const Scheduler::Item w = Scheduler::decode_index(p.num_m_tiles, p.heads_q, work_of(ptx::opaque(iter)));
+      const Coord w = coord(P, work_of(ptx::opaque(iter)));
       const cuda::SeqSpan se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
                                        : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
       Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, se.q0, w.m_tile * kBlockM, se.len_q,
@@ -659,6 +711,9 @@ int launch_fwd(const FgFwdArgs& a) {
   const int64_t nb = kPacked ? 1 : a.batch;
   const int64_t rows_q = kPacked ? a.total_q : a.seqlen_q, rows_k = kPacked ? a.total_k : a.seqlen_k;
   p.rows_k = rows_k;
+  p.batch = int(a.batch);
+  // Packed: heads_q * slot(batch) items, slot(batch) <= batch + total_q / kBlockM (``coord``).
+  if (kPacked) p.base.total_work = a.heads_q * (a.batch + a.total_q / K::kBlockM);
   st = detail::make_tmap(&p.tq, a.q, kBf16, nb, a.heads_q, rows_q, a.head_dim, kPacked ? 0 : a.q_stride_b,
                          a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
   if (st != FG_OK) return st;
