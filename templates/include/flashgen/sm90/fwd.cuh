@@ -48,6 +48,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -114,6 +115,8 @@ struct Sm90FwdParams {  // 64-byte aligned through CUtensorMap
   cuda::FwdParams<Element, VParams> base;  // everything the sm80 forward's Params hold
   int64_t rows_k;  // rows of the k / v tensor maps: seqlen_k (padded) or total_k (packed)
   int batch;       // sequences (kPacked: the work index enumerates their query tiles, ``coord``)
+  int tma_store;   // kTmaStore: `to` describes the output (else the epilogue stores directly)
+  CUtensorMap to;  // the output's tensor map, boxes of 64 columns x 16 rows (epilogue_tma)
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false,
@@ -149,6 +152,10 @@ struct Sm90Fwd {
   static constexpr int kOffBar = kOInRing ? kOffK + kRingBytes : kOffO + kOBytes;
   static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
+  // The epilogue stores O by TMA (epilogue_tma) in the padded layout where the boxes' staging
+  // rows (kPanels x 128 bytes) fit in the direct path's (kPitch elements): head dims 64, 128,
+  // 192, 256. Packed batches store directly (a box would cross into the next sequence's rows).
+  static constexpr bool kTmaStore = !kPacked && kPanels * 64 <= kPitch;
 
   // The sm80 family's mainloop for one consumer warpgroup (64 rows = 4 warps of 16): its
   // softmax, tile classes, dropout and accumulator types.
@@ -644,13 +651,81 @@ struct Sm90Fwd {
       const Coord w = coord(P, work_of(ptx::opaque(iter)));
       const cuda::SeqSpan se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
                                        : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
-      Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, se.q0, w.m_tile * kBlockM, se.len_q,
-                    ptx::opaque(lane), ptx::opaque(warp_row0));
+      bool stored = false;
+      if constexpr (kTmaStore) {
+        if (P.tma_store) {
+          epilogue_tma(P, acc, smem, s0, w.b, w.h, w.m_tile * kBlockM, se.len_q, ptx::opaque(lane),
+                       ptx::opaque(warp_row0));
+          stored = true;
+        }
+      }
+      if (!stored) {
+        Epilogue::run(p, acc.o, acc.row_max, acc.row_sum, sO, w.b, w.h, se.q0, w.m_tile * kBlockM, se.len_q,
+                      ptx::opaque(lane), ptx::opaque(warp_row0));
+      }
       if constexpr (kOInRing) {  // the rings (and Q) may take the next item's tiles now
         __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(bar.empty_q());
+        if (lane == 0) {
+          if constexpr (kTmaStore) ptx::bulk_wait_read<0>();  // the store has read the rows
+          ptx::mbar_arrive(bar.empty_q());
+        }
       }
       ++local;
+    }
+    if constexpr (kTmaStore) {
+      if (lane == 0) ptx::bulk_wait<0>();  // the CTA's shared memory outlives its stores
+    }
+  }
+
+  // The epilogue through a TMA store (padded layout, kTmaStore, when the host could make the
+  // output's tensor map): O / l and LSE as FwdEpilogue computes them, the warp's 16 rows staged
+  // in the layout of the O map's boxes (64-column panels of 16 rows x 128 bytes, 128-byte swizzle:
+  // chunk c of row r at c ^ (r mod 8), which also spreads a warp's 4-byte writes over all 32
+  // banks), then one bulk tensor store per panel issued by lane 0, which the warp does not wait
+  // for: its next item's epilogue first waits until the previous stores have read the rows.
+  // The map clips rows past seqlen_q and columns past head_dim.
+  static __device__ __forceinline__ void epilogue_tma(const Params& P, const Accum& acc, unsigned char* smem,
+                                                      uint32_t s0, int b, int h, int q_lo, int Nq, int lane,
+                                                      int warp_row0) {
+    const BaseParams& p = P.base;
+    constexpr float kLn2 = 0.6931471805599453f;
+    const int g = lane >> 2, t = lane & 3;
+    const int off = kOffO + (warp_row0 / 16) * (kPanels * 2048);
+    unsigned char* w = smem + off;
+    if (lane == 0) ptx::bulk_wait_read<0>();  // this warp's previous store is done with the rows
+    __syncwarp();
+    float* lse_g = p.lse ? p.lse + (cuda::wide(b) * p.heads_q + h) * Nq : nullptr;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = acc.row_sum[0][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const bool has = l > 0.f;
+      float inv = has ? 1.f / l : 0.f;
+      if constexpr (Variant::kHasDropout) {
+        if (p.dropout.state) inv *= p.dropout.scale;
+      }
+      const int r = g + half * 8;
+#pragma unroll
+      for (int dn = 0; dn < kD / 8; ++dn) {
+        const float v0 = has ? acc.o[0][dn][2 * half] * inv : 0.f;
+        const float v1 = has ? acc.o[0][dn][2 * half + 1] * inv : 0.f;
+        *reinterpret_cast<uint32_t*>(w + (dn / 8) * 2048 + r * 128 + (((dn % 8) ^ (r & 7)) << 4) + 4 * t) =
+            cuda::ptx::pack2<Element>(v0, v1);
+      }
+      const int q = q_lo + warp_row0 + r;
+      if (lse_g && t == 0 && q < Nq) {
+        lse_g[q] = has ? (acc.row_max[0][half] + cuda::ptx::log2_approx(l)) * kLn2 : -INFINITY;
+      }
+    }
+    ptx::fence_proxy_async();  // the generic writes above, before the TMA unit reads them
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        ptx::tma_store_4d(&P.to, s0 + off + pn * 2048, pn * 64, q_lo + warp_row0, h, b);
+      }
+      ptx::bulk_commit();
     }
   }
 
@@ -724,6 +799,13 @@ int launch_fwd(const FgFwdArgs& a) {
     st = detail::make_tmap(&p.tv, a.v, kBf16, nb, a.heads_kv, rows_k, a.head_dim,
                            kPacked ? 0 : a.v_stride_b, a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
     if (st != FG_OK) return st;
+  }
+  // The TMA store unless the output's strides rule it out or FLASHGEN_SM90_TMA_STORE=0 (a
+  // diagnostic switch, read per launch: A/B timings in one process).
+  const char* tma_env = getenv("FLASHGEN_SM90_TMA_STORE");
+  if (K::kTmaStore && a.seqlen_q > 0 && !(tma_env && tma_env[0] == '0')) {
+    p.tma_store = detail::make_tmap(&p.to, a.out, kBf16, a.batch, a.heads_q, a.seqlen_q, a.head_dim, a.o_stride_b,
+                                    a.o_stride_h, a.o_stride_n, 16, "out") == FG_OK;
   }
   auto kernel = &fwd_kernel<K>;
   static std::atomic<uint64_t> configured{0};

@@ -82,6 +82,36 @@ __device__ __forceinline__ void prefetch_tmap(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 #endif
 }
+// The reverse: a 4-d box of shared memory at `src` (the tensor map's box and swizzle) into the
+// tensor at the coordinates (innermost first), as one bulk group of this thread (commit it with
+// bulk_commit). Elements outside the tensor are not written.
+__device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int c0, int c1, int c2, int c3) {
+#if defined(FG_SM90A)
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(tmap)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void bulk_commit() {
+#if defined(FG_SM90A)
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Wait until at most N of this thread's bulk groups are still reading their shared memory
+// (bulk_wait_read) or still pending at all (bulk_wait).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+#if defined(FG_SM90A)
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+#if defined(FG_SM90A)
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
 // Orders this thread's earlier generic-proxy shared-memory writes before later async-proxy
 // (wgmma, TMA) accesses that synchronise with it.
 __device__ __forceinline__ void fence_proxy_async() {
