@@ -219,6 +219,30 @@ def _meta_inputs():
     return q, k, v, cu_seqlens([3, 5]), cu_seqlens([4, 6])
 
 
+def test_validated_layout_is_reused_until_cu_seqlens_change(monkeypatch):
+    """A model passes one cu_seqlens tensor to every attention layer: the layout is validated
+    once per tensor and version (the host copy is not repeated), and an in-place write to the
+    tensor, which bumps its version, is validated again (so it cannot slip past the checks)."""
+    from flashgen.runtime import checks
+
+    c = op("causal")
+    lens = [5, 0, 9, 3]
+    q, k, v, _ = inputs(lens, lens, 2, 2, 16, torch.float32, seed=3)
+    cq, ck = cu_seqlens(lens), cu_seqlens(lens)
+    calls = []
+    real = checks._validate_packed
+    monkeypatch.setattr(checks, "_validate_packed", lambda *a: calls.append(1) or real(*a))
+    first = c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    again = c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert len(calls) == 1 and torch.equal(first, again)
+    c(q, k, v, cu_seqlens_q=cq.clone(), cu_seqlens_k=ck)  # another tensor: validated
+    assert len(calls) == 2
+    cq[2] = 100  # in place (the version counter moves): validated again, and refused
+    with pytest.raises(ValueError, match="^cu_seqlens_q: must be non-decreasing"):
+        c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert len(calls) == 3
+
+
 def test_metadata_errors_name_the_argument():
     c = op("causal")
     q, k, v, cq, ck = _meta_inputs()

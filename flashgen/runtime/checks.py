@@ -7,6 +7,8 @@ gets a clear Python exception). Called from the registered op's implementation
 from __future__ import annotations
 
 import numbers
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -165,12 +167,52 @@ def check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                              "positions are 32-bit in the kernels)")
 
 
+# Validated packed layouts by cu_seqlens tensor: a model passes the same cu_seqlens to each of its
+# attention layers, forward and backward, and each would otherwise pay a device-to-host copy and
+# a synchronisation. Keyed by the tensors' identity and version counters (an in-place torch write
+# bumps the version: validated again) and the call's sizes; the entry holds the tensors, so an
+# id is not reused while its entry lives.
+_PACKED_CACHE: OrderedDict[tuple, Packed] = OrderedDict()
+_PACKED_CACHE_SIZE = 32
+_PACKED_LOCK = threading.Lock()
+
+
+def _packed_key(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> tuple | None:
+    try:  # inference tensors have no version counter: not cached
+        versions = (cu_seqlens_q._version, cu_seqlens_k._version)
+    except RuntimeError:
+        return None
+    if not all(isinstance(m, int | None) for m in (max_seqlen_q, max_seqlen_k)):
+        return None
+    return (id(cu_seqlens_q), id(cu_seqlens_k), *versions, int(q.shape[0]), int(k.shape[0]), max_seqlen_q,
+            max_seqlen_k)
+
+
 def packed_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None) -> Packed:
     """Validate the packed layout's metadata against q [total_q, Hq, d] and k [total_k, Hkv, d]
     and resolve max_seqlen_q / max_seqlen_k (None: the longest sequence); raises TypeError /
     ValueError naming the argument. Reads the cu_seqlens values on the host: one device-to-host
-    copy when they live on a GPU."""
+    copy when they live on a GPU, once per cu_seqlens tensor and version (later calls with the
+    same tensors, unmodified by torch, reuse the result: writes torch does not see, through
+    ``.data`` or DLPack, are not noticed)."""
     check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    key = _packed_key(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if key is not None:
+        with _PACKED_LOCK:
+            hit = _PACKED_CACHE.get(key)
+            if hit is not None and hit.cu_seqlens_q is cu_seqlens_q and hit.cu_seqlens_k is cu_seqlens_k:
+                _PACKED_CACHE.move_to_end(key)
+                return hit
+    packed = _validate_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if key is not None and packed.cu_seqlens_q is cu_seqlens_q and packed.cu_seqlens_k is cu_seqlens_k:
+        with _PACKED_LOCK:
+            _PACKED_CACHE[key] = packed
+            while len(_PACKED_CACHE) > _PACKED_CACHE_SIZE:
+                _PACKED_CACHE.popitem(last=False)
+    return packed
+
+
+def _validate_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> Packed:
     n = cu_seqlens_q.shape[0]
     host = torch.cat([cu_seqlens_q, cu_seqlens_k]).to("cpu", torch.int64)  # the one copy
     out = {}
