@@ -112,8 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--head-dim", nargs="+", type=int, help="default: 64 128 (those the spec allows)")
     tu.add_argument("--dtype", choices=("bf16", "fp16"), default=None, help="default bf16 (if the spec allows it)")
     tu.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
-    tu.add_argument("--kinds", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
-                    help="passes to tune, each apart (default fwd bwd)")
+    tu.add_argument("--kinds", nargs="+", choices=("fwd", "bwd"), default=None,
+                    help="passes to tune, each apart (default: every pass the family tunes: fwd bwd, sm90 fwd)")
+    tu.add_argument("--family", choices=("auto", *families.FAMILIES), default="auto",
+                    help="whose tiles to tune: auto (each pass's family on this GPU: on Hopper the sm90 forward "
+                         "and the sm80 backward), sm80 (both its passes) or sm90 (its forward)")
     tu.add_argument("--json", type=Path, help="also write the full results (every candidate's time) as JSON here")
     tu.add_argument("--reps", type=int, default=10, help="timed calls per candidate (median; default 10)")
     tu.add_argument("--max-candidates", type=int, default=None,
@@ -143,7 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     ex.add_argument("--build", action="store_true",
                     help="compile the CUDA kernels if not cached, for ptxas' register counts")
     ex.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
-    for cmd in (b, r, be, tu, ex):
+    for cmd in (b, r, be, ex):  # (tune has a --family of its own: whose tiles it tunes)
         cmd.add_argument("--family", choices=tuple(families.FAMILIES), default=None,
                          help="force this kernel family (as FLASHGEN_FAMILY); a call it cannot serve fails "
                               "(default: the first family that serves each call)")
@@ -153,8 +156,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        # --family forces that kernel family for everything the command runs or builds.
-        with families.use_family(getattr(args, "family", None), origin="--family"):
+        # --family forces that kernel family for everything the command runs or builds (tune's
+        # names the family whose tiles it tunes instead).
+        forced = getattr(args, "family", None) if args.command != "tune" else None
+        with families.use_family(forced, origin="--family"):
             return {"generate": cmd_generate, "build": cmd_build, "run": cmd_run, "bench": cmd_bench,
                     "tune": cmd_tune, "explain": cmd_explain}[args.command](args)
     except FlashgenError as e:
@@ -374,6 +379,10 @@ def cmd_tune(args) -> int:
     device = _device(args.device, available=False)
     if device.type != "cuda":
         raise ValueError(f"--device {args.device}: tuning times CUDA kernels (expected cuda or cuda:N)")
+    if args.family != "auto" and families.get(args.family).tuning is None:
+        tunable = " ".join(n for n, f in families.FAMILIES.items() if f.tuning is not None)
+        raise ValueError(f"--family {args.family}: family {args.family} has no tunable pass (it chooses its tiles per "
+                         f"call); expected auto or one of: {tunable}")
     if not torch.cuda.is_available():
         raise ValueError("--device: CUDA is not available in this torch build or machine (tuning needs a GPU)")
     for name in ("reps", "max_candidates", "jobs"):
@@ -386,9 +395,18 @@ def cmd_tune(args) -> int:
     allowed = op.dtypes("cuda")
     dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if ir.DType.BF16 in allowed else allowed[0])
     head_dims = args.head_dim or [d for d in (64, 128) if d in op.head_dims("cuda")] or [op.head_dims("cuda")[0]]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:  # the family of each pass, checked before anything is compiled
+        fams = tuner.tuning_families(op, index, dtype, head_dims[0], args.kinds, args.family)
+    except ValueError as e:
+        name, _, rest = str(e).partition(":")
+        option = {"family": f"--family {args.family}", "kinds": "--kinds"}.get(name)
+        raise ValueError(f"{option}:{rest}" if option else str(e)) from None
+    kinds = tuple(fams)
     gpu = torch.cuda.get_device_name(device)
     print(f"# tuning {op.name} on {gpu}: {dtype.value}, head dims {' '.join(map(str, head_dims))}, seqlens "
-          f"{' '.join(map(str, sorted(set(args.seqlen))))}, {' and '.join(args.kinds)}")
+          f"{' '.join(map(str, sorted(set(args.seqlen))))}, "
+          + " and ".join(f"{k} ({f.name})" for k, f in fams.items()))
     console = Console(stderr=True)
     labels = {"compile": "compiling candidates", "time": "timing", "prebuild": "building winners"}
     t0 = time.perf_counter()
@@ -401,28 +419,29 @@ def cmd_tune(args) -> int:
                 tasks[stage] = bar.add_task(labels.get(stage, stage), total=total, detail="")
             bar.update(tasks[stage], completed=done, total=total, detail=detail)
 
-        results = tuner.tune_many(op, device, dtype, head_dims, args.seqlen, tuple(args.kinds), progress,
+        results = tuner.tune_many(op, device, dtype, head_dims, args.seqlen, kinds, progress,
                                  limit=args.max_candidates, reps=args.reps, jobs=args.jobs,
-                                 prebuild=not args.no_prebuild)
+                                 prebuild=not args.no_prebuild, family=args.family)
     wall = time.perf_counter() - t0
     table = Table(title=f"{op.spec.name} on {gpu} ({dtype.value})")
-    for col in ("d", "pass", "seqlen", "default", "ms", "TFLOP/s", "winner", "ms", "TFLOP/s", "speedup"):
-        table.add_column(col, justify="left" if col in ("pass", "default", "winner") else "right")
+    for col in ("d", "pass", "family", "seqlen", "default", "ms", "TFLOP/s", "winner", "ms", "TFLOP/s", "speedup"):
+        table.add_column(col, justify="left" if col in ("pass", "family", "default", "winner") else "right")
     ok = True
 
     def num(x, fmt):
         return format(x, fmt) if x is not None else "—"
 
     for res in results:
-        for kind in args.kinds:
+        for kind in kinds:
+            fam = res.get("families", {}).get(kind, "—")
             for n, e in sorted(res.get(kind, {}).items()):
                 if "winner" not in e:
                     ok = False
-                    table.add_row(str(res["head_dim"]), kind, str(n), e.get("default", "—"), "", "",
+                    table.add_row(str(res["head_dim"]), kind, fam, str(n), e.get("default", "—"), "", "",
                                   f"[red]{e.get('error', 'failed')}[/red]", "", "", "")
                     continue
                 speed = e["default_ms"] / e["ms"] if e.get("default_ms") else None
-                table.add_row(str(res["head_dim"]), kind, str(n), e["default"], num(e["default_ms"], ".3f"),
+                table.add_row(str(res["head_dim"]), kind, fam, str(n), e["default"], num(e["default_ms"], ".3f"),
                               num(e["default_tflops"], ".1f"), e["winner"], num(e["ms"], ".3f"),
                               num(e["tflops"], ".1f"), num(speed, ".2f") + ("×" if speed else ""))
     out = Console()

@@ -425,7 +425,11 @@ def derived(arch_or_info: str | ArchInfo, head_dim: int, score_mod: bool = False
 class Choice:
     """The tiles an instantiation is built with and where each came from: 'env'
     (FLASHGEN_CUDA_FWD_TILE / _BWD_TILE), 'tuned' (flashgen.tune's stored winner, measured at
-    ``tuned_seqlen``), 'table' (the per-arch table) or 'derived' (the paper's rule)."""
+    ``tuned_seqlen``), 'table' (the per-arch table) or 'derived' (the paper's rule).
+
+    ``fwd_family`` / ``bwd_family``: the kernel family whose tile each pass is. ``choose`` gives
+    sm80's; ``AttentionOp.tiles`` reports the forward of the family that runs it, e.g. an
+    sm90.Sm90Tile with origin 'tuned' or 'family default' on sm_90a."""
 
     fwd: FwdTile
     bwd: BwdTile
@@ -433,9 +437,15 @@ class Choice:
     fwd_origin: str
     bwd_origin: str
     tuned_seqlen: tuple[int | None, int | None] = (None, None)
+    fwd_family: str = "sm80"
+    bwd_family: str = "sm80"
 
     def config(self) -> dict[str, int]:
-        return self.fwd.config() | self.bwd.config() | self.dq.config()
+        """The sm80 family's config keys of these tiles (an instantiation's ``tiles=``): every
+        TILE_KEYS entry when the forward is sm80's; with another family's forward (``fwd_family``)
+        only the backward and dq keys (that forward's own keys are ``fwd.config()``)."""
+        fwd = self.fwd.config() if self.fwd_family == "sm80" else {}
+        return fwd | self.bwd.config() | self.dq.config()
 
 
 def default_choice(spec: ir.Spec, arch: str, head_dim: int, info: ArchInfo | None = None) -> Choice:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+import flashgen
 from flashgen import families, tiles
 from flashgen.lang import frontend, ir
 
@@ -148,8 +149,14 @@ def test_arch_names():
 def test_op_tiles_by_arch_and_its_errors(causal_op):
     import torch
 
+    # sm_90a: the forward runs on sm90 (its tile), the backward on sm80 (the table's)
     c = causal_op.tiles(None, torch.bfloat16, 128, arch="sm_90a")
-    assert str(c.fwd) == "128x64x4" and c.fwd_origin == "table"
+    assert (c.fwd_family, str(c.fwd), c.fwd_origin) == ("sm90", "128x2x1x0x4096x2", "family default")
+    assert (c.bwd_family, c.bwd_origin) == ("sm80", "table") and c.config() == c.bwd.config() | c.dq.config()
+    with flashgen.use_family("sm80"):
+        c = causal_op.tiles(None, torch.bfloat16, 128, arch="sm_90a")
+        assert (c.fwd_family, str(c.fwd), c.fwd_origin) == ("sm80", "128x64x4", "table")
+    assert causal_op.tiles(None, "bf16", 128, arch="sm_80").fwd_family == "sm80"
     assert causal_op.tiles(None, "fp16", 64, arch="sm_120").fwd_origin == "derived"
     with pytest.raises(ValueError, match="head_dim: 300"):
         causal_op.tiles(None, "bf16", 300, arch="sm_90a")

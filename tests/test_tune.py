@@ -419,9 +419,10 @@ def test_ensure_tuned_skips_while_compiling_or_capturing(store, causal_op, no_tu
 
 
 def test_tune_many_orchestration_without_a_gpu(store, causal_op, monkeypatch):
-    """tune_many's bookkeeping with builds, resources, runs and timings faked: build failures and
-    wrong results score infinite, spills prune (not the default/derived), the default wins
-    within MARGIN, winners are recorded and the winners' instantiations prebuilt."""
+    """tune_many's bookkeeping with builds, resources, runs and timings faked (the sm80 family
+    asked for by name on an sm_90a device): build failures and wrong results score infinite,
+    spills prune (not the default/derived), the default wins within MARGIN, winners are recorded
+    and the winners' instantiations prebuilt."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -471,7 +472,7 @@ def test_tune_many_orchestration_without_a_gpu(store, causal_op, monkeypatch):
     monkeypatch.setattr(timing, "time_calls", lambda fn, nsets, device, warmup, reps: fn.ms)
     events = []
     res = tuner.tune_op(causal_op, "cuda:0", "bf16", 64, [4096, 1024], progress=lambda *a: events.append(a),
-                       prebuild=True)
+                       prebuild=True, family="sm80")  # sm80's tiles of both passes (auto: sm90's forward)
     fwd, bwd = res["fwd"], res["bwd"]
     assert sorted(fwd) == [1024, 4096] and res["store"] == str(tune_store.store_path(0))
     assert fwd[1024]["winner"] == "128x32x4" and fwd[1024]["config"] == FWD_A

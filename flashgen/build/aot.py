@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .. import env, tiles
+from .. import env, families, tiles
 from ..abi import ABI_VERSION
 from ..errors import NotBuiltError  # noqa: F401 - raised for this module's lookups (runtime/loader.py)
 from ..version import __version__
@@ -221,11 +221,14 @@ def find(inst: artifact.Instantiation, dirs: Iterable[Path] | None = None) -> tu
 # ---------------------------------------------------------------- describing a variant
 
 
-def _tiles_text(config: dict) -> str:
-    if not all(k in config for k in tiles.TILE_KEYS):
-        return ""
-    f, b, q = tiles.from_config(config)
-    return f"tiles fwd {f} bwd {b} dq {q}"
+def _family(name):
+    """The kernel family called ``name`` (None for a name no family has)."""
+    return families.FAMILIES.get(name)
+
+
+def _tiles_text(config: dict, family: str = "sm80") -> str:
+    fam = _family(family)
+    return fam.tiles_text(config) if fam is not None else ""
 
 
 def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_dim: int | None, config: dict) -> str:
@@ -241,8 +244,8 @@ def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_di
              "packed (varlen) layout" if config.get("varlen") else "padded layout",
              "block-sparse" if config.get("sparse") else "not block-sparse"]
     only = [k for k in ("fwd_only", "bwd_only") if config.get(k)]
-    tiles = _tiles_text(config)
-    return f"{spec_name}: " + ", ".join(parts + only + ([tiles] if tiles else []))
+    text = _tiles_text(config, backend)
+    return f"{spec_name}: " + ", ".join(parts + only + ([text] if text else []))
 
 
 def describe_instantiation(inst: artifact.Instantiation) -> str:
@@ -270,16 +273,33 @@ def build_command(inst: artifact.Instantiation, out: str | Path = "DIR") -> str:
 
 
 def _tiles_note(inst: artifact.Instantiation) -> str | None:
-    """Why a CUDA variant's tiles may not come from a plain ``--arch`` build, or None."""
+    """Why a CUDA variant's tiles may not come from a plain ``--arch`` build, or None: its tile
+    keys compared with its own family's untuned defaults (an sm90 kernel with sm90's)."""
     cfg = dict(inst.config)
     if inst.target.backend != "cuda" or inst.head_dim is None or cfg.get("mask"):
         return None
-    default = tiles.default_choice(inst.spec, inst.target.arch, inst.head_dim).config()
-    if all(cfg.get(k) == v for k, v in default.items()):
+    fam = _family(inst.target.family)
+    if fam is None or not fam.tuned:
         return None
-    if env.cuda_fwd_tile() or env.cuda_bwd_tile():
+    # like with like: the kernel's tiles against its own family's untuned defaults (sm90's forward
+    # against sm90.default_tiles, sm80's against the tables / derived tiles)
+    if fam.name == "sm80":  # the tables / derived tiles (no FLASHGEN_CUDA_*_TILE)
+        default = tiles.default_choice(inst.spec, inst.target.arch, inst.head_dim).config()
+    else:
+        default = fam.choose_tiles(inst.spec, inst.target.arch, inst.dtype, inst.head_dim,
+                                   sparse=bool(cfg.get("sparse")), use_tuned=False).config()
+    full = dict(fam.config(inst.spec, inst.target.arch, inst.dtype, inst.head_dim, packed=bool(cfg.get("varlen")),
+                           sparse=bool(cfg.get("sparse")), tiles=default))
+    if {k: cfg[k] for k in fam.tile_keys if k in cfg} == {k: full[k] for k in fam.tile_keys if k in full}:
+        return None
+    if inst.target.family == "sm80" and (env.cuda_fwd_tile() or env.cuda_bwd_tile()):
         return ("its tiles come from FLASHGEN_CUDA_FWD_TILE / FLASHGEN_CUDA_BWD_TILE: build with the same "
                 "settings, or unset them")
+    if fam.name != "sm80":
+        return (f"its tiles ({fam.tiles_text(cfg).removeprefix('tiles ')}) are not the {fam.name} family's "
+                f"defaults ({fam.tiles_text(full).removeprefix('tiles ')}): they were tuned on a GPU; build on a "
+                "machine with this GPU (--device cuda) so the same tuning results apply, and keep the "
+                "directory's tuning/ files")
     return ("its tiles are not the architecture's table/derived defaults (tuned, or derived from this GPU's "
             "figures): build on a machine with this GPU (--device cuda) so the same tuning results apply, "
             "and keep the directory's tuning/ files")

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class TileReport:
     """One kernel's tile: ``block_m`` queries × ``block_n`` keys, ``warps`` (None on CPU),
-    ``origin`` ('env', 'tuned', 'table', 'derived', or 'derived (L2 cache)' for the CPU family),
+    ``origin`` ('env', 'tuned', 'table', 'derived', 'family default' for the sm90 forward's
+    untuned tile, or 'derived (L2 cache)' for the CPU family; ``tuned_seqlen`` the length a tuned
+    one was measured at),
     ``smem_bytes`` dynamic shared memory per block (None on CPU), ``regs`` registers per thread
     and ``regs_source`` (the ptxas figure from cuobjdump, or the model's estimate)."""
 

@@ -15,8 +15,12 @@ from dataclasses import dataclass, replace
 
 from .. import env
 from ..lang import ir
-from . import cpu, sm80, sm90
+from . import cpu, sm80, sm90, sm90_tuning
 from .base import FEATURES, PREFILL_FEATURES, Call, Family, LaunchFields
+
+# The sm90 family's tuning candidates (sm90_tuning.py builds on sm90.py's tile rules, so the
+# registry, which imports both, hands them to the family).
+sm90.FAMILY.tuning = sm90_tuning.Sm90Tuning(sm90.FAMILY)
 
 # The order families are tried in: the Hopper family first, then mma.sync, then the CPU.
 _ORDER: tuple[Family, ...] = (sm90.FAMILY, sm80.FAMILY, cpu.FAMILY)

@@ -68,7 +68,8 @@ class Family:
             as separate instantiations (CUDA: padded calls never pay for varlen code).
         dq_lists: the backward has a dq kernel of its own that walks block lists (block_dq).
         tuned: its tiles are chosen per call length (tuned winners, flashgen.tune); such a
-            family has a ``tuning`` object giving the tuner its candidates (sm80_tuning.py).
+            family has a ``tuning`` object giving the tuner its candidates and the passes it
+            tunes (sm80_tuning.py, sm90_tuning.py), and ``choose_tiles``.
         block_classifier: block lists are classified on the device by a generated kernel
             (``classifier``), per call for masks without a closed-form key range.
     """
@@ -83,6 +84,7 @@ class Family:
     dq_lists: bool = False
     block_classifier: bool = False
     tuned: bool = False
+    tile_keys: tuple[str, ...] = ()  # the config keys that are tiles (tuned families)
     tuning = None  # tuned families: the candidate generator (reference_tiles, candidates, instantiation)
 
     def __repr__(self) -> str:
@@ -145,6 +147,22 @@ class Family:
         cfg = dict(self.config(spec, arch, dtype, hd, packed=packed, sparse=sparse, tiles=tiles))
         cfg.update(extra or {})
         return artifact.Instantiation(spec, self.target(arch), dtype, hd, tuple(sorted(cfg.items())))
+
+    def choose_tiles(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int | None = None, *,
+                     sparse: bool = False, device_index: int | None = None, use_tuned: bool = True,
+                     fingerprint: str | None = None):
+        """Tuned families: the tiles a call at (arch, dtype, head_dim) and max(seqlen_q, seqlen_k)
+        = ``seqlen`` uses (block-sparse with ``sparse``) on CUDA device ``device_index`` (None: no
+        live device, so no tuned winners), as an object with ``config()`` (the tile keys for
+        ``config(tiles=)``) and the origin of each tile (flashgen.tiles.Choice for sm80,
+        sm90.Sm90Choice for sm90). ValueError for a head dim the family does not take. Other
+        families: NotImplementedError."""
+        raise NotImplementedError(f"family {self.name} has no tile choice (its tiles are not tuned)")
+
+    def tiles_text(self, config: dict) -> str:
+        """The tiles named by an instantiation's ``config``, as a short text for messages ('tiles
+        fwd ... bwd ...'); '' when the config names none."""
+        return ""
 
     def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""

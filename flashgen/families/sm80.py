@@ -23,6 +23,7 @@ class Sm80Family(Family):
     dq_lists = True
     block_classifier = True
     tuned = True
+    tile_keys = tile_rules.TILE_KEYS
 
     def __init__(self) -> None:
         self.tuning = Sm80Tuning(self)  # the autotuner's candidates (flashgen/families/sm80_tuning.py)
@@ -37,6 +38,19 @@ class Sm80Family(Family):
 
     def device_target(self, index: int | None) -> artifact.Target:
         return self.target(artifact.cuda_arch_of(index))
+
+    def choose_tiles(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int | None = None, *,
+                     sparse: bool = False, device_index: int | None = None, use_tuned: bool = True,
+                     fingerprint: str | None = None) -> tile_rules.Choice:
+        # flashgen.tiles' choice (env > tuned > table > derived); block-sparse calls pass seqlen None
+        return tile_rules.choose(spec, "sm_90a" if arch == "any" else arch, dtype, head_dim, seqlen,
+                                 device_index=device_index, use_tuned=use_tuned, fingerprint=fingerprint)
+
+    def tiles_text(self, config: dict) -> str:
+        if not all(k in config for k in TILE_KEYS):
+            return ""
+        f, b, q = tile_rules.from_config(config)
+        return f"tiles fwd {f} bwd {b} dq {q}"
 
     def config(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int | None, *, packed: bool = False,
                sparse: bool = False, tiles: dict | None = None) -> tuple[tuple[str, int], ...]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from .. import tiles
+from .. import env, tiles
 from ..build import artifact
 from ..lang import ir
 from .base import Family
@@ -53,8 +53,13 @@ class Sm80Tuning:
         i = 0 if kind == "fwd" else 1
         return {"default": default.fwd if kind == "fwd" else default.bwd, "derived": derived[i], "table": table[i]}
 
+    def forced(self, kind: str) -> bool:
+        """Whether FLASHGEN_CUDA_FWD_TILE ('fwd') / FLASHGEN_CUDA_BWD_TILE ('bwd') forces the
+        tile of ``kind`` (then it is not tuned: the override wins anyway)."""
+        return bool((env.cuda_fwd_tile if kind == "fwd" else env.cuda_bwd_tile)())
+
     def candidates(self, spec: ir.Spec, arch: str, head_dim: int, kind: str, info: tiles.ArchInfo | None = None,
-                   limit: int | None = None) -> list:
+                   limit: int | None = None, *, seqlens=None) -> list:
         """The tiles the tuner compiles for ``kind`` ('fwd': tiles.FwdTile, 'bwd': tiles.BwdTile)
         at (arch, head dim), in a deterministic order: the default first, then the derived tile,
         the per-arch tables' rows at this and the neighbouring head-dim bounds (both mask
@@ -64,7 +69,8 @@ class Sm80Tuning:
         shared memory (bytes) fits ``info.smem_optin`` (``info``: a tiles.ArchInfo, default the
         arch's table figures) and whose register estimate is at most REG_LIMIT + reg_slack; at
         most ``limit`` (default fwd_limit / bwd_limit) — the default and the derived tile are
-        always kept. ValueError for an unknown kind or architecture."""
+        always kept. ``seqlens`` (the tuned lengths) changes nothing here: no sm80 tile key
+        acts per call length. ValueError for an unknown kind or architecture."""
         check_kind(kind)
         arch = tiles.normalize_arch(arch)
         info = info or tiles.arch_info(arch)

@@ -9,8 +9,11 @@ families define alike, so an sm90 forward pairs with the sm80 backward)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 from ..build import artifact
 from ..lang import expr, ir
+from ..tune import store as tune_store
 from . import sm80
 from .base import Family
 
@@ -107,6 +110,140 @@ def check_tiles(cfg: dict, head_dim: int | None) -> None:
                          f"{SMEM_LIMIT:,} B")
 
 
+def valid_config(cfg: dict) -> bool:
+    """Whether ``cfg`` is a well-formed sm90 forward tile config (the tuning store loads an sm90
+    'fwd' entry by this): only TILE_KEYS, fwd_block_n and fwd_stages present, every value an
+    int, and ``check_tiles`` accepting it at any head dim (shared memory is checked where a call
+    uses it, at its head dim)."""
+    if not isinstance(cfg, dict) or not {"fwd_block_n", "fwd_stages"} <= set(cfg) or not set(cfg) <= set(TILE_KEYS):
+        return False
+    if not all(type(v) is int for v in cfg.values()):
+        return False
+    try:
+        check_tiles(cfg, None)
+    except ValueError:
+        return False
+    return True
+
+
+tune_store.register_kind("fwd", valid_config, family="sm90")
+
+
+@dataclass(frozen=True, order=True)
+class Sm90Tile:
+    """One sm90 forward tile config: ``block_n`` keys per K/V tile (fwd_block_n), ``stages`` K/V
+    stages, ``overlap`` and ``pingpong`` 0/1, ``persistent`` the largest seqlen_k launched
+    persistent (0: never), ``consumers`` consumer warpgroups of 64 query rows (2 or 3). Written
+    (``str``) as tiles_from_text reads it: 'keys x stages x overlap x ping-pong x persistent x
+    consumers'."""
+
+    block_n: int
+    stages: int
+    overlap: int
+    pingpong: int
+    persistent: int
+    consumers: int = 2
+
+    @property
+    def block_m(self) -> int:
+        """Query rows per CTA: 64 per consumer warpgroup."""
+        return 64 * self.consumers
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> Sm90Tile:
+        """The tile of a config (every TILE_KEYS entry but fwd_consumers, which defaults to 2;
+        KeyError when one is missing)."""
+        return cls(cfg["fwd_block_n"], cfg["fwd_stages"], cfg["fwd_overlap"], cfg["fwd_pingpong"],
+                   cfg["fwd_persistent"], cfg.get("fwd_consumers", 2))
+
+    def config(self) -> dict[str, int]:
+        """The config keys (TILE_KEYS); fwd_consumers only when 3, as ``default_tiles`` writes a
+        two-warpgroup tile (so an explicit default tile is the same instantiation as none)."""
+        cfg = dict(zip(TILE_KEYS[:5], (self.block_n, self.stages, self.overlap, self.pingpong, self.persistent),
+                       strict=True))
+        if self.consumers != 2:
+            cfg["fwd_consumers"] = self.consumers
+        return cfg
+
+    def with_(self, **kw) -> Sm90Tile:
+        return replace(self, **kw)
+
+    def persistent_at(self, seqlen_k: int) -> bool:
+        """Whether a call with ``seqlen_k`` keys launches the persistent grid with this tile."""
+        return 0 < seqlen_k <= self.persistent
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory per CTA at ``head_dim`` (bytes, ``smem_bytes``)."""
+        return smem_bytes(head_dim, self.block_n, self.stages, self.block_m)
+
+    def __str__(self) -> str:
+        return "x".join(str(v) for v in (self.block_n, self.stages, self.overlap, self.pingpong, self.persistent,
+                                         self.consumers))
+
+
+def spill_reason(spec: ir.Spec, head_dim: int, tile: Sm90Tile) -> str | None:
+    """Why ``tile`` is known to spill registers for ``spec`` at ``head_dim`` (the measurements
+    ``default_tiles`` follows, docs/perf-notes.md), or None: the overlap (and so ping-pong)
+    where the mask or score loads a tensor parameter per score element, with dropout, or with a
+    score expression above d = 64; three consumer warpgroups (160 registers each) above d = 64,
+    with the overlap, a score expression, per-element tensor reads or dropout. ``check_tiles``
+    accepts these (they build and run); the tuner does not propose them."""
+    lean = not elementwise_reads(spec) and not spec.dropout and (spec.score is None or head_dim <= 64)
+    if tile.overlap and not lean:
+        return "the overlap spills with per-element tensor reads, dropout or a score expression above d 64"
+    if tile.consumers == 3 and (head_dim > 64 or tile.overlap or not lean or spec.score is not None):
+        return ("three consumer warpgroups spill above d 64, with the overlap, a score expression, per-element "
+                "tensor reads or dropout")
+    return None
+
+
+def nests_in_blocks(tile: Sm90Tile) -> bool:
+    """Whether block lists of 128 x 128 blocks nest in the tile (two consumer warpgroups, a key
+    tile dividing 128): the block-sparse instantiations' requirement."""
+    return tile.consumers == 2 and 128 % tile.block_n == 0
+
+
+@dataclass(frozen=True)
+class Sm90Choice:
+    """The sm90 forward tile a call uses and where it came from: 'tuned' (flashgen.tune's stored
+    winner, measured at ``tuned_seqlen``) or 'family default' (``default_tiles``)."""
+
+    tile: Sm90Tile
+    origin: str
+    tuned_seqlen: int | None = None
+
+    def config(self) -> dict[str, int]:
+        return self.tile.config()
+
+
+def choose(spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int | None = None, *,
+           sparse: bool = False, device_index: int | None = None, use_tuned: bool = True,
+           fingerprint: str | None = None) -> Sm90Choice:
+    """The sm90 forward tile of a call of ``spec`` at (dtype, head_dim) with max(seqlen_q,
+    seqlen_k) = ``seqlen`` (None: the longest tuned length): the winner flashgen.tune stored for
+    the sm90 family on CUDA device ``device_index`` nearest ``seqlen``, when one is stored, legal
+    at ``head_dim`` (shared memory) and, for block-sparse instantiations (``sparse``), one that
+    block lists nest in (``nests_in_blocks``); else ``default_tiles``. ``arch`` is the target
+    ('sm_90a'; tuned winners need a live device). ValueError for a head dim the family does not
+    take (``check_tiles``)."""
+    if not 8 <= head_dim <= HEAD_DIM_MAX or head_dim % 8:
+        raise ValueError(f"head_dim: {head_dim} is not an sm90 head dim (multiples of 8 up to {HEAD_DIM_MAX})")
+    default = Sm90Tile.from_config(default_tiles(spec, head_dim, sparse))
+    if use_tuned and device_index is not None:
+        hit = tune_store.lookup(fingerprint or spec, device_index, dtype, head_dim, "fwd", seqlen, "sm90")
+        if hit is not None:
+            cfg, n = hit
+            tile = Sm90Tile.from_config(cfg)
+            try:
+                check_tiles(tile.config() | ({"sparse": 1} if sparse else {}), head_dim)
+                ok = not sparse or nests_in_blocks(tile)
+            except ValueError:
+                ok = False
+            if ok:
+                return Sm90Choice(tile, "tuned", n)
+    return Sm90Choice(default, "family default")
+
+
 def elementwise_reads(spec: ir.Spec) -> bool:
     """Whether the mask or score reads a tensor parameter at an index that varies with q or kv
     (a load per score element: document ids, a bias table), not once per tile (ALiBi slopes)."""
@@ -170,6 +307,24 @@ class Sm90Family(Family):
     features = frozenset({"dropout", "sparse", "varlen"})
     split_layouts = True  # padded / packed and dense / block-sparse calls are separate instantiations
     block_classifier = True  # the sm80 family's classifier kernel (``classifier``)
+    tuned = True  # its forward tiles: ``tuning`` is an sm90_tuning.Sm90Tuning (set by the registry)
+    tile_keys = TILE_KEYS
+
+    def choose_tiles(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int, seqlen: int | None = None, *,
+                     sparse: bool = False, device_index: int | None = None, use_tuned: bool = True,
+                     fingerprint: str | None = None) -> Sm90Choice:
+        return choose(spec, arch, dtype, head_dim, seqlen, sparse=sparse, device_index=device_index,
+                      use_tuned=use_tuned, fingerprint=fingerprint)
+
+    def tiles_text(self, config: dict) -> str:
+        if "fwd_block_n" not in config or "fwd_stages" not in config:
+            return ""
+        cfg = {k: v for k, v in config.items() if k in TILE_KEYS}
+        try:
+            return f"tiles fwd {Sm90Tile.from_config(cfg)} (sm90: keys x stages x overlap x ping-pong x persistent " \
+                   "x consumers)"
+        except KeyError:
+            return ""
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -71,14 +72,14 @@ _generation = [0]
 
 
 # The first-use tuner (FLASHGEN_AUTOTUNE=1): flashgen.tune plugs ``ensure_tuned`` in here, called
-# as first_use_tuner(op, device, dtype, head_dim, seqlen) before a library is chosen.
+# as first_use_tuner(op, device, dtype, head_dim, seqlen, family=fam) before a library is chosen.
 first_use_tuner = None
 
 
 def plug_first_use_tuner(tuner) -> None:
     """Plug in the first-use tuner (flashgen/tune/tuner.py's ``ensure_tuned``), called as
-    tuner(op, device, dtype, head_dim, seqlen) before a library is chosen with
-    FLASHGEN_AUTOTUNE=1; the runtime does not import the tuner."""
+    tuner(op, device, dtype, head_dim, seqlen, family=fam) before a library of the tuned family
+    ``fam`` is chosen with FLASHGEN_AUTOTUNE=1; the runtime does not import the tuner."""
     global first_use_tuner
     first_use_tuner = tuner
 
@@ -472,9 +473,10 @@ class AttentionOp:
         """The compiled artifact that serves (device, dtype, head_dim) in the padded layout, or in
         the packed (varlen) layout with ``packed``, on ``family`` (default: the family the call
         would run on). Families with ``split_layouts`` build the layouts apart, so padded calls
-        never pay for varlen code; the CPU family takes both at run time. On sm80 its tiles are
-        ``flashgen.tiles.choose``'s for max(seqlen_q, seqlen_k) = ``seqlen`` (tuned winners vary
-        with it; None: the longest tuned length)."""
+        never pay for varlen code; the CPU family takes both at run time. On a tuned family
+        (sm80, sm90) its tiles are the family's ``choose_tiles`` for max(seqlen_q, seqlen_k) =
+        ``seqlen`` (tuned winners vary with it; None: the longest tuned length): sm80's
+        ``flashgen.tiles.choose``, sm90's ``sm90.choose``."""
         device = torch.device(device)
         fam = (families.of(family) if family is not None
                else self.choose_family(device, dtype, head_dim, packed, sparse, False).family)
@@ -483,15 +485,23 @@ class AttentionOp:
         target = fam.device_target(_index(device) if device.type == "cuda" else None)
         if fam.runtime_head_dim:
             return fam.instantiation(self.spec, target.arch, dtype, None)
-        # flashgen.tiles' choice (tables, tuning, FLASHGEN_CUDA_*_TILE) is the tuned family's; any
+        # A tuned family's choice (its defaults, tuned winners, sm80's FLASHGEN_CUDA_*_TILE); any
         # other family fills in its own defaults.
-        return fam.instantiation(self.spec, target.arch, dtype, head_dim, packed=packed, sparse=sparse,
-                                 tiles=self.tiles(device, dtype, head_dim, seqlen).config() if fam.tuned else None)
+        cfg = None
+        if fam.tuned:
+            index = _index(device)
+            cfg = fam.choose_tiles(self.spec, target.arch, dtype, head_dim, seqlen, sparse=sparse, device_index=index,
+                                   fingerprint=self.fingerprint).config()
+        return fam.instantiation(self.spec, target.arch, dtype, head_dim, packed=packed, sparse=sparse, tiles=cfg)
 
     def tiles(self, device: torch.device | str | None = "cuda", dtype=ir.DType.BF16, head_dim: int = 128,
               seqlen: int | None = None, *, arch: str | None = None):
         """The CUDA tiles this op uses, as a flashgen.tiles.Choice (forward, backward and dq tiles
-        and where each came from: 'env', 'tuned', 'table', 'derived').
+        and where each came from: 'env', 'tuned', 'table', 'derived', 'family default'), each
+        pass's of the family that runs it (``fwd_family`` / ``bwd_family``): where the sm90
+        family runs the forward (sm_90a, unless another family is forced), ``fwd`` is its tile
+        (flashgen.families.sm90.Sm90Tile, origin 'tuned' or 'family default'); the backward's
+        and dq tiles are sm80's.
 
         Args:
             device: a CUDA device (its architecture, shared memory and tuning results); None
@@ -512,8 +522,13 @@ class AttentionOp:
             raise ValueError(f"head_dim: {head_dim} is not supported by spec '{self.spec.name}' on cuda (expected "
                              f"one of {ranges_text(self.head_dims('cuda'))})")
         if arch is not None:
-            return tiles.choose(self.spec, tiles.normalize_arch(arch), dt, head_dim, seqlen,
-                                fingerprint=self.fingerprint)
+            arch = tiles.normalize_arch(arch)
+            choice = tiles.choose(self.spec, arch, dt, head_dim, seqlen, fingerprint=self.fingerprint)
+            try:
+                fwd_fam = families.choose(self.spec, families.Call("cuda", arch, dt, head_dim)).family
+            except NotImplementedError:  # a forced family that has no kernels there: sm80's tiles
+                fwd_fam = families.get("sm80")
+            return self._with_forward(choice, fwd_fam, arch, dt, head_dim, seqlen, None)
         if device is None:
             raise ValueError("device: None needs arch= (e.g. 'sm_90a'); or pass a CUDA device")
         device = torch.device(device)
@@ -524,8 +539,21 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine; pass arch= "
                              "(e.g. 'sm_90a') for the tables' and derived tiles")
         index = _index(device)
-        return tiles.choose(self.spec, artifact.cuda_arch_of(index), dt, head_dim, seqlen, device_index=index,
-                            fingerprint=self.fingerprint)
+        arch = artifact.cuda_arch_of(index)
+        choice = tiles.choose(self.spec, arch, dt, head_dim, seqlen, device_index=index, fingerprint=self.fingerprint)
+        fwd_fam = self.choose_family(torch.device("cuda", index), dt, head_dim, False, False, False).family
+        return self._with_forward(choice, fwd_fam, arch, dt, head_dim, seqlen, index)
+
+    def _with_forward(self, choice: tiles.Choice, fam: families.Family, arch: str, dtype: ir.DType, head_dim: int,
+                      seqlen: int | None, index: int | None) -> tiles.Choice:
+        """``choice`` (sm80's tiles) with the forward of ``fam`` when that family, not sm80, runs
+        the forward: its tile, origin and tuned length in place of sm80's forward."""
+        if fam.name == "sm80" or not fam.tuned:
+            return choice
+        own = fam.choose_tiles(self.spec, arch, dtype, head_dim, seqlen, device_index=index,
+                               fingerprint=self.fingerprint)
+        return replace(choice, fwd=own.tile, fwd_origin=own.origin, fwd_family=fam.name,
+                       tuned_seqlen=(own.tuned_seqlen, choice.tuned_seqlen[1]))
 
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
@@ -688,7 +716,7 @@ class AttentionOp:
             return lib
         _, _, _, hd, packed, sparse, seqlen, _, _ = key
         if fam.tuned and first_use_tuner is not None and env.autotune() and env.jit():
-            first_use_tuner(self, device, dtype, head_dim, seqlen)  # tuning compiles: never with JIT off
+            first_use_tuner(self, device, dtype, head_dim, seqlen, family=fam)  # tuning compiles: never with JIT off
             key = self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)
         inst = self.instantiation(device, dtype, head_dim, packed, sparse, seqlen, family=fam)
         lib = loader.load(inst, announce=announce)

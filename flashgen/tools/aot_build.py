@@ -152,8 +152,9 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                             if dt in op.dtypes(part) and hd in op.head_dims(part):
                                 for pk in part_pks:
                                     for sp in part_sps:
-                                        add(Planned(op, part.instantiation(spec, arch, dt, hd, packed=pk, sparse=sp),
-                                                    index))
+                                        for inst, origin, tuned in _tuned_instantiations(op, part, arch, index, dt,
+                                                                                         hd, pk, sp):
+                                            add(Planned(op, inst, index, origin, tuned))
                     if True in part_sps:
                         add(Planned(op, part.classifier(spec, arch), index))
             if not families.complete(fams[-1]):
@@ -193,6 +194,28 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
             if True in sps:  # the block classifier (one per spec and arch, as ops.mask_library)
                 add(Planned(op, fam.classifier(spec, arch), index))
     return list(out.values())
+
+
+def _tuned_instantiations(op, fam, arch: str, index: int | None, dt, hd: int, pk: bool, sp: bool) -> list:
+    """(instantiation, (fwd origin, bwd origin), tuned lengths) of a partial family's calls at
+    (dt, hd, layout, sparsity): untuned families their default; a tuned one (sm90's forward)
+    each tuned length's choice on the local GPU ``index`` (block-sparse calls: the longest
+    length's) and the untuned default beside them."""
+    if not fam.tuned:
+        return [(fam.instantiation(op.spec, arch, dt, hd, packed=pk, sparse=sp), None, None)]
+    lens: list[int | None] = [None]
+    if index is not None and not sp:
+        lens += sorted({n for kind in fam.tuning.kinds
+                        for n in tune_store.tuned_seqlens(op.fingerprint, index, dt, hd, kind, fam.name)})
+    choices = [fam.choose_tiles(op.spec, arch, dt, hd, n, sparse=sp, device_index=index, fingerprint=op.fingerprint)
+               for n in lens]
+    if index is not None:  # a GPU whose tuning does not apply: the family default too
+        choices.append(fam.choose_tiles(op.spec, arch, dt, hd, None, sparse=sp, device_index=index, use_tuned=False))
+    out = []
+    for ch in choices:
+        inst = fam.instantiation(op.spec, arch, dt, hd, packed=pk, sparse=sp, tiles=ch.config())
+        out.append((inst, (ch.origin, None), (ch.tuned_seqlen, None)))
+    return out
 
 
 # ---------------------------------------------------------------- writing a directory
@@ -280,9 +303,12 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
         inst = p.inst
         if p.device_index is None or inst.head_dim is None:
             continue
-        for kind in ("fwd", "bwd"):
+        fam = families.get(inst.target.family)
+        if fam.tuning is None:
+            continue
+        for kind in fam.tuning.kinds:  # the keys of the family that built it
             keys.setdefault(p.device_index, set()).add(tune_store.entry_key(p.op.fingerprint, inst.dtype, inst.head_dim,
-                                                                      kind))
+                                                                            kind, fam.name))
     written = []
     for index, want in sorted(keys.items()):
         stored = tune_store.entries(index)

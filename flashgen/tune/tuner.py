@@ -2,12 +2,14 @@
 tuning store (flashgen.tune.store).
 
 ``tune_op`` / ``tune_many`` (``flashgen tune``), and ``ensure_tuned`` for FLASHGEN_AUTOTUNE=1: per
-(spec, GPU, dtype, head dim) it compiles the kernel family's candidate tiles of the forward and of
-the backward apart (``family.tuning.candidates``: the default, the derived tile, table rows, a
-small grid of legal shapes; pruned by shared memory before compiling and by the compiler's spill
-report after, flashgen.tune.resources), in parallel, then times each on the GPU at each sequence
-length (flashgen.tune.timing: CUDA events, median, inputs rotated past the L2) and records the
-fastest. A failing candidate scores infinite.
+(spec, GPU, dtype, head dim) it compiles the candidate tiles of the forward and of the backward
+apart, each pass's of the kernel family that runs it (``tuning_families``: on sm_90a the sm90
+forward and the sm80 backward; ``family.tuning.candidates``: sm80's default, derived tile, table
+rows and a small grid of legal shapes, sm90's default and one-knob variations; pruned by shared
+memory before compiling and by the compiler's spill report after, flashgen.tune.resources), in
+parallel, then times each on the GPU at each sequence length (flashgen.tune.timing: CUDA events,
+median, inputs rotated past the L2) and records the fastest under that family's store key. A
+failing candidate scores infinite.
 
 The op runtime does not import this module: importing it plugs ``ensure_tuned`` into
 the op runtime (``runtime.op.plug_first_use_tuner``; flashgen/__init__.py imports this module).
@@ -106,17 +108,75 @@ def _compile(cands: list[Candidate], jobs: int | None, progress) -> float:
 # ---------------------------------------------------------------- tuning
 
 
-def tune_op(op, device, dtype, head_dim: int, seqlens, kinds=KINDS, progress=True, **kw) -> dict:
+def tuning_families(op, index: int, dtype: ir.DType, head_dim: int, kinds=None,
+                    family: str | None = None) -> dict[str, families.Family]:
+    """{kind: the kernel family whose tiles of that pass are tuned} for ``op`` on CUDA device
+    ``index`` at (dtype, head_dim), in ``kinds`` order.
+
+    ``family`` None or 'auto': each pass's the family that runs it there (``op.choose_family``,
+    so a forced family counts: on sm_90a the sm90 forward and the sm80 backward); ``kinds`` None
+    means every pass, less those no family tunes there. A family name: that family's passes
+    (``family.tuning.kinds``) among ``kinds`` (None: all of them).
+
+    Raises:
+        ValueError: naming ``family`` for an unknown family, one without tunable tiles or one
+            that does not run on the device; naming ``kinds`` for an unknown pass, a pass the
+            named family does not tune (sm90's backward: it runs on sm80), or (auto) a pass no
+            family here runs.
+    """
+    arch = artifact.cuda_arch_of(index)
+    wanted = None if kinds is None else tuple(dict.fromkeys(kinds))
+    for k in wanted or ():
+        if k not in KINDS:
+            raise ValueError(f"kinds: expected 'fwd' and/or 'bwd', got {k!r}")
+    if family not in (None, "auto"):
+        fam = families.get(family, "family")
+        if fam.tuning is None:
+            raise ValueError(f"family: {fam.name} has no tunable tiles (the {fam.name} family chooses its tiles "
+                             f"per call); tunable: {', '.join(n for n, f in families.FAMILIES.items() if f.tuning)}")
+        why = fam.arch_reason(arch) if fam.device == "cuda" else f"runs on {fam.device} tensors"
+        if why:
+            raise ValueError(f"family: {fam.name} does not run on this GPU ({arch}): it {why}")
+        if wanted is None:
+            return {k: fam for k in fam.tuning.kinds}
+        lacks = [k for k in wanted if k not in fam.tuning.kinds]
+        if lacks:
+            raise ValueError(f"kinds: family {fam.name} has no tunable {lacks[0]} pass (it tunes "
+                             f"{', '.join(fam.tuning.kinds)}"
+                             + ("; its backward runs on sm80: --family sm80 tunes it" if lacks[0] == "bwd" else "")
+                             + ")")
+        return {k: fam for k in wanted}
+    device = torch.device("cuda", index)
+    out: dict[str, families.Family] = {}
+    for k in wanted or KINDS:
+        try:
+            fam = op.choose_family(device, dtype, head_dim, False, False, False, backward=k == "bwd").family
+        except NotImplementedError as e:
+            if wanted is None:
+                continue
+            raise ValueError(f"kinds: no family tunes the {k} pass here ({e})") from None
+        if fam.tuning is None or k not in fam.tuning.kinds:
+            if wanted is None:
+                continue
+            raise ValueError(f"kinds: family {fam.name}, which runs the {k} pass here, does not tune it")
+        out[k] = fam
+    if not out:
+        raise ValueError(f"kinds: no family tunes any pass on this GPU ({arch})")
+    return out
+
+
+def tune_op(op, device, dtype, head_dim: int, seqlens, kinds=None, progress=True, **kw) -> dict:
     """Tune ``op``'s CUDA tiles for one head dim; see ``tune_many`` (this is its one-head-dim
     form) for the arguments, the result and the errors. Returns that head dim's result dict."""
     return tune_many(op, device, dtype, [head_dim], seqlens, kinds, progress, **kw)[0]
 
 
-def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True, *, limit: int | None = None,
+def tune_many(op, device, dtype, head_dims, seqlens, kinds=None, progress=True, *, limit: int | None = None,
               reps: int = 10, tokens: int | None = None, jobs: int | None = None, save: bool = True,
-              prebuild: bool = False) -> list[dict]:
-    """Measure candidate tiles (the kernel family's ``tuning.candidates``) of ``op`` on a CUDA
-    ``device`` and store the fastest per (kind, head dim, seqlen).
+              prebuild: bool = False, family: str | None = None) -> list[dict]:
+    """Measure candidate tiles (``tuning.candidates`` of the kernel family of each pass,
+    ``tuning_families``) of ``op`` on a CUDA ``device`` and store the fastest per (family, kind,
+    head dim, seqlen).
 
     For each head dim, the candidates of each kind are compiled once (all head dims and kinds
     in one pool of ``jobs`` parallel builds, default os.cpu_count()), those that spill heavily
@@ -137,13 +197,17 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
         device: a CUDA device ('cuda', 'cuda:1', torch.device).
         dtype: bf16 or fp16 (flashgen, torch or spelled).
         head_dims: head dims to tune; seqlens: sequence lengths (max(seqlen_q, seqlen_k)).
-        kinds: 'fwd' and/or 'bwd'.
+        kinds: 'fwd' and/or 'bwd' (None: every pass the family tunes; ``tuning_families``).
+        family: whose tiles to tune: None / 'auto' (each pass's the family that runs it on this
+            GPU: on sm_90a the sm90 forward and the sm80 backward) or a family name ('sm80',
+            'sm90': that family's passes).
         progress: True (a line on stderr per finished stage), False, or a callable
             ``progress(stage, done, total, detail)`` with stage 'compile' or 'time'.
         limit: cap on candidates per kind (default the family's tuning.fwd_limit / bwd_limit).
         reps: timed calls per candidate (median); jobs: parallel builds; save: record winners.
 
-    Returns one dict per head dim: spec, fingerprint, gpu, arch, dtype, head_dim, store (the
+    Returns one dict per head dim: spec, fingerprint, gpu, arch, dtype, head_dim, families
+    ({kind: family name}), store (the
     file written, or None), wall seconds compile_s (the shared compile phase), time_s (this head
     dim's timing), prebuild_s and total_s (the whole run), and per kind a dict seqlen →
     {winner, config, ms, tflops, default, default_ms, default_tflops, shape [B, H, N, d],
@@ -154,7 +218,8 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
 
     Raises:
         ValueError: no CUDA device, a device that is not CUDA, or a dtype / head dim / kind /
-            seqlen the spec or the CUDA family does not take.
+            seqlen the spec or the CUDA family does not take; a family that cannot be tuned
+            here or lacks a requested pass (``tuning_families``, naming family / kinds).
     """
     if not isinstance(op, ops.AttentionOp):
         op = ops.compile(op)
@@ -176,42 +241,43 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
     seqlens = sorted({int(n) for n in seqlens})
     if not seqlens or seqlens[0] < 1:
         raise ValueError(f"seqlens: expected positive sequence lengths, got {seqlens}")
-    fam = families.for_arch("cuda", artifact.cuda_arch_of(index))
-    if fam.tuning is None:
-        raise ValueError(f"family: {fam.name} has no tuning candidates (its tiles are not tuned)")
-    kinds = tuple(dict.fromkeys(kinds))
-    for k in kinds:
-        fam.tuning.check_kind(k)
+    fams = {hd: tuning_families(op, index, dtype, hd, kinds, family) for hd in head_dims}
+    kinds = tuple(dict.fromkeys(k for hd in head_dims for k in fams[hd]))
     tokens = tokens or timing.TOKENS
     if reps < 1:
         raise ValueError(f"reps: expected at least 1, got {reps}")
-    target = fam.device_target(index)
     info = tiles.device_info(index)
     plans: dict[int, dict[str, list[Candidate]]] = {}
     helpers: dict[int, Candidate] = {}  # the default forward, for the backward's out and lse
     for hd in head_dims:
         plans[hd] = {}
-        for kind in kinds:
+        for kind, fam in fams[hd].items():
+            target = fam.device_target(index)
             refs = fam.tuning.reference_tiles(op.spec, target.arch, hd, kind, info)
             plans[hd][kind] = [Candidate(kind, t, _roles(t, refs),
                                          fam.tuning.instantiation(op.spec, target.arch, dtype, hd, t, kind, info))
-                               for t in fam.tuning.candidates(op.spec, target.arch, hd, kind, info, limit)]
-        if "bwd" in kinds:
+                               for t in fam.tuning.candidates(op.spec, target.arch, hd, kind, info, limit,
+                                                              seqlens=seqlens)]
+        if "bwd" in fams[hd]:
+            fam = fams[hd]["bwd"]
+            target = fam.device_target(index)
             default_fwd = fam.tuning.reference_tiles(op.spec, target.arch, hd, "fwd", info)["default"]
             helpers[hd] = next((c for c in plans[hd].get("fwd", []) if "default" in c.roles), None) or Candidate(
                 "fwd", default_fwd, ("default",),
                 fam.tuning.instantiation(op.spec, target.arch, dtype, hd, default_fwd, "fwd", info))
-    every = [c for hd in head_dims for k in kinds for c in plans[hd][k]] + list(helpers.values())
+    every = [c for hd in head_dims for k in plans[hd] for c in plans[hd][k]] + list(helpers.values())
     compile_s = _compile(every, jobs, progress)
     results = []
-    total = sum(len(plans[hd][k]) for hd in head_dims for k in kinds) * len(seqlens)
+    total = sum(len(plans[hd][k]) for hd in head_dims for k in plans[hd]) * len(seqlens)
     step = [0, total]
     t_time = time.perf_counter()
     for hd in head_dims:
         t0 = time.perf_counter()
-        res: dict = {"spec": op.spec.name, "fingerprint": op.fingerprint, "gpu": info.name, "arch": target.arch,
-                     "dtype": dtype.value, "head_dim": hd, "store": None, "compile_s": round(compile_s, 2)}
-        for kind in kinds:
+        res: dict = {"spec": op.spec.name, "fingerprint": op.fingerprint, "gpu": info.name,
+                     "arch": artifact.cuda_arch_of(index), "dtype": dtype.value, "head_dim": hd,
+                     "families": {k: f.name for k, f in fams[hd].items()}, "store": None,
+                     "compile_s": round(compile_s, 2)}
+        for kind in fams[hd]:
             res[kind] = {}
             cands = plans[hd][kind]
             for n in seqlens:
@@ -242,7 +308,7 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
                     path = store.record(op.fingerprint, index, dtype, hd, kind, n, entry["config"], {
                         "ms": entry["ms"], "tflops": entry["tflops"], "default": entry["default"],
                         "default_ms": entry["default_ms"], "shape": entry["shape"], "candidates": rows,
-                        "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                        "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, family=fams[hd][kind].name)
                     res["store"] = str(path)
                 del w
         res["time_s"] = round(time.perf_counter() - t0, 2)
@@ -250,7 +316,8 @@ def tune_many(op, device, dtype, head_dims, seqlens, kinds=KINDS, progress=True,
     torch.cuda.empty_cache()
     t_pre = time.perf_counter()
     if save and prebuild:
-        _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress)
+        _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress,
+                  {f for hd in head_dims for f in fams[hd].values()})
     for res in results:
         res["prebuild_s"] = round(time.perf_counter() - t_pre, 2)
         res["total_s"] = round(compile_s + (time.perf_counter() - t_time), 2)
@@ -273,12 +340,11 @@ def _winner(cands: list[Candidate], ms: list[float], rows: list[dict], flops) ->
     return entry
 
 
-def _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress) -> None:
-    """Compile (or load) the instantiations of the tuned family (the complete one of the device)
-    that calls at the tuned lengths will use, in parallel."""
-    fam = families.for_arch("cuda", artifact.cuda_arch_of(torch.device(device).index))
+def _prebuild(op, device, dtype, head_dims, seqlens, jobs, progress, fams) -> None:
+    """Compile (or load) the instantiations of the tuned families ``fams`` that calls at the
+    tuned lengths will use, in parallel."""
     insts = list(dict.fromkeys(op.instantiation(device, dtype, hd, seqlen=n, family=fam)
-                               for hd in head_dims for n in seqlens))
+                               for fam in sorted(fams, key=lambda f: f.name) for hd in head_dims for n in seqlens))
     timing.report(progress, "prebuild", 0, len(insts), "")
     done = [0]
 
@@ -299,22 +365,36 @@ _tune_lock = threading.RLock()
 _attempted: set = set()
 
 
-def _covered(fingerprint: str, index: int, dtype: ir.DType, head_dim: int, kind: str, seqlen: int | None) -> bool:
-    """Whether a stored winner serves the bucket ``seqlen`` (one tuned within a factor of 2 of
-    it; any, for None)."""
-    ns = store.tuned_seqlens(fingerprint, index, dtype, head_dim, kind)
+def _covered(fingerprint: str, index: int, dtype: ir.DType, head_dim: int, kind: str, seqlen: int | None,
+             family: str | None = None) -> bool:
+    """Whether a stored winner of ``family`` serves the bucket ``seqlen`` (one tuned within a
+    factor of 2 of it; any, for None)."""
+    ns = store.tuned_seqlens(fingerprint, index, dtype, head_dim, kind, family)
     if seqlen is None or seqlen <= 0:
         return bool(ns)
     return any(abs(math.log2(n) - math.log2(seqlen)) <= 1 for n in ns)
 
 
-def ensure_tuned(op, device, dtype: ir.DType, head_dim: int, seqlen: int | None, kinds=KINDS) -> None:
-    """FLASHGEN_AUTOTUNE=1: tune ``op`` at its first CUDA call for a (device, dtype, head dim,
-    seqlen bucket) without a stored winner: ``store.seqlen_bucket(seqlen)`` of the call's
-    max(seqlen_q, seqlen_k) = ``seqlen`` counts as tuned when a winner is stored within a factor
-    of 2 of it (None, as block-sparse calls pass: when any length is stored).
+def _runs(op, device, dtype: ir.DType, head_dim: int, fam, kind: str) -> bool:
+    """Whether ``fam`` runs the ``kind`` pass of a padded call of ``op`` on ``device``."""
+    try:
+        return op.choose_family(device, dtype, head_dim, False, False, False, backward=kind == "bwd").family is fam
+    except NotImplementedError:
+        return False
 
-    Tunes ``kinds`` at ``store.seqlen_bucket(seqlen)`` with ``tune_op`` (a line on stderr unless
+
+def ensure_tuned(op, device, dtype: ir.DType, head_dim: int, seqlen: int | None, kinds=None, *,
+                 family=None) -> None:
+    """FLASHGEN_AUTOTUNE=1: tune ``op`` at its first CUDA call for a (device, dtype, head dim,
+    seqlen bucket, kernel family) without a stored winner: ``store.seqlen_bucket(seqlen)`` of
+    the call's max(seqlen_q, seqlen_k) = ``seqlen`` counts as tuned when a winner is stored
+    within a factor of 2 of it (None, as block-sparse calls pass: when any length is stored).
+
+    ``family``: the family (object or name) whose library the call chooses; its passes that it
+    runs for this op on the device are tuned (on sm_90a: sm90's forward, sm80's backward), or
+    ``kinds`` when given. None: the sm80 family's ('fwd', 'bwd', or ``kinds``).
+
+    Tunes those passes at ``store.seqlen_bucket(seqlen)`` with ``tune_op`` (a line on stderr unless
     FLASHGEN_QUIET=1) and records the winners; later calls use them. Each key is looked at once
     per process (later calls cost one set lookup), and tuned at most once, also when tuning
     fails (a warning; the call goes on with the default tiles). A pass whose tile is forced by
@@ -323,9 +403,11 @@ def ensure_tuned(op, device, dtype: ir.DType, head_dim: int, seqlen: int | None,
     with the same key waits for the first. Skipped (not remembered) while torch.compile traces
     or a CUDA graph is being captured. Never raises for a tuning failure."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    device = torch.device("cuda", index)
     n = store.seqlen_bucket(seqlen)
     at = n if seqlen is not None and seqlen > 0 else None  # the bucket (None: any stored length will do)
-    key = (op.fingerprint, index, dtype, head_dim, at)
+    fam = families.of(family) if family is not None else families.get(store.UNNAMED_FAMILY)
+    key = (op.fingerprint, index, dtype, head_dim, at, fam.name)
     if key in _attempted:
         return
     if torch.compiler.is_compiling() or not env.jit():  # FLASHGEN_JIT=0: nothing may be compiled
@@ -333,9 +415,16 @@ def ensure_tuned(op, device, dtype: ir.DType, head_dim: int, seqlen: int | None,
     with _tune_lock:
         if key in _attempted:
             return
-        forced = {"fwd": bool(env.cuda_fwd_tile()), "bwd": bool(env.cuda_bwd_tile())}  # the override wins anyway
-        missing = [k for k in kinds
-                   if not forced[k] and not _covered(op.fingerprint, index, dtype, head_dim, k, at)]
+        if fam.tuning is None:
+            _attempted.add(key)
+            return
+        if kinds is None:
+            kinds = fam.tuning.kinds
+            if family is not None:  # only the passes this family runs here (sm80 on Hopper: the backward)
+                kinds = tuple(k for k in kinds if _runs(op, device, dtype, head_dim, fam, k))
+        kinds = [k for k in kinds if k in fam.tuning.kinds]
+        missing = [k for k in kinds if not fam.tuning.forced(k)  # an environment override wins anyway
+                   and not _covered(op.fingerprint, index, dtype, head_dim, k, at, fam.name)]
         if not missing:
             _attempted.add(key)
             return
@@ -345,11 +434,11 @@ def ensure_tuned(op, device, dtype: ir.DType, head_dim: int, seqlen: int | None,
         quiet = env.quiet()
         if not quiet:
             print(f"flashgen: tuning {op.spec.name} ({dtype.value}, head_dim {head_dim}, seqlen {n}: "
-                  f"{', '.join(missing)}) on cuda:{index} (FLASHGEN_AUTOTUNE=1; once, stored in "
+                  f"{', '.join(missing)}) on cuda:{index}, family {fam.name} (FLASHGEN_AUTOTUNE=1; once, stored in "
                   f"{env.cache_dir() / 'tuning'})", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            res = tune_op(op, torch.device("cuda", index), dtype, head_dim, [n], kinds=missing, progress=False)
+            res = tune_op(op, device, dtype, head_dim, [n], kinds=missing, progress=False, family=fam.name)
         except Exception as e:  # noqa: BLE001 - a failed tuning must not fail the call
             if not quiet:
                 print(f"flashgen: tuning {op.spec.name} failed ({type(e).__name__}: {e}); using the default tiles",
