@@ -11,7 +11,7 @@ from .paths import include_dir
 
 _i64, _f32 = ctypes.c_int64, ctypes.c_float
 
-# Last in both blocks: {seed, offset} pointer (null: no dropout), the 24-bit keep threshold, 1/(1-p).
+# Last in both blocks: {seed, offset} pointer (null: no dropout), the 16-bit keep threshold, 1/(1-p).
 _DROPOUT = [("dropout_state", ctypes.c_void_p), ("dropout_threshold", ctypes.c_uint32), ("dropout_scale", _f32)]
 # After them, in both blocks: packed (varlen) batches. cu_seqlens_q null: the padded layout.
 _VARLEN = [("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("total_q", _i64), ("total_k", _i64)]

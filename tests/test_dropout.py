@@ -164,7 +164,7 @@ def test_tiling_never_changes_the_mask(forced_cpu_tiles):
 def test_keep_fraction_and_independence_large():
     """Over 2^20 elements: the keep fraction is within 4 sigma of 1 - p for p in {0.1, 0.5}, and
     masks of different (b, h), of neighbouring rows and columns and of the elements sharing a
-    Philox call are uncorrelated (4 sigma)."""
+    Philox call (q ± 8, kv ± 1: the two halves of a word, kv ± 8) are uncorrelated (4 sigma)."""
     B, H, N, M = 2, 8, 256, 256
     for p in (0.1, 0.5):
         m = philox.keep_mask(2024, 3, B, H, N, M, p)
@@ -172,7 +172,7 @@ def test_keep_fraction_and_independence_large():
         assert abs(int(m.sum()) - n * (1 - p)) < 4 * math.sqrt(n * p * (1 - p))
         x = m.float() - (1 - p)
         pairs = [(x[0, 0], x[0, 1]), (x[0, 0], x[1, 0])]  # other (b, h)
-        for shift in (1, 8):  # neighbours, and the four words of one Philox call (q ± 8, kv ± 8)
+        for shift in (1, 8):  # neighbours (kv ± 1: one word's halves), and the words of a call (± 8)
             pairs += [(x[1, 5, shift:], x[1, 5, :-shift]), (x[0, 7, :, shift:], x[0, 7, :, :-shift])]
         for a, b in pairs:
             assert abs(float((a * b).mean())) < 4 * p * (1 - p) / math.sqrt(a.numel())
@@ -185,11 +185,11 @@ DRIVER = r"""
 extern "C" int check(uint64_t seed, uint64_t offset, uint32_t thr, int64_t bh, int64_t q, int64_t kv0, int64_t n) {
   flashgen::cpu::Dropout dr;
   dr.on = true; dr.seed = seed; dr.offset = offset; dr.threshold = thr;
-  float src[96], dst[96];
-  for (int j = 0; j < 96; ++j) { src[j] = 1.f + j; dst[j] = -1.f; }
+  float src[160], dst[160];
+  for (int j = 0; j < 160; ++j) { src[j] = 1.f + j; dst[j] = -1.f; }
   flashgen::cpu::dropout_row(dr, bh, q, kv0, n, src, dst, 3.f);
   int bad = 0;
-  for (int j = 0; j < 96; ++j) {
+  for (int j = 0; j < 160; ++j) {
     const bool k = flashgen::fg_dropout_keep(seed, offset, bh, q, kv0 + j, thr);
     bad += dst[j] != (j >= n ? -1.f : (k ? 3.f * src[j] : 0.f));
   }
@@ -210,7 +210,65 @@ def test_vectorised_mask_matches_philox_h(tmp_path, flags):
         seed, offset = (int(x) for x in torch.randint(0, 2**63 - 1, (2,), generator=g))
         seed, offset = seed * (1 + i % 2), offset * (1 + i % 3 // 2)  # past 2^63 too
         bh, q, kv0 = (int(x) for x in torch.randint(0, 2**31, (3,), generator=g))
-        assert lib.check(seed % 2**64, offset % 2**64, philox.threshold(i / 200), bh, q, kv0, i % 96) == 0
+        assert lib.check(seed % 2**64, offset % 2**64, philox.threshold(i / 200), bh, q, kv0, i % 160) == 0
+    assert lib.check(1, 2, philox.threshold(1 - 2**-18), 3, 4, 5, 150) == 0  # threshold 2^16: none kept
+
+
+# ---------------------------------------------------------------- the CUDA fragment bits
+
+FRAGMENT_DRIVER = r"""
+#include "flashgen/cuda/dropout.cuh"
+using namespace flashgen;
+// A warp's keep bits in the forward layout (rows q = q0 + 16 ma + g (+8), columns
+// kv = kv0 + 16 jp + 2t (+1, +8, +9): dropout_bits8) and in the backward's transposed layout
+// (rows kv = kv0 + g (+8), columns q = q0 + 16 jp + 2t + e0 (+8): dropout_bits_kv), against
+// fg_dropout_keep at each element. Returns the number of mismatches.
+extern "C" int check(uint64_t seed, uint64_t offset, uint32_t thr, uint32_t bh, int q0, int kv0) {
+  cuda::DropoutKey k{seed, offset, bh, thr};
+  int bad = 0;
+  for (int lane = 0; lane < 32; ++lane) {
+    const int g = lane >> 2, t = lane & 3;
+    for (int jp = 0; jp < 2; ++jp) {
+      const uint32_t b8 = cuda::dropout_bits8(k, q0 + g, kv0 + jp * 16 + 2 * t);
+      for (int i = 0; i < 2; ++i)
+        for (int e = 0; e < 4; ++e) {
+          const int q = q0 + g + (e >> 1) * 8, kv = kv0 + jp * 16 + i * 8 + 2 * t + (e & 1);
+          bad += ((b8 >> (4 * i + e)) & 1u) != (uint32_t)fg_dropout_keep(seed, offset, bh, q, kv, thr);
+        }
+      for (int e0 = 0; e0 < 2; ++e0) {
+        const uint32_t b4 = cuda::dropout_bits_kv(k, q0 + jp * 16 + 2 * t + e0, kv0 + g);
+        for (int w = 0; w < 4; ++w) {
+          const int q = q0 + jp * 16 + 2 * t + e0 + (w & 1) * 8, kv = kv0 + g + (w >> 1) * 8;
+          bad += ((b4 >> w) & 1u) != (uint32_t)fg_dropout_keep(seed, offset, bh, q, kv, thr);
+        }
+      }
+    }
+  }
+  return bad;
+}
+"""
+
+
+def test_cuda_fragment_bits_match_philox_h(tmp_path):
+    """dropout.cuh's forward (8 elements per call) and backward (kv parity) bit layouts name the
+    elements fg_dropout_keep decides, at the fragment positions the kernels read (host build)."""
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    (tmp_path / "f.cu").write_text(FRAGMENT_DRIVER)
+    subprocess.run([nvcc, "-std=c++17", "-O1", "-shared", "-Xcompiler", "-fPIC", f"-I{include_dir()}",
+                    str(tmp_path / "f.cu"), "-o", str(tmp_path / "f.so")], check=True)
+    lib = ctypes.CDLL(str(tmp_path / "f.so"))
+    lib.check.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int,
+                          ctypes.c_int]
+    g = torch.Generator().manual_seed(1)
+    for i in range(40):
+        seed, offset = (int(x) * (1 + i % 2) for x in torch.randint(0, 2**63 - 1, (2,), generator=g))
+        bh = int(torch.randint(0, 2**31, (1,), generator=g))
+        q0, kv0 = (16 * int(x) for x in torch.randint(0, 2**26, (2,), generator=g))
+        assert lib.check(seed, offset, philox.threshold(i / 40), bh, q0, kv0) == 0
 
 
 # ---------------------------------------------------------------- interface

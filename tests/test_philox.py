@@ -58,7 +58,8 @@ def test_known_answers_cpp(lib, ctr, key, want):
     assert list(out) == list(want)
 
 
-@pytest.mark.parametrize("seed, offset, p", [(0, 0, 0.1), (2**63 + 12345, 2**32 + 7, 0.5), (42, 2**64 - 1, 0.9)])
+@pytest.mark.parametrize("seed, offset, p", [(0, 0, 0.1), (2**63 + 12345, 2**32 + 7, 0.5), (42, 2**64 - 1, 0.9),
+                                             (2**64 - 1, 2**63 + 2**40 + 3, 1 - 2**-18)])
 def test_cpp_and_python_masks_are_identical(lib, seed, offset, p):
     B, H, nq, nk = 2, 3, 37, 45
     got = (ctypes.c_uint8 * (B * H * nq * nk))()
@@ -79,6 +80,71 @@ def test_keep_statistics():
     assert not torch.equal(m, philox.keep_mask(1234, 1, 4, 8, 256, 256, p))
     assert not torch.equal(m, philox.keep_mask(1235, 0, 4, 8, 256, 256, p))
     assert philox.keep_mask(7, 0, 1, 1, 9, 9, 0.0).all()
+
+
+# ---------------------------------------------------------------- the v2 stream, element by element
+
+def _philox_scalar(c, k):
+    """Philox4x32-10 on Python ints (Salmon et al., SC 2011), independent of flashgen.philox."""
+    c, (k0, k1) = list(c), k
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) % 2**32, (k1 + 0xBB67AE85) % 2**32
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 % 2**32, (p0 >> 32) ^ c[3] ^ k1, p0 % 2**32]
+    return c
+
+
+def _keep_v2(seed, offset, bh, q, kv, p):
+    """The v2 definition for one element: the call of group (q & ~8, kv & ~9), word
+    (q bit 3) | (kv bit 3) << 1, its 16-bit half kv bit 0, kept iff >= round(p * 65536)."""
+    q32, kv32 = q % 2**32, kv % 2**32
+    out = _philox_scalar([kv32 & ~9, q32 & ~8, bh % 2**32, offset % 2**32],
+                         [seed % 2**32, ((seed >> 32) ^ (offset >> 32)) % 2**32])
+    word = out[((q32 >> 3) & 1) | (((kv32 >> 3) & 1) << 1)]
+    half = (word >> 16) if kv32 & 1 else (word & 0xFFFF)
+    return half >= round(p * 65536)
+
+
+@pytest.mark.parametrize("ctr, key, want", KAT)
+def test_scalar_philox_known_answers(ctr, key, want):
+    assert _philox_scalar(ctr, key) == list(want)
+
+
+@pytest.mark.parametrize("seed, offset, p", [(5, 0, 0.3), (2**63 + 2**33 + 1, 2**40 + 9, 0.5),
+                                             (2**64 - 1, 2**64 - 2, 0.1)])
+def test_keep_mask_is_the_v2_definition(seed, offset, p):
+    """philox.keep_mask equals the element-by-element evaluation of the stream's definition (odd
+    sequence lengths that cut groups, seeds and offsets with high bits set, a batch offset)."""
+    B, H, nq, nk, b0 = 2, 3, 19, 27, 4
+    got = philox.keep_mask(seed, offset, B, H, nq, nk, p, batch_offset=b0)
+    want = torch.tensor([[[[_keep_v2(seed, offset, (b + b0) * H + h, q, kv, p) for kv in range(nk)]
+                           for q in range(nq)] for h in range(H)] for b in range(B)])
+    assert torch.equal(got, want)
+
+
+def test_threshold_is_16_bit():
+    assert philox.threshold(0.1) == 6554
+    assert philox.threshold(0.0) == 0 and philox.threshold(0.5) == 32768 and philox.threshold(0.9) == 58982
+    assert philox.threshold(1 - 2**-18) == 65536  # keeps nothing (no 16-bit value reaches it)
+    assert not philox.keep_mask(3, 1, 1, 2, 40, 40, 1 - 2**-18).any()
+    assert philox.keep_mask(3, 1, 1, 2, 40, 40, 0.0).all()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_fraction(p):
+    """The keep fraction is within 4 sigma of 1 - p (the 16-bit threshold moves the probability
+    by at most 2^-17, far below sigma here)."""
+    m = philox.keep_mask(77, 2**35 + 1, 2, 4, 256, 256, p)
+    n = m.numel()
+    assert abs(int(m.sum()) - n * (1 - p)) < 4 * (n * p * (1 - p)) ** 0.5
+    # every member of a group (each half of each word of the call) keeps at that rate
+    for qbit in (0, 1):
+        for kvbit in (0, 1):
+            for h in (0, 1):
+                sub = m[:, :, qbit * 8::16, 8 * kvbit + h::16]
+                k = sub.numel()
+                assert abs(int(sub.sum()) - k * (1 - p)) < 4 * (k * p * (1 - p)) ** 0.5
 
 
 def test_bad_probability():

@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 7
+#define FG_ABI_VERSION 8
 
 #ifdef __cplusplus
 extern "C" {
@@ -19,7 +19,8 @@ extern "C" {
 // Element (b, h, q, kv) (h the query head, absolute positions) is kept iff
 // fg_dropout_keep(seed, offset, b * heads_q + h, q, kv, dropout_threshold) (philox.h), and
 // kept probabilities are multiplied by dropout_scale; the softmax statistics (m, l, lse) are
-// those of the undropped P. The host computes threshold = round(p * 2^24) and scale = 1 / (1 - p)
+// those of the undropped P. The host computes threshold = round(p * 2^16) (an element is kept
+// iff its 16-bit half of a Philox word is >= threshold) and scale = 1 / (1 - p)
 // (flashgen/philox.py), so every family uses the same integers.
 // The op refuses dropout_p > 0 before any launch on a family that does not apply it yet
 // (flashgen.ops.DROPOUT_BACKENDS).
@@ -156,7 +157,7 @@ typedef struct FgFwdArgs {
   void* stream;        // CUDA: cudaStream_t to launch on; CPU: unused
   const void* params;  // the variant's generated Params struct (may be null when it is empty)
   const int64_t* dropout_state;  // nullable: int64[2] {seed, offset}; see "Dropout" above
-  uint32_t dropout_threshold;     // keep iff (the element's Philox word >> 8) >= threshold
+  uint32_t dropout_threshold;     // keep iff the element's 16-bit Philox half >= threshold
   float dropout_scale;            // 1 / (1 - p)
   const int32_t* cu_seqlens_q;    // null: padded layout; packed: int32 [batch + 1], inputs' device
   const int32_t* cu_seqlens_k;    // set iff cu_seqlens_q is set

@@ -318,7 +318,9 @@ struct BwdMainloop {
     const int g = lane >> 2, t = lane & 3;
     [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
     // Dropout (FlashAttention, Alg. 4): the forward's keep mask Z, regenerated (dropout.cuh;
-    // here rows are keys, so a group is kv {g, g + 8} x q {c, c + 8} of m-blocks j, j + 1).
+    // here rows are keys: keep[jp][e0] holds kv {g, g + 8} x q {c, c + 8} of m-blocks 2jp,
+    // 2jp + 1, c = 2t + e0, from the group (c, kv & ~1) and the half g & 1 selects:
+    // dropout_bits_kv, one Philox call per four elements as before the 8-element groups).
     // With P~ = P * Z / (1 - p): dV = P~^T dO, dP = dP~ * Z / (1 - p), dS = P * (dP - D), D as
     // without dropout (rowsum(dO * O) with O = P~ V).
     [[maybe_unused]] uint32_t keep[kMBlocks / 2][2] = {};
@@ -333,7 +335,7 @@ struct BwdMainloop {
         for (int jp = 0; jp < kMBlocks / 2; ++jp) {
 #pragma unroll
           for (int e0 = 0; e0 < 2; ++e0) {
-            keep[jp][e0] = dropout_bits(key, q_lo + jp * 16 + 2 * t + e0, kv_row0 + g);
+            keep[jp][e0] = dropout_bits_kv(key, q_lo + jp * 16 + 2 * t + e0, kv_row0 + g);
           }
         }
       }
@@ -748,8 +750,9 @@ struct DqMainloop {
     const int g = lane >> 2, t = lane & 3;
     [[maybe_unused]] const float c = p.scale_log2;  // unused with a score mod
     // Dropout: dP = dP~ * Z / (1 - p) with the forward's keep mask (layout as in the forward:
-    // rows q {g, g + 8} x kv {c, c + 8} of blocks j, j + 1); see BwdKernel::probs_grads.
-    [[maybe_unused]] uint32_t keep[kNBlocks / 2][2] = {};
+    // keep[jp] bit 4i + e is element e of block 2jp + i, one Philox call per eight elements,
+    // dropout_bits8); see BwdKernel::probs_grads.
+    [[maybe_unused]] uint32_t keep[kNBlocks / 2] = {};
     [[maybe_unused]] bool drop = false;
     if constexpr (Variant::kHasDropout) {
       drop = p.dropout.state != nullptr;
@@ -757,10 +760,7 @@ struct DqMainloop {
         const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
 #pragma unroll
         for (int jp = 0; jp < kNBlocks / 2; ++jp) {
-#pragma unroll
-          for (int e0 = 0; e0 < 2; ++e0) {
-            keep[jp][e0] = dropout_bits(key, q_row0 + g, kv0 + jp * 16 + 2 * t + e0);
-          }
+          keep[jp] = dropout_bits8(key, q_row0 + g, kv0 + jp * 16 + 2 * t);
         }
       }
     }
@@ -789,8 +789,7 @@ struct DqMainloop {
         }
         float dpe = dp[j][e];
         if constexpr (Variant::kHasDropout) {
-          const bool kept =
-              !drop || ((keep[j >> 1][e & 1] >> ((e >> 1) | ((j & 1) << 1))) & 1u);
+          const bool kept = !drop || ((keep[j >> 1] >> (4 * (j & 1) + e)) & 1u);
           dpe = kept ? dpe * p.dropout.scale : 0.f;
         }
         if constexpr (Variant::kHasScoreMod) {

@@ -330,8 +330,9 @@ struct FwdMainloop {
 
   // Dropout on this tile's P (after softmax_tile: the row sums, so l and LSE, are those of the
   // undropped P, as in FlashAttention): dropped entries become 0 before O += P V; the factor
-  // 1 / (1 - p) is applied once, in the epilogue. One Philox call per four elements: rows
-  // {g, g + 8} x columns {c, c + 8} of two adjacent 8-column blocks (see dropout.cuh).
+  // 1 / (1 - p) is applied once, in the epilogue. One Philox call per eight elements: rows
+  // {g, g + 8} x columns {2t, 2t + 1} of two adjacent 8-column blocks (dropout.cuh,
+  // dropout_bits8). q_row0 and kv0 are multiples of 16.
   static __device__ __forceinline__ void apply_dropout(const Params& p,
                                                        float (&s)[kMAtoms][kNBlocks][4], int b,
                                                        int h, int q_row0, int kv0, int lane) {
@@ -341,16 +342,15 @@ struct FwdMainloop {
     for (int ma = 0; ma < kMAtoms; ++ma) {
 #pragma unroll
       for (int jp = 0; jp < kNBlocks / 2; ++jp) {
+        // Bit 4i + e: element e of block 2jp + i.
+        const uint32_t bits = dropout_bits8(key, q_row0 + ma * 16 + g, kv0 + jp * 16 + 2 * t);
 #pragma unroll
-        for (int e0 = 0; e0 < 2; ++e0) {
-          const uint32_t bits =
-              dropout_bits(key, q_row0 + ma * 16 + g, kv0 + jp * 16 + 2 * t + e0);
-          float(&lo)[4] = s[ma][2 * jp];
-          float(&hi)[4] = s[ma][2 * jp + 1];
-          lo[e0] = (bits & 1u) ? lo[e0] : 0.f;      // (q, kv)
-          lo[2 + e0] = (bits & 2u) ? lo[2 + e0] : 0.f;  // (q + 8, kv)
-          hi[e0] = (bits & 4u) ? hi[e0] : 0.f;      // (q, kv + 8)
-          hi[2 + e0] = (bits & 8u) ? hi[2 + e0] : 0.f;  // (q + 8, kv + 8)
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float& x = s[ma][2 * jp + i][e];
+            x = ((bits >> (4 * i + e)) & 1u) ? x : 0.f;
+          }
         }
       }
     }
