@@ -154,7 +154,7 @@ def test_sm90_tiles_are_its_own(causal):
         bn = sm90_family.default_block_n(d)
         assert sm90_family.smem_bytes(d, bn, 2) <= sm90_family.SMEM_LIMIT < sm90_family.smem_bytes(d, bn + 16, 2)
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
-    assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
+    assert inst.kinds == ("fwd", "bwd") and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
     assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096, 128>" in src and "FgFwdTile, false, false>" in src
     # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)
