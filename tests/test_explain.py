@@ -16,6 +16,7 @@ import torch
 
 import flashgen
 from flashgen import cli, families, imports, reference, tiles
+from flashgen.families import sm90
 from flashgen.families.sm90 import smem_bytes as sm90_smem
 from flashgen import explain as ex
 from flashgen.build import artifact
@@ -163,21 +164,25 @@ def test_standard_hbm_bytes_formula():
 
 
 def test_dense_backward_bytes_hand_count():
-    # sm_90a, d = 64: backward tile 64 queries x 128 keys (64x8x1x2). N = 256: 2 key tiles, each
-    # visited by 4 query tiles of 64 rows; 1 batch, 1 head, no GQA split.
+    # sm_90a, d = 64: backward tile 64 queries x 128 keys, on sm80 (the table's 64x8x1x2) and on
+    # sm90 (its family default: two consumer warpgroups of 64 keys, each adding its own dQ
+    # partial, so twice the dQ atomics). N = 256: 2 key tiles, each visited by 4 query tiles of
+    # 64 rows; 1 batch, 1 head, no GQA split.
     n, d, e = 256, 64, 2
-    rep = ex.explain(SPECS / "dense.attn", n, head_dim=d, arch="sm_90a", backward=True)
-    bwd = rep.tiles["bwd"]
-    assert (bwd.block_m, bwd.block_n, bwd.origin) == (64, 128, "table")
-    visited_rows = 2 * 4 * 64
-    want = (2 * e * d * n + 4 * n + 4 * d * n  # preprocess: O, dO; D; zero dq_accum
-            + 2 * e * d * n  # K, V once per key tile
-            + visited_rows * (2 * e * d + 2 * 4 + 2 * 4 * d)  # Q, dO; LSE, D; dQ atomics
-            + 2 * e * d * n  # dK, dV
-            + (4 + e) * d * n  # convert
-            + 4 * d * n)  # torch.zeros of dq_accum
-    assert rep.bwd.hbm_bytes == want
-    assert rep.bwd.compulsory_bytes == 8 * n * d * e + 4 * n
+    for fam, origin, dq_adds in (("sm80", "table", 1), ("sm90", "family default", 2)):
+        with flashgen.use_family(fam):
+            rep = ex.explain(SPECS / "dense.attn", n, head_dim=d, arch="sm_90a", backward=True)
+        bwd = rep.tiles["bwd"]
+        assert (bwd.block_m, bwd.block_n, bwd.origin) == (64, 128, origin)
+        visited_rows = 2 * 4 * 64
+        want = (2 * e * d * n + 4 * n + 4 * d * n  # preprocess: O, dO; D; zero dq_accum
+                + 2 * e * d * n  # K, V once per key tile
+                + visited_rows * (2 * e * d + 2 * 4 + 2 * 4 * d * dq_adds)  # Q, dO; LSE, D; dQ atomics
+                + 2 * e * d * n  # dK, dV
+                + (4 + e) * d * n  # convert
+                + 4 * d * n)  # torch.zeros of dq_accum
+        assert rep.bwd.hbm_bytes == want, fam
+        assert rep.bwd.compulsory_bytes == 8 * n * d * e + 4 * n
 
 
 def test_document_mask_counts_occupied_tiles(sm80):
@@ -677,9 +682,19 @@ def test_report_names_the_family_that_serves_the_call(capsys):
     assert rep.family_why.startswith("sm90 (the first family that serves the call")
     both = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
     assert both.family == "sm90" and both.tiles["fwd"].block_n == 128  # the forward's family and tile
-    assert any("backward: the sm80 family" in n for n in both.notes)
+    # causal at d 64: the sm90 backward serves it, with its own tile (128 keys x 64-row query tiles)
+    assert any("backward: the sm90 family" in n for n in both.notes)
+    bt = both.tiles["bwd"]
+    assert (bt.block_m, bt.block_n, bt.warps) == (64, 128, 12) and bt.smem_bytes == sm90.bwd_smem_bytes(64)
+    with flashgen.use_family("sm90"):
+        assert ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True).family == "sm90"
+    # ALiBi (a score expression and a parameter): its backward runs on sm80, and the note says why
+    ali = ex.explain(SPECS / "alibi.attn", 256, head_dim=64, arch="sm_90a", backward=True)
+    assert any("backward: the sm80 family (sm90 has no backward kernels for score expressions" in n
+               for n in ali.notes), ali.notes
+    assert ali.tiles["bwd"].block_n != 128 or ali.tiles["bwd"].warps != 12
     with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="sm90 .*backward"):
-        ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
+        ex.explain(SPECS / "alibi.attn", 256, head_dim=64, arch="sm_90a", backward=True)
     at80 = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_80")
     assert at80.family == "sm80" and "sm90 needs compute capability 9.0" in at80.family_why
     cpu = ex.explain(SPECS / "causal.attn", 256, head_dim=64, device="cpu")

@@ -135,7 +135,7 @@ def explain(op_or_spec, seqlen_q: int, seqlen_k: int | None = None, *, head_dim:
     bwd_tr = None
     if backward:
         bwd_tr = bwd_traffic(batch, heads, hkv, nq, nk, d, e, pairs_total, visits, scale,
-                              batch * hkv * splits, geo.bp * geo.hp, splits, tparams)
+                              batch * hkv * splits, geo.bp * geo.hp, splits, tparams, part.dq_adds)
         if splits > 1:
             notes.append(f"backward: GQA group split over {splits} CTAs per key tile (dK/dV by fp32 atomics)")
     flops = fwd_tr.flops + (bwd_tr.flops if bwd_tr else 0)

@@ -104,7 +104,8 @@ class FamilyPart:
     'bwd') and their (rows, keys) shapes, reference tiles, the backward's GQA split, the peaks
     (TFLOP/s, GB/s) and their source, the device's name, L2 bytes, threads (CPU), a line on how
     tile visits were counted, the target as the report shows it (``where``), and whether K/V
-    re-reads go through an L2 that holds them (``l2_rereads``)."""
+    re-reads go through an L2 that holds them (``l2_rereads``), and how many dQ partials the backward adds
+    per visit (``dq_adds``: 2 for the sm90 backward at d 64, whose two warpgroups each add their keys')."""
 
     geo: Geometry
     listed: bool
@@ -122,3 +123,4 @@ class FamilyPart:
     model: str
     where: str
     l2_rereads: bool = False
+    dq_adds: int = 1  # dQ partial sums added to the accumulator per (query tile, key tile) visit

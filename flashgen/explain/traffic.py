@@ -110,7 +110,7 @@ def fwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: Visits, scale: int,
 
 
 def bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: Visits, scale: int, kv_scale_num: int,
-                 kv_scale_den: int, splits: int, tparams: list[TensorParam] = ()) -> Traffic:
+                 kv_scale_den: int, splits: int, tparams: list[TensorParam] = (), dq_adds: int = 1) -> Traffic:
     flops = flop_count.attention_flops(pairs_total, d, "bwd")
     rows_q = B * Hq * nq
     rows_k = B * Hkv * nk
@@ -122,7 +122,7 @@ def bwd_traffic(B, Hq, Hkv, nq, nk, d, e, pairs_total, v: Visits, scale: int, kv
         "main: K, V reads": 2 * e * d * kv_rows,
         "main: Q, dO reads": 2 * e * d * v.bwd_q_rows * scale,
         "main: LSE, D reads": 2 * LSE_BYTES * v.bwd_q_rows * scale,
-        "main: dQ atomics (read + write)": 2 * ACC_BYTES * d * v.bwd_q_rows * scale,
+        "main: dQ atomics (read + write)": 2 * ACC_BYTES * d * v.bwd_q_rows * scale * dq_adds,
         "convert: dQ accumulator read, dq write": (ACC_BYTES + e) * d * rows_q,
         "workspace fills (torch.zeros)": ACC_BYTES * d * rows_q + (2 * ACC_BYTES * d * rows_k if Hq != Hkv else 0),
     }

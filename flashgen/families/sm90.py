@@ -307,6 +307,18 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
 # specs at these head dims; every other backward call runs on sm80 (``backward_reason``).
 BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
 BWD_STAGES = 2
+BWD_BLOCK_N = 128  # keys per CTA
+
+
+def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES) -> int:
+    """Dynamic shared memory of one sm90 backward CTA in bytes (sm90/bwd.cuh's layout): K and V
+    of the key tile, the Q and dO rings, two dS buffers, the LSE and D rings, the mbarriers and
+    1024 bytes of alignment slack."""
+    bm, panels = BWD_BLOCK_M[head_dim], head_dim // 64
+    kv = 2 * panels * BWD_BLOCK_N * 128
+    q_do = 2 * stages * panels * bm * 128
+    ds = 2 * (BWD_BLOCK_N // 64) * bm * 128
+    return kv + q_do + ds + 2 * stages * bm * 4 + 8 * (2 + 2 * stages) + 1024
 BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
 
 
