@@ -250,8 +250,13 @@ def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
         _set_varlen(args, packed)
     if blocks is not None:
         args.kv_blocks = blocks.fwd()
-    op.launch_fields(lib).fwd(args, values)
+    fields = op.launch_fields(lib)
+    fields.fwd(args, values)
+    # packed: what the family takes from the layout (the sm90 forward's work queue), held here
+    # until the launch is enqueued
+    keep = fields.fwd_packed(args, packed, lib.instantiation.config) if packed is not None else None
     check_status(lib, "fwd", _launch(lib.fwd, args, q))
+    del keep
     return out, lse
 
 
