@@ -346,7 +346,8 @@ struct Sm90Fwd {
   // ---------------------------------------------------------------------------------------------
   // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp zero-fills).
   static __device__ __forceinline__ void produce(const Params& P, uint32_t s0, const Bars& bar,
-                                                 uint32_t ring, int lane) {
+                                                 int lane) {
+    const uint32_t ring = s0 + kOffWork;  // the dynamic schedule's work ring
     const BaseParams& p = P.base;
     if (lane == 0) {
       ptx::prefetch_tmap(&P.tq);
@@ -608,7 +609,7 @@ struct Sm90Fwd {
   // Consumers: warpgroup wg (0 .. kConsumers - 1) owns query rows [64 wg, 64 wg + 64) of each
   // item's tile.
   static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
-                                                 const Bars& bar, uint32_t ring, int wg, int warp_in_wg,
+                                                 const Bars& bar, int wg, int warp_in_wg,
                                                  int lane) {
     const BaseParams& p = P.base;
     Element* sO = reinterpret_cast<Element*>(smem + kOffO);
@@ -623,7 +624,7 @@ struct Sm90Fwd {
         ptx::mbar_wait(bar.full_q(), local & 1);
         Coord c;
         cuda::SeqSpan sp;
-        if (!ring_read(ring + kRingSlot * (local & 1), c, sp)) break;
+        if (!ring_read(s0 + kOffWork + kRingSlot * (local & 1), c, sp)) break;
         it = item_at(P, c, sp);
       } else {
         const int64_t work = work_of(iter);
@@ -739,7 +740,7 @@ struct Sm90Fwd {
       Coord w;
       cuda::SeqSpan se;
       if (dyn) {
-        ring_read(ring + kRingSlot * (ptx::opaque(local) & 1), w, se);
+        ring_read(s0 + kOffWork + kRingSlot * (ptx::opaque(local) & 1), w, se);
       } else {
         w = coord(P, work_of(ptx::opaque(iter)));
         se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
@@ -829,7 +830,6 @@ struct Sm90Fwd {
         (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
     const uint32_t s0 = ptx::smem_addr(smem);
     const Bars bar{s0 + kOffBar};
-    const uint32_t ring = s0 + kOffWork;  // the dynamic schedule's work ring (packed batches only)
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
     if (tid == 0) {
       ptx::mbar_init(bar.full_q(), 1);
@@ -846,10 +846,10 @@ struct Sm90Fwd {
     __syncthreads();
     if (wg == 0) {
       ptx::reg_dealloc<Tile::kProducerRegs>();
-      if (warp == 0) produce(P, s0, bar, ring, lane);
+      if (warp == 0) produce(P, s0, bar, lane);
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
-      consume(P, smem, s0, bar, ring, wg - 1, warp % 4, lane);
+      consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
     }
   }
 };
