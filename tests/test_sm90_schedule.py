@@ -59,7 +59,9 @@ def test_table_covers_every_item_once_longest_first(name, layout, block_m, block
     lq, lk = LAYOUTS[layout]
     cq, ck = cu(lq), cu(lk)
     heads = 3
-    order = sm90_schedule.work_order(spec, cq, ck, heads, block_m, block_n)
+    table = sm90_schedule.work_order(spec, cq, ck, heads, block_m, block_n)
+    assert table.dtype == torch.int32
+    order = table.tolist()
     n = sm90_schedule.total_work(heads, len(lq), cq[-1], block_m)
     assert len(order) == n  # every rank the kernel may draw is inside the table
     real = [w for w in order if w >= 0]
@@ -73,8 +75,13 @@ def test_table_covers_every_item_once_longest_first(name, layout, block_m, block
     assert coords == sorted((b, h, m) for b, ln in enumerate(lq) for h in range(heads)
                             for m in range(-(-ln // block_m)))
     items = sm90_schedule.work_items(spec, cq, ck, heads, block_m, block_n)
-    costs = [items[w] for w in real]
-    assert costs == sorted(costs, reverse=True)
+    # longest first; ties by sequence, then query tile, the heads of a tile together
+    assert real == sorted(real, key=lambda w: (-items[w], *decode(cq, heads, block_m, num_m_tiles, w)[::2],
+                                               decode(cq, heads, block_m, num_m_tiles, w)[1]))
+    # the costs of all sequences at once are each sequence's own (tile_costs, row by row)
+    for w in real:
+        b, _, m = decode(cq, heads, block_m, num_m_tiles, w)
+        assert items[w] == sm90_schedule.tile_costs(spec, lq[b], lk[b], block_m, block_n)[m]
 
 
 def test_costs_are_the_key_tiles_visited():

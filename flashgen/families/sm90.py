@@ -387,7 +387,8 @@ class DynamicSchedule(LaunchFields):
     """The sm90 forward's per-call decision on packed batches: its work queue (args.h
     FgWorkQueue, sm90/fwd.cuh ``dynamic``). The work-order table (``sm90_schedule.work_order``:
     the items longest first) is built once per layout, heads and tile and kept on the validated
-    layout (``Packed.schedules``); the counter is a fresh zeroed int32 per call, so concurrent
+    layout (``Packed.schedules``; vectorised over query tiles: ~5 ms on one CPU thread for 1000
+    sequences of 1M tokens at 32 heads, 1.3 ms for scripts/bench_varlen.py's batch); the counter is a fresh zeroed int32 per call, so concurrent
     calls and CUDA graph replays each start from 0 (under capture its zero fill is a captured
     memset, replayed before each launch). No queue (the static schedule) with
     FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a graph capture (building a
@@ -415,9 +416,8 @@ class DynamicSchedule(LaunchFields):
         if order is None:
             if capturing:
                 return None
-            table = sm90_schedule.work_order(self.spec, packed.host_cu_q.tolist(), packed.host_cu_k.tolist(), heads,
-                                             bm, bn)
-            order = packed.schedules[key] = torch.tensor(table, dtype=torch.int32, device=device)
+            table = sm90_schedule.work_order(self.spec, packed.host_cu_q, packed.host_cu_k, heads, bm, bn)
+            order = packed.schedules[key] = table.to(device)
         counter = torch.zeros(1, dtype=torch.int32, device=device)
         if capturing:
             _GRAPH_TABLES[id(order)] = order

@@ -7,7 +7,7 @@ sequence b owns slots [slot(b), slot(b + 1)) with slot(b) = b + cu_seqlens_q[b] 
 index w = heads_q * slot(b) + h * n_b + r (n_b = slot(b + 1) - slot(b)) is query tile
 m = n_b - 1 - r of head h; the slots past the sequence's query tiles are empty. The table lists
 every real item once, ranked by descending cost (the key tiles its query tile visits under the
-spec's mask; ties by work index), then -1 up to the kernel's heads_q * (batch + total_q //
+spec's mask; ties in sequence and query-tile order), then -1 up to the kernel's heads_q * (batch + total_q //
 block_m) indices, so any rank the kernel draws is inside it.
 """
 
@@ -31,9 +31,10 @@ def total_work(heads_q: int, batch: int, total_q: int, block_m: int) -> int:
     return heads_q * (batch + total_q // block_m)
 
 
-def slots(cu_q: Sequence[int], block_m: int) -> list[int]:
-    """slot(b) for b in 0 .. batch (sm90/fwd.cuh ``coord``)."""
-    return [b + int(c) // block_m for b, c in enumerate(cu_q)]
+def slots(cu_q: Sequence[int], block_m: int) -> torch.Tensor:
+    """slot(b) for b in 0 .. batch (sm90/fwd.cuh ``coord``), int64."""
+    cq = torch.as_tensor(cu_q, dtype=torch.int64)
+    return torch.arange(cq.numel()) + cq // block_m
 
 
 def _evaluable(spec: ir.Spec) -> bool:
@@ -73,32 +74,81 @@ def tile_costs(spec: ir.Spec | None, len_q: int, len_k: int, block_m: int, block
     return out
 
 
+def tiles(spec: ir.Spec | None, cu_q: Sequence[int], cu_k: Sequence[int], block_m: int,
+          block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every real query tile of a packed batch, in sequence order: (sequence, tile index within
+    it, cost) int64 tensors, for all sequences at once. The key range is evaluated at each
+    tile's first and last rows, as the kernel's kv_lo / kv_hi fold a tile's bounds from its end
+    rows (the closed-form bounds are monotone in q: the hull of its rows' ranges, which
+    ``tile_costs`` takes row by row)."""
+    cq, ck = torch.as_tensor(cu_q, dtype=torch.int64), torch.as_tensor(cu_k, dtype=torch.int64)
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    batch = lq.numel()
+    n_m = (lq + block_m - 1) // block_m
+    ends = torch.cumsum(n_m, 0)
+    tile = torch.arange(int(ends[-1]) if batch else 0)
+    # (searchsorted and index_select: repeat_interleave and advanced indexing take milliseconds
+    # on the CPU at these sizes)
+    tile_b = torch.searchsorted(ends, tile, right=True)
+    tile_m = tile - (ends - n_m).index_select(0, tile_b)
+    full = ((lk + block_n - 1) // block_n).index_select(0, tile_b)
+    if spec is None or spec.mask is None or not _evaluable(spec) or tile_b.numel() == 0:
+        return tile_b, tile_m, full
+    len_q, len_k = lq.index_select(0, tile_b), lk.index_select(0, tile_b)
+    first = tile_m * block_m
+    q = torch.cat([first, torch.minimum(first + block_m, len_q) - 1])  # the end rows of each tile
+    sq, sk = len_q.repeat(2), len_k.repeat(2)
+    rng = keyrange.key_range(spec)
+    env = {"q": q, "seqlen_q": sq, "seqlen_k": sk}
+
+    def bound(e: ir.Expr | None, default: torch.Tensor) -> torch.Tensor:  # per row, clamped to [0, len_k]
+        if e is None:
+            return default
+        out = torch.as_tensor(reference.evaluate(e, spec, env, {}, torch.float64)).to(torch.int64)
+        return torch.minimum(torch.broadcast_to(out, q.shape).clamp(min=0), sk)
+
+    n = tile_b.numel()
+    lo, hi = bound(rng.row_lo(), torch.zeros_like(q)), bound(rng.row_hi(), sk)
+    t_lo, t_hi = torch.minimum(lo[:n], lo[n:]), torch.maximum(hi[:n], hi[n:])
+    cost = torch.where(t_hi > t_lo, (t_hi - 1) // block_n - t_lo // block_n + 1, torch.zeros_like(t_hi))
+    return tile_b, tile_m, cost
+
+
+def work_index(spec: ir.Spec | None, cu_q: Sequence[int], cu_k: Sequence[int], heads_q: int, block_m: int,
+               block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every real work item of a packed batch: (work index, cost) int64 tensors, head-major."""
+    tile_b, tile_m, cost = tiles(spec, cu_q, cu_k, block_m, block_n)
+    slot = slots(cu_q, block_m)
+    s0, n = slot[:-1].index_select(0, tile_b), (slot[1:] - slot[:-1]).index_select(0, tile_b)
+    h = torch.arange(heads_q).view(-1, 1)
+    w = heads_q * s0 + h * n + (n - 1 - tile_m)
+    return w.reshape(-1), cost.expand(heads_q, -1).reshape(-1)
+
+
 def work_items(spec: ir.Spec | None, cu_q: Sequence[int], cu_k: Sequence[int], heads_q: int, block_m: int,
                block_n: int) -> dict[int, int]:
     """Every real work item of a packed batch, work index -> cost (key tiles visited)."""
-    sl = slots(cu_q, block_m)
-    items: dict[int, int] = {}
-    memo: dict[tuple[int, int], list[int]] = {}
-    for b in range(len(cu_q) - 1):
-        len_q, len_k = int(cu_q[b + 1]) - int(cu_q[b]), int(cu_k[b + 1]) - int(cu_k[b])
-        n = sl[b + 1] - sl[b]
-        costs = memo.get((len_q, len_k))
-        if costs is None:
-            costs = memo[(len_q, len_k)] = tile_costs(spec, len_q, len_k, block_m, block_n)
-        for h in range(heads_q):
-            for m, c in enumerate(costs):  # m < ceil(len_q / block_m) <= n
-                items[heads_q * sl[b] + h * n + (n - 1 - m)] = c
-    return items
+    w, cost = work_index(spec, cu_q, cu_k, heads_q, block_m, block_n)
+    return dict(zip(w.tolist(), cost.tolist(), strict=True))
 
 
 def work_order(spec: ir.Spec | None, cu_q: Sequence[int], cu_k: Sequence[int], heads_q: int, block_m: int,
-               block_n: int) -> list[int]:
-    """The work-order table (args.h FgWorkQueue.order): the real items' work indices by
-    descending cost (ties: ascending index), then -1 up to ``total_work`` entries."""
-    items = work_items(spec, cu_q, cu_k, heads_q, block_m, block_n)
-    ranked = sorted(items, key=lambda w: (-items[w], w))
-    n = total_work(heads_q, len(cu_q) - 1, int(cu_q[-1]), block_m)
-    return ranked + [-1] * (n - len(ranked))
+               block_n: int) -> torch.Tensor:
+    """The work-order table (args.h FgWorkQueue.order), int32 on the CPU: the real items' work
+    indices by descending cost (ties: sequence, then query tile; the heads of a query tile
+    together, in order), then -1 up to ``total_work`` entries. Sorts query tiles, not items
+    (every head of a tile costs the same)."""
+    tile_b, tile_m, cost = tiles(spec, cu_q, cu_k, block_m, block_n)
+    n_work = total_work(heads_q, len(cu_q) - 1, int(cu_q[-1]), block_m)
+    table = torch.full((n_work,), -1, dtype=torch.int32)
+    if tile_b.numel():
+        perm = torch.argsort(-cost, stable=True)
+        slot = slots(cu_q, block_m)
+        b, m = tile_b.index_select(0, perm), tile_m.index_select(0, perm)
+        s0, n = slot[:-1].index_select(0, b).view(-1, 1), (slot[1:] - slot[:-1]).index_select(0, b).view(-1, 1)
+        w = heads_q * s0 + torch.arange(heads_q).view(1, -1) * n + (n - 1 - m.view(-1, 1))
+        table[: w.numel()] = w.reshape(-1).to(torch.int32)
+    return table
 
 
 # ---------------------------------------------------------------------------- the model
@@ -122,7 +172,7 @@ def dynamic_loads(items: dict[int, int], order: Sequence[int], grid: int) -> lis
     """Each CTA's work under the dynamic schedule: the items in table order, each taken by the
     CTA that frees up first (list scheduling; ties by CTA index)."""
     heap = [(0.0, c) for c in range(grid)]
-    for w in order:
+    for w in (order.tolist() if isinstance(order, torch.Tensor) else order):
         if w < 0:
             break
         t, c = heapq.heappop(heap)
