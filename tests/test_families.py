@@ -34,7 +34,8 @@ def test_registry_order_and_features():
 
 def test_sm90_declares_what_it_serves(causal):
     """sm90 serves the forward (dropout, block lists, packed batches) at head dims up to 256 on
-    sm_90a; the backward goes to sm80, and the choice names what sm90 lacks."""
+    sm_90a; the backward only where test_sm90_backward_serves_and_declines says, and otherwise
+    goes to sm80, the choice naming what sm90 lacks."""
     sm90 = families.get("sm90")
     assert sm90.head_dims == tuple(range(8, 257, 8))
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 128)
@@ -42,8 +43,9 @@ def test_sm90_declares_what_it_serves(causal):
     for d, feats in ((64, {"dropout"}), (128, {"sparse"}), (256, {"sparse", "dropout"}), (200, {"varlen"}), (128, {"varlen", "sparse"})):
         assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
                                                           frozenset(feats))).family is sm90
-    for feats, lacks in ((("backward",), "backward kernels"), (("varlen", "backward"), "backward kernels")):
-        choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, 128, frozenset(feats)))
+    for d, feats, lacks in ((256, ("backward",), "backward kernels at head_dim 256"),
+                            (128, ("varlen", "backward"), "backward kernels for packed")):
+        choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, d, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
     assert choice.family.name == "sm80" and "needs compute capability 9.0" in choice.why()
@@ -54,12 +56,80 @@ def test_sm90_declares_what_it_serves(causal):
         assert [f.name for f in families.for_arch_all("cuda", "sm_90a")] == ["sm90"]
 
 
+BWD = frozenset({"backward"})
+
+
+@pytest.mark.parametrize("name", ["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [ir.DType.FP16, ir.DType.BF16])
+def test_sm90_backward_serves_dense_and_causal(name, d, dtype):
+    """Stage (a) of the sm90 backward: dense and causal specs, head dims 64 and 128, fp16/bf16,
+    the padded layout, no GQA, not deterministic. Its instantiations carry the backward unit."""
+    spec = flashgen.compile(SPECS / f"{name}.attn").spec
+    choice = families.choose(spec, families.Call("cuda", "sm_90a", dtype, d, BWD))
+    assert choice.family.name == "sm90", choice.why()
+    inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d)
+    cfg = dict(inst.config)
+    assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
+    assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
+    assert '#include "flashgen/sm90/bwd.cuh"' in inst.sources()[inst.source_name("bwd")]
+
+
+@pytest.mark.parametrize(("spec", "d", "feats", "kw", "lacks"), [
+    ("causal", 256, (), {}, "head_dim 256"),
+    ("causal", 96, (), {}, "head_dim 96"),
+    ("dense", 128, ("varlen",), {}, "packed (varlen)"),
+    ("causal", 128, ("sparse",), {}, "block lists"),
+    ("causal", 64, (), {"gqa": True}, "GQA"),
+    ("dense", 128, (), {"deterministic": True}, "deterministic"),
+    ("dropout", 128, ("dropout",), {}, "dropout"),
+    ("dropout", 128, (), {}, "dropout"),
+    ("sliding_window", 128, (), {}, "masks other than causal"),
+    ("document", 64, (), {}, "masks other than causal"),
+    ("softcap", 128, (), {}, "score expressions"),
+    ("alibi", 128, (), {}, "score expressions"),
+    ("bias", 128, (), {}, "score expressions"),
+])
+def test_sm90_backward_declines_the_rest(spec, d, feats, kw, lacks):
+    """Every other backward call runs on sm80, and the choice names the feature sm90 lacks; a
+    forced sm90 raises naming it."""
+    sp = flashgen.compile(SPECS / f"{spec}.attn").spec
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, d, BWD | frozenset(feats), **kw)
+    choice = families.choose(sp, call)
+    assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
+    assert lacks in choice.tried[0][1], choice.tried
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="family sm90"):
+        families.choose(sp, call)
+    # The forward of the same call stays on sm90; instantiations other than the served backward's
+    # stay forward-only.
+    fwd = families.Call("cuda", "sm_90a", ir.DType.BF16, d, frozenset(feats))
+    assert families.choose(sp, fwd).family.name == "sm90"
+    if not kw:
+        inst = families.get("sm90").instantiation(sp, "sm_90a", ir.DType.BF16, d, packed="varlen" in feats,
+                                                  sparse="sparse" in feats)
+        assert inst.kinds == ("fwd",)
+
+
+def test_sm90_backward_choice_through_the_op(causal):
+    """op.choose_family passes a backward's GQA and deterministic flags into its Call."""
+    dev = torch.device("cuda", 0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(artifact, "cuda_arch_of", lambda index: "sm_90a")
+        pick = lambda **kw: causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, backward=True,  # noqa: E731
+                                                 **kw).family.name
+        assert pick() == "sm90"
+        assert pick(gqa=True) == "sm80" and pick(deterministic=True) == "sm80"
+        # the forward ignores both
+        assert causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, gqa=True,
+                                    deterministic=True).family.name == "sm90"
+
+
 def test_sm90_tiles_are_its_own(causal):
     sm90 = families.get("sm90")
     # another family's tile keys are dropped; its own are checked
     cfg = dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, 128, tiles={"fwd_block_m": 64, "fwd_block_n": 64}))
     assert cfg == {"fwd_block_n": 64, "fwd_stages": 2, "fwd_overlap": 1, "fwd_pingpong": 0, "fwd_persistent": 4096,
-                   "fwd_only": 1}
+                   "bwd90_block_m": 64, "bwd90_stages": 2}  # (the causal backward at d 128 is sm90's too)
     masked = [dict(sm90.config(causal.spec, "sm_90a", ir.DType.BF16, d)) for d in (64, 128, 256)]
     assert [(c["fwd_overlap"], c["fwd_persistent"]) for c in masked] == [(0, 4096), (1, 4096), (0, 4096)]
     dense = flashgen.compile(SPECS / "dense.attn").spec
@@ -84,7 +154,7 @@ def test_sm90_tiles_are_its_own(causal):
         bn = sm90_family.default_block_n(d)
         assert sm90_family.smem_bytes(d, bn, 2) <= sm90_family.SMEM_LIMIT < sm90_family.smem_bytes(d, bn + 16, 2)
     inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
-    assert inst.kinds == ("fwd",) and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
+    assert inst.kinds == ("fwd", "bwd") and inst.name.startswith("fg_causal_sm90_bf16_hd128_sm_90a_")
     src = next(iter(inst.sources().values()))
     assert "flashgen/sm90/fwd.cuh" in src and "Sm90FwdTile<128, 2, 1, 0, 4096, 128>" in src and "FgFwdTile, false, false>" in src
     # O staging beside the K/V rings where it fits, else in them (sm90/fwd.cuh kOInRing)

@@ -333,7 +333,8 @@ def test_tune_many_tunes_each_pass_on_its_family(store, hopper, causal_op, monke
 
 def test_first_use_tuning_per_family(store, hopper, causal_op, monkeypatch):
     """The op asks for the family whose library it chooses: sm90 tunes its forward, sm80 on
-    Hopper only the backward (the forward runs on sm90); each once per key."""
+    Hopper only the backward (the forward runs on sm90); each once per key. (d 96: a head dim
+    whose backward sm90 does not serve.)"""
     calls = []
 
     def fake(op, device, dtype, head_dim, seqlens, kinds=None, progress=True, family=None, **kw):
@@ -350,15 +351,15 @@ def test_first_use_tuning_per_family(store, hopper, causal_op, monkeypatch):
     monkeypatch.setenv("FLASHGEN_AUTOTUNE", "1")
     monkeypatch.setenv("FLASHGEN_QUIET", "1")
     dev = torch.device("cuda", 0)
-    lib = causal_op.library(SM90, dev, BF16, 64, seqlen=3000)
+    lib = causal_op.library(SM90, dev, BF16, 96, seqlen=3000)
     assert calls == [("sm90", ("fwd",))]
     assert sm90.Sm90Tile.from_config(dict(lib.instantiation.config)) == WINNER
-    causal_op.library(families.get("sm80"), dev, BF16, 64, seqlen=3000)
+    causal_op.library(families.get("sm80"), dev, BF16, 96, seqlen=3000)
     assert calls[-1] == ("sm80", ("bwd",)) and len(calls) == 2
-    causal_op.library(SM90, dev, BF16, 64, seqlen=5000)  # the same bucket, stored: no tuning
+    causal_op.library(SM90, dev, BF16, 96, seqlen=5000)  # the same bucket, stored: no tuning
     assert len(calls) == 2
     monkeypatch.setenv("FLASHGEN_CUDA_FWD_TILE", "128x64x4")  # sm80's override: sm90 is tuned anyway
-    tuner.ensure_tuned(causal_op, dev, BF16, 64, 20000, family=SM90)
+    tuner.ensure_tuned(causal_op, dev, BF16, 96, 20000, family=SM90)
     assert calls[-1] == ("sm90", ("fwd",))
 
 

@@ -47,7 +47,7 @@ def render(template: str, **context) -> str:
 
 # Translation-unit templates of families whose kernels are not their device type's default
 # (cpu_<kind>.cpp.jinja, cuda_<kind>.cu.jinja): (family, kind) -> template.
-FAMILY_TEMPLATES = {("sm90", "fwd"): "sm90_fwd.cu.jinja"}
+FAMILY_TEMPLATES = {("sm90", "fwd"): "sm90_fwd.cu.jinja", ("sm90", "bwd"): "sm90_bwd.cu.jinja"}
 
 
 def render_instantiation(spec: ir.Spec, backend: str, kind: str, dtype: ir.DType, head_dim: int | None,

@@ -51,13 +51,18 @@ class Call:
     """What selects a family (and, with the tiles, a library) for one call: the device type and
     architecture (None for a CPU), the dtype, the head dim, and the features it needs (a subset
     of FEATURES: 'varlen' for the packed layout, 'sparse' for block lists, 'dropout' for
-    dropout_p > 0, 'decode' for ``op.with_kvcache``)."""
+    dropout_p > 0, 'decode' for ``op.with_kvcache``). A backward call also says whether its
+    query heads share kv heads (``gqa``: heads_q != heads_kv) and whether it must be bitwise
+    repeatable (``deterministic``): every complete family serves both; a partial family may
+    decline them (sm90's backward)."""
 
     device: str
     arch: str | None
     dtype: ir.DType
     head_dim: int
     features: frozenset[str] = frozenset()
+    gqa: bool = False
+    deterministic: bool = False
 
 
 class Family:

@@ -4,8 +4,10 @@ of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatom
 2024), on sm_90a only. It serves the forward for every spec (mask and score hooks, tile classes,
 dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
-256; the backward runs on ``sm80`` (a backward recomputes from q, k, v, out and LSE, which both
-families define alike, so an sm90 forward pairs with the sm80 backward)."""
+256. Its backward (sm90/bwd.cuh) serves dense and causal specs at head dims 64 and 128 in the padded
+layout (``backward_reason``); every other backward runs on ``sm80`` (a backward recomputes from q,
+k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
+backward)."""
 
 from __future__ import annotations
 
@@ -305,6 +307,50 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
     return cfg
 
 
+# The backward (stage a of its issue: templates/include/flashgen/sm90/bwd.cuh): key/value-
+# stationary CTAs of 128 keys (two consumer warpgroups of 64) walking query tiles of
+# BWD_BLOCK_M[head_dim] rows through a BWD_STAGES-deep TMA ring. It serves dense and causal
+# specs at these head dims; every other backward call runs on sm80 (``backward_reason``).
+BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
+BWD_STAGES = 2
+BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
+
+
+def backward_reason(spec: ir.Spec, call) -> str | None:
+    """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
+    the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
+    a dense or causal spec (no score expression, no parameters, no dropout) at head dim 64 or
+    128 in the padded layout, without block lists, GQA or the deterministic mode."""
+    kind = spec.mask_kind
+    if kind not in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL):
+        return "has no backward kernels for masks other than causal (its backward serves dense and causal specs)"
+    if spec.score is not None:
+        return "has no backward kernels for score expressions (its backward serves dense and causal specs)"
+    if spec.params:
+        return "has no backward kernels for spec parameters (its backward serves dense and causal specs)"
+    if spec.dropout or "dropout" in call.features:
+        return "has no backward kernels with dropout"
+    if call.head_dim not in BWD_BLOCK_M:
+        return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
+                f"{', '.join(map(str, BWD_BLOCK_M))})")
+    if "varlen" in call.features:
+        return "has no backward kernels for packed (varlen) batches"
+    if "sparse" in call.features:
+        return "has no backward kernels for block lists (block-sparse)"
+    if call.gqa:
+        return "has no backward kernels for GQA/MQA (heads_q != heads_kv)"
+    if call.deterministic:
+        return "has no deterministic backward kernels (deterministic=True)"
+    return None
+
+
+def serves_backward(spec: ir.Spec, head_dim: int | None, packed: bool = False, sparse: bool = False) -> bool:
+    """Whether an instantiation of ``spec`` at ``head_dim`` (layout, sparsity) carries the
+    backward unit: the spec and head dim ``backward_reason`` accepts, padded and dense-listed."""
+    return (head_dim in BWD_BLOCK_M and not packed and not sparse and spec.score is None and not spec.params
+            and not spec.dropout and spec.mask_kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL))
+
+
 class Sm90Family(Family):
     name = "sm90"
     device = "cuda"
@@ -332,6 +378,14 @@ class Sm90Family(Family):
         except KeyError:
             return ""
 
+    def declines(self, spec: ir.Spec, call) -> str | None:
+        # Forward calls: the features it declares. Backward calls: those the backward serves
+        # (``backward_reason``); the rest go on to sm80.
+        if "backward" not in call.features:
+            return super().declines(spec, call)
+        why = super().declines(spec, replace(call, features=call.features - {"backward"}))
+        return why or backward_reason(spec, call)
+
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
             return "needs a CUDA architecture"
@@ -356,7 +410,10 @@ class Sm90Family(Family):
         if sparse:
             cfg["sparse"] = 1
         check_tiles(cfg, head_dim)
-        cfg["fwd_only"] = 1
+        if serves_backward(spec, head_dim, packed, sparse):
+            cfg.update(bwd90_block_m=BWD_BLOCK_M[head_dim], bwd90_stages=BWD_STAGES)
+        else:
+            cfg["fwd_only"] = 1
         if packed:
             cfg["varlen"] = 1
         return tuple(sorted(cfg.items()))

@@ -8,6 +8,8 @@ shapes and shared memory; ``spill_reason``: the configurations measured to spill
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .. import tiles
 from ..build import artifact
 from ..lang import ir
@@ -137,4 +139,7 @@ class Sm90Tuning:
         with ``tile`` at (arch, dtype, head_dim), padded layout (block-sparse with ``sparse``).
         ValueError for a kind other than 'fwd' or a tile check_tiles rejects."""
         check_kind(kind)
-        return self.family.instantiation(spec, arch, dtype, head_dim, sparse=sparse, tiles=tile.config())
+        inst = self.family.instantiation(spec, arch, dtype, head_dim, sparse=sparse, tiles=tile.config())
+        cfg = {k: v for k, v in inst.config if k not in sm90.BWD_KEYS}  # the forward alone (never the backward)
+        cfg["fwd_only"] = 1
+        return replace(inst, config=tuple(sorted(cfg.items())))

@@ -304,7 +304,8 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
     dlse = dlse.float().contiguous() if dlse is not None else None
     if lib is None:
         fam = family or op.choose_family(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
-                                         bool(dropout_p), backward=True).family
+                                         bool(dropout_p), backward=True, gqa=Hq != Hkv,
+                                         deterministic=deterministic).family
         lib = op.library(fam, q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
                          max(Nq, Nk))
     if lib.bwd is None:

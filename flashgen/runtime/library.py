@@ -98,16 +98,16 @@ def register(op, qualname: str):
             return None
         return packed_layout(q, k, *varlen)
 
-    def checked(kind, q, k, v, scale, values, dropout, varlen, block_lists):
+    def checked(kind, q, k, v, scale, values, dropout, varlen, block_lists, deterministic=False):
         """The one validation of a call (the forward's or the backward's): inputs, packed
         layout, block lists, scale, parameters and dropout, then the family that serves it.
         Raises naming the argument, before any launch."""
         packed = packed_of(q, k, v, varlen)
-        B, Hq, _, Nq, Nk, d = dims(q, k, packed)
+        B, Hq, Hkv, Nq, Nk, d = dims(q, k, packed)
         dtype = IR_DTYPE[q.dtype]
         p = bool(dropout and dropout[0])
         fam = op.choose_family(q.device, dtype, d, packed is not None, bool(block_lists[3]), p,
-                               backward=kind == "bwd").family
+                               backward=kind == "bwd", gqa=Hq != Hkv, deterministic=deterministic).family
         blocks = check_blocks(kind, *block_lists, B, Hq, Nq, Nk, q.device, fam.dq_lists)
         scale = op.scale_for(scale, d)
         values = op.check_params(q, k, {p.name: x for p, x in zip(spec.params, values, strict=True)},
@@ -208,7 +208,7 @@ def register(op, qualname: str):
         values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
         fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout,
                                                      varlen_of(rest, npar + 1 + ndrop),
-                                                     blocks_of(rest, npar + 1 + ndrop))
+                                                     blocks_of(rest, npar + 1 + ndrop), deterministic)
         # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
         for name, t in (("out", out), ("dout", dout)):
             if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:

@@ -411,18 +411,22 @@ class AttentionOp:
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
                 dropout: bool, family: str | None = None, backward: bool = False,
-                decode: bool = False) -> families.Choice:
+                decode: bool = False, *, gqa: bool = False, deterministic: bool = False) -> families.Choice:
         """The family of one pass of a call (``backward``: the backward's, which may differ from
         the forward's: it recomputes from q, k, v, out and LSE, which every family defines alike;
-        ``decode``: a ``with_kvcache`` call's)."""
+        ``decode``: a ``with_kvcache`` call's). A backward's ``gqa`` (heads_q != heads_kv) and
+        ``deterministic`` (bitwise-repeatable gradients) are part of its Call (families.Call)."""
+        gqa, deterministic = bool(backward and gqa), bool(backward and deterministic)
         key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
-               families.forced_block(), env.library_selection()[0], _generation[0], backward, decode)
+               families.forced_block(), env.library_selection()[0], _generation[0], backward, decode, gqa,
+               deterministic)
         hit = self._choices.get(key)
         if hit is None:
             arch = artifact.cuda_arch_of(_index(device)) if device.type == "cuda" else None
             feats = frozenset(f for f, on in (("varlen", packed), ("sparse", sparse), ("dropout", dropout),
                                               ("backward", backward), ("decode", decode)) if on)
-            hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats), family)
+            hit = families.choose(self.spec, families.Call(device.type, arch, dtype, head_dim, feats, gqa, deterministic),
+                                  family)
             self._choices[key] = hit
         return hit
 

@@ -1,0 +1,678 @@
+// flashgen sm90 backward: the Hopper family's attention backward (FlashAttention-3's anatomy,
+// Shah et al. 2024, arXiv 2407.08608, Sec. 3 and App. B), specialised by a generated Variant
+// (flashgen/variant.h). Stage (a) of the family's backward: the padded layout, head dims 64 and
+// 128, fp16/bf16, heads_q == heads_kv, no dropout, no block lists, no parameter gradients, the
+// non-deterministic mode (flashgen/families/sm90.py declares exactly these calls; the others run
+// on the sm80 family).
+//
+//   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim /* 64 | 128 */,
+//             class Tile /* Sm90BwdTile */>
+//   int flashgen::sm90::launch_bwd(const FgBwdArgs& args);   // FgStatus; no host sync
+//
+// ---------------------------------------------------------------------------------------------
+// Launch sequence (all on args.stream):
+//  1. the sm80 family's bwd_preprocess_kernel (cuda/bwd.cuh): D = rowsum(dO ∘ O) − dlse in fp32
+//     into softmax_d, dq_accum zero-filled;
+//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, head, batch): dK, dV of its keys
+//     written directly, dQ partials added to dq_accum with fp32 atomics;
+//  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype.
+//
+// CTA: three warpgroups (384 threads), one CTA per multiprocessor.
+//   warpgroup 0, the producer: warp 0 loads K and V of the key tile once (TMA, then zero-fills
+//     the tile's rows that no query of the walk sees, as the forward does for V), then for each
+//     query tile of the walk Q and dO by TMA and LSE and D by plain loads into a kStages-deep
+//     ring (mbarriers "full" / "empty"). It gives its registers away (setmaxnreg).
+//   warpgroups 1 and 2, the consumers: 64 keys each (wgmma M = 64 rows are keys). Per query tile
+//     of kBlockM rows:
+//       S^T = K Q^T, dP^T = V dO^T        wgmma, both operands in shared memory
+//       P^T, dS^T                         the sm80 family's BwdMainloop::probs_grads (tile classes,
+//                                         mask hooks, LSE = -inf rows; one implementation of the
+//                                         semantics), per warp on the same C-fragment layout
+//       dV += P^T dO, dK += dS^T Q        wgmma with A (P^T, dS^T) from registers
+//       dS -> shared memory               stmatrix.trans into [q][kv] rows, 128-byte swizzle
+//       dQ_part = dS K                    wgmma from shared memory; each warpgroup one 64 x 64
+//                                         block of the query tile's dQ (d 128: a column half,
+//                                         over all 128 keys; d 64: the whole tile over its own
+//                                         64 keys), added to dq_accum (red.global.add.v2.f32)
+//     then releases the stage. The dS buffer is double-buffered; one named barrier per step
+//     between the consumer warpgroups orders its writes before the dQ GEMM's reads and the
+//     GEMM's reads before the next-but-one step's writes.
+//   Epilogue: dK · scale and dV in the input dtype, from registers (rows past seqlen_k skipped).
+// The walk: the query tiles m in [m_first, m_last] that can see the key tile (Variant::kv_lo /
+// kv_hi per tile, a warp-parallel scan that producer and consumers compute alike), from the
+// first visible one (causal: the tile of the key tile's first query) on. A key tile no query
+// sees writes dK = dV = 0.
+// Rows past seqlen_q arrive as zeros (TMA) with LSE = -inf, so P = dS = 0 there; such tiles take
+// the masked path (q_hi - q_lo < kBlockM) and their dQ rows are not added.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <limits.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "flashgen/args.h"
+#include "flashgen/cuda/bwd.cuh"
+#include "flashgen/cuda/host.cuh"
+#include "flashgen/cuda/status.cuh"
+#include "flashgen/sm90/ptx.cuh"
+#include "flashgen/sm90/tma.cuh"
+#include "flashgen/sm90/wgmma.cuh"
+#include "flashgen/variant.h"
+
+namespace flashgen {
+namespace sm90 {
+
+namespace ptx {
+// Four 8x8 b16 matrices from registers to shared memory, each stored transposed: lane l gives
+// the address of row l % 8 of matrix l / 8 (16 bytes: the 8 elements of one column of the
+// register fragment, whose thread t holds row t / 4, columns 2 (t % 4) and 2 (t % 4) + 1).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+#if defined(FG_SM90A)
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+#endif
+}
+}  // namespace ptx
+
+// kBlockM query rows per step (64 at d 64 and 128; 128 at d 64 builds but ptxas spills there:
+// S^T and dP^T take 64 fp32 each beside dK and dV); each consumer holds S^T, dP^T (kBlockM / 2
+// fp32 each), dK, dV (d / 2 each) and a 64 x 64 dQ block; kBlockN = 128
+// keys per CTA (two consumer warpgroups of 64); kStages Q/dO stages.
+template <int kBlockM_, int kStages_ = 2>
+struct Sm90BwdTile {
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kBlockM == 64 || kBlockM == 128, "kBlockM: 64 or 128 query rows");
+  static_assert(kStages >= 2 && kStages <= 3, "2 or 3 Q/dO stages");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "register file");
+};
+
+template <class Element, class VParams>
+struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
+  CUtensorMap tq, tk, tv, tdo;  // TMA descriptors (sm90/tma.cuh)
+  cuda::BwdParams<Element, VParams> base;  // everything the sm80 backward's Params hold
+};
+
+template <class Variant, class Element, int kHeadDim, class Tile>
+struct Sm90Bwd {
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward (stage a) takes head_dim 64 and 128");
+  static constexpr int kD = kHeadDim;
+  static constexpr int kBlockM = Tile::kBlockM;
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kPanels = kD / 64;         // 64-column panels of a tile (one TMA box each)
+  static constexpr int kKPanel = kBlockN * 128;   // bytes
+  static constexpr int kKBytes = kPanels * kKPanel;
+  static constexpr int kQPanel = kBlockM * 128;
+  static constexpr int kQBytes = kPanels * kQPanel;  // one Q or dO stage
+  static constexpr int kSPanel = kBlockM * 128;      // dS [q][kv]: 64 keys per panel
+  static constexpr int kSBytes = (kBlockN / 64) * kSPanel;
+  // Shared memory (from a 1024-byte aligned base): K, V, the Q and dO rings, two dS buffers, the
+  // LSE and D rings (fp32), the mbarriers.
+  static constexpr int kOffK = 0;
+  static constexpr int kOffV = kOffK + kKBytes;
+  static constexpr int kOffQ = kOffV + kKBytes;
+  static constexpr int kOffDO = kOffQ + kStages * kQBytes;
+  static constexpr int kOffS = kOffDO + kStages * kQBytes;
+  static constexpr int kOffL = kOffS + 2 * kSBytes;
+  static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
+  static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
+  static constexpr int kNumBars = 2 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S]
+  static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+  static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
+  // A consumer's dQ block (64 x 64): rows [kDqRows wg, + 64) and columns [kDqCols wg, + 64) of
+  // the query tile's dQ, over all 128 keys; or (kDqKeySplit: d 64 with 64-row query tiles) the
+  // whole 64 x 64 tile over the warpgroup's own 64 keys, both warpgroups adding their partials.
+  static constexpr bool kDqKeySplit = kBlockM == 64 && kD == 64;
+  static constexpr int kDqRows = kBlockM == 128 ? 64 : 0;
+  static constexpr int kDqCols = kBlockM == 128 || kDqKeySplit ? 0 : 64;
+  static_assert(kDqKeySplit || kBlockM * kD == 128 * 64, "dQ blocks: 64 x 64 per consumer warpgroup");
+
+  // The sm80 family's backward mainloop at these tiles (8 warps x 16 keys = 128 keys, kBlockM
+  // queries per step): its key ranges and P^T / dS^T (probs_grads) on the C-fragment layout
+  // that each consumer warp's wgmma accumulators share.
+  using Base = cuda::BwdMainloop<Variant, Element, kHeadDim, cuda::BwdTile<kBlockM, 8, 1, kBlockM / 32>, true,
+                                 false, false>;
+  static_assert(Base::kBlockN == kBlockN && Base::kBlockM == kBlockM, "tiles");
+  using BaseParams = cuda::BwdParams<Element, typename Variant::Params>;
+  using Params = Sm90BwdParams<Element, typename Variant::Params>;
+  using Range = typename Base::Range;
+  using MmaS = Wgmma<Element, kBlockM>;  // S^T, dP^T: 64 keys x kBlockM queries
+  using MmaKV = Wgmma<Element, kD>;      // dK, dV: 64 keys x d
+  using MmaQ = Wgmma<Element, 64>;       // dQ block: 64 x 64
+
+  struct Bars {
+    uint32_t base;
+    __device__ uint32_t full_kv() const { return base; }
+    __device__ uint32_t kv_ready() const { return base + 8; }
+    __device__ uint32_t full(int s) const { return base + 16 + 8 * s; }
+    __device__ uint32_t empty(int s) const { return base + 16 + 8 * (kStages + s); }
+  };
+
+  // The work item of this CTA: key tile fastest, then head, then batch.
+  struct Item {
+    int b, h, n_tile, kv0;
+  };
+  static __device__ __forceinline__ Item item(const BaseParams& p) {
+    Item it;
+    const int64_t w = blockIdx.x;
+    it.n_tile = int(w % p.num_n_tiles);
+    const int64_t bh = w / p.num_n_tiles;
+    it.h = int(bh % p.heads_q);
+    it.b = int(bh / p.heads_q);
+    it.kv0 = it.n_tile * kBlockN;
+    return it;
+  }
+
+  // The query tiles that see key tile kv0 (every warp computes it alike): [m_first, m_last]
+  // (m_first > m_last: none) and the union [vis_lo, vis_hi) of their key ranges.
+  struct Walk {
+    int m_first, m_last, vis_lo, vis_hi;
+  };
+  static __device__ __forceinline__ Walk scan(const BaseParams& p, int b, int h, int kv0, int lane) {
+    int m_first = INT_MAX, m_last = -1, vis_lo = INT_MAX, vis_hi = 0;
+    for (int m = lane; m < p.num_m_tiles; m += 32) {
+      const Range r = Base::kv_range(p, b, h, m);
+      if (Base::sees(r, kv0)) {
+        m_first = imin(m_first, m);
+        m_last = imax(m_last, m);
+        vis_lo = imin(vis_lo, r.begin);
+        vis_hi = imax(vis_hi, r.end);
+      }
+    }
+    Walk w;
+    w.m_first = __reduce_min_sync(0xffffffffu, m_first);
+    w.m_last = __reduce_max_sync(0xffffffffu, m_last);
+    w.vis_lo = __reduce_min_sync(0xffffffffu, vis_lo);
+    w.vis_hi = __reduce_max_sync(0xffffffffu, vis_hi);
+    return w;
+  }
+  // The next query tile after m that sees the key tile (> m_last: the walk is over).
+  static __device__ __forceinline__ int next_m(const BaseParams& p, const Walk& w, int b, int h, int kv0, int m) {
+    do {
+      ++m;
+    } while (m <= w.m_last && !Base::sees(Base::kv_range(p, b, h, m), kv0));
+    return m;
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp loads LSE / D and
+  // zero-fills).
+  static __device__ __forceinline__ void produce(const Params& P, unsigned char* smem, uint32_t s0,
+                                                 const Bars& bar, int lane) {
+    const BaseParams& p = P.base;
+    const Item it = item(p);
+    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    if (w.m_first > w.m_last) return;
+    if (lane == 0) {
+      ptx::prefetch_tmap(&P.tq);
+      ptx::prefetch_tmap(&P.tdo);
+      ptx::mbar_arrive_expect_tx(bar.full_kv(), 2 * kKBytes);
+#pragma unroll
+      for (int pn = 0; pn < kPanels; ++pn) {
+        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
+        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
+      }
+    }
+    // Rows of the tile inside the tensor but outside every visible key range: zeros (masked
+    // there, but dQ = dS K would take 0 x NaN from them).
+    ptx::mbar_wait(bar.full_kv(), 0);
+    const int in_hi = imin(it.kv0 + kBlockN, p.seqlen_k);
+    if (w.vis_lo > it.kv0 || w.vis_hi < in_hi) {
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      for (int r = lane / 8; r < kBlockN; r += 4) {
+        const int kv = it.kv0 + r;
+        if (kv < in_hi && (kv < w.vis_lo || kv >= w.vis_hi)) {
+#pragma unroll
+          for (int pn = 0; pn < 2 * kPanels; ++pn) {
+            const uint32_t a = s0 + kOffK + pn * kKPanel + r * 128 + (lane % 8) * 16;  // K panels, then V's
+            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(zero.x), "r"(zero.y),
+                         "r"(zero.z), "r"(zero.w)
+                         : "memory");
+          }
+        }
+      }
+      ptx::fence_proxy_async();
+    }
+    __syncwarp();
+    if (lane == 0) ptx::mbar_arrive(bar.kv_ready());
+
+    const int64_t row0 = Base::q_rows(p, it.b, it.h);
+    float* sL = reinterpret_cast<float*>(smem + kOffL);
+    float* sD = reinterpret_cast<float*>(smem + kOffDs);
+    uint32_t cnt = 0;
+    for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+      const int stage = int(cnt % kStages);
+      const uint32_t phase = (cnt / kStages) & 1;
+      if (cnt >= kStages) ptx::mbar_wait(bar.empty(stage), phase ^ 1);
+      const int q_lo = m * kBlockM;
+      if (lane == 0) {
+        ptx::mbar_arrive_expect_tx(bar.full(stage), 2 * kQBytes);
+#pragma unroll
+        for (int pn = 0; pn < kPanels; ++pn) {
+          ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, bar.full(stage), pn * 64, q_lo,
+                           it.h, it.b);
+          ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, bar.full(stage), pn * 64, q_lo,
+                           it.h, it.b);
+        }
+      }
+      for (int r = lane; r < kBlockM; r += 32) {
+        const int q = q_lo + r;
+        const bool ok = q < p.seqlen_q;
+        sL[stage * kBlockM + r] = ok ? __ldg(p.lse + row0 + q) : -INFINITY;
+        sD[stage * kBlockM + r] = ok ? __ldg(p.dsum + row0 + q) : 0.f;
+      }
+      __syncwarp();
+      if (lane == 0) ptx::mbar_arrive(bar.full(stage));
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  template <int N>
+  static __device__ __forceinline__ void fence_acc(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(x[i][e]);
+    }
+  }
+  template <int N>
+  static __device__ __forceinline__ void fence_frag(uint32_t (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ptx::fence_operand(x[i][e]);
+    }
+  }
+  // The A fragments (m16n8k16 layout, 16 queries each) of a 64 x kBlockM accumulator.
+  static __device__ __forceinline__ void pack(const float (&s)[kBlockM / 8][4], uint32_t (&a)[kBlockM / 16][4]) {
+#pragma unroll
+    for (int u = 0; u < kBlockM / 16; ++u) {
+      a[u][0] = cuda::ptx::pack2<Element>(s[2 * u][0], s[2 * u][1]);
+      a[u][1] = cuda::ptx::pack2<Element>(s[2 * u][2], s[2 * u][3]);
+      a[u][2] = cuda::ptx::pack2<Element>(s[2 * u + 1][0], s[2 * u + 1][1]);
+      a[u][3] = cuda::ptx::pack2<Element>(s[2 * u + 1][2], s[2 * u + 1][3]);
+    }
+  }
+
+  // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
+  static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
+                                                 const Bars& bar, int wg, int warp_in_wg, int lane) {
+    const BaseParams& p = P.base;
+    const Item it = item(p);
+    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    const int Nq = p.seqlen_q, Nk = p.seqlen_k;
+    const int g = lane >> 2, t = lane & 3;
+    float dk[kD / 8][4], dv[kD / 8][4];
+#pragma unroll
+    for (int i = 0; i < kD / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    }
+    if (w.m_first <= w.m_last) {
+      ptx::mbar_wait(bar.kv_ready(), 0);
+      const uint32_t sK = s0 + kOffK + wg * (64 * 128);  // this warpgroup's 64 key rows
+      const uint32_t sV = s0 + kOffV + wg * (64 * 128);
+      const int kv_row0 = it.kv0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
+      const float* sLall = reinterpret_cast<const float*>(smem + kOffL);
+      const float* sDall = reinterpret_cast<const float*>(smem + kOffDs);
+      float* dqa = p.dq_accum + Base::q_rows(p, it.b, it.h) * kHeadDim;
+      uint32_t cnt = 0;
+      for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+        const int stage = int(cnt % kStages);
+        const uint32_t phase = (cnt / kStages) & 1;
+        const int q_lo = m * kBlockM;
+        const uint32_t sQ = s0 + kOffQ + stage * kQBytes;
+        const uint32_t sdO = s0 + kOffDO + stage * kQBytes;
+        bool need_mask;
+        {
+          const int q_hi = imin(q_lo + kBlockM, Nq);
+          const Range r = Base::kv_range(p, it.b, it.h, m);
+          need_mask = it.kv0 < r.begin || it.kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
+                      (Variant::kHasMask &&
+                       !Variant::tile_full(p.vp, it.b, it.h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
+        }
+        ptx::mbar_wait(bar.full(stage), phase);
+
+        // S^T = K Q^T and dP^T = V dO^T (A: K / V rows, K-major; B: Q / dO rows, K-major).
+        float st[kBlockM / 8][4], dpt[kBlockM / 8][4];
+        fence_acc(st);
+        fence_acc(dpt);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          const uint32_t off = (ks % 4) * 32;
+          const uint64_t da = ptx::sw128_desc(sK + (ks / 4) * kKPanel + off, 16, 1024);
+          const uint64_t db = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
+          MmaS::template ss<0>(da, db, st, ks > 0 ? 1 : 0);
+        }
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks) {
+          const uint32_t off = (ks % 4) * 32;
+          const uint64_t da = ptx::sw128_desc(sV + (ks / 4) * kKPanel + off, 16, 1024);
+          const uint64_t db = ptx::sw128_desc(sdO + (ks / 4) * kQPanel + off, 16, 1024);
+          MmaS::template ss<0>(da, db, dpt, ks > 0 ? 1 : 0);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        fence_acc(st);
+        fence_acc(dpt);
+
+        // P^T and dS^T (the sm80 family's element-wise step on the same fragment layout).
+        const float* sL = sLall + stage * kBlockM;
+        const float* sD = sDall + stage * kBlockM;
+        if (need_mask) {
+          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0,
+                                                  Base::kv_range(p, it.b, it.h, m), 0, lane);
+        } else {
+          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0, Range{0, 0}, 0,
+                                                   lane);
+        }
+        uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
+        pack(st, ap);
+        pack(dpt, ads);
+
+        // dV += P^T dO, dK += dS^T Q (A from registers; B: dO / Q rows, N-major).
+        fence_acc(dv);
+        fence_acc(dk);
+        fence_frag(ap);
+        fence_frag(ads);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < kBlockM / 16; ++u) {
+          MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
+        }
+#pragma unroll
+        for (int u = 0; u < kBlockM / 16; ++u) {
+          MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+        }
+        ptx::wgmma_commit();
+
+        // dS (rows q, keys contiguous) into this step's buffer: the warp's 16 keys are 16-byte
+        // chunks 2 warp_in_wg and 2 warp_in_wg + 1 of panel wg.
+        const uint32_t sS = s0 + kOffS + (cnt & 1) * kSBytes;
+        {
+          const int mat = lane >> 3, i = lane & 7;
+          const int chunk = 2 * warp_in_wg + (mat & 1);
+#pragma unroll
+          for (int u = 0; u < kBlockM / 16; ++u) {
+            const int q = 16 * u + 8 * (mat >> 1) + i;
+            const uint32_t addr = sS + wg * kSPanel + q * 128 + ((chunk ^ (q & 7)) << 4);
+            ptx::stmatrix_x4_trans(addr, ads[u][0], ads[u][1], ads[u][2], ads[u][3]);
+          }
+        }
+        ptx::fence_proxy_async();  // the generic-proxy writes before the wgmma reads
+        ptx::bar_sync<1, 256>();   // both warpgroups' dS rows are in the buffer
+
+        // dQ block = dS K: rows [kDqRows wg, + 64) of the query tile, columns [kDqCols wg, + 64).
+        float dq[8][4];
+        fence_acc(dq);
+        ptx::wgmma_fence();
+        if constexpr (kDqKeySplit) {
+          const uint32_t sA = sS + wg * kSPanel;  // dS columns of this warpgroup's keys
+#pragma unroll
+          for (int ks = 0; ks < 4; ++ks) {
+            const uint64_t da = ptx::sw128_desc(sA + ks * 32, 16, 1024);
+            const uint64_t db = ptx::sw128_desc(sK + ks * 16 * 128, kKPanel, 1024);
+            MmaQ::template ss<1>(da, db, dq, ks > 0 ? 1 : 0);
+          }
+        } else {
+          const uint32_t sA = sS + kDqRows * wg * 128;
+          const uint32_t sB = s0 + kOffK + (kDqCols * wg / 64) * kKPanel;
+#pragma unroll
+          for (int ks = 0; ks < kBlockN / 16; ++ks) {
+            const uint64_t da = ptx::sw128_desc(sA + (ks / 4) * kSPanel + (ks % 4) * 32, 16, 1024);
+            const uint64_t db = ptx::sw128_desc(sB + ks * 16 * 128, kKPanel, 1024);
+            MmaQ::template ss<1>(da, db, dq, ks > 0 ? 1 : 0);
+          }
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<0>();
+        fence_acc(dq);
+        fence_acc(dv);
+        fence_acc(dk);
+        fence_frag(ap);
+        fence_frag(ads);
+        __syncwarp();
+        if (lane == 0) ptx::mbar_arrive(bar.empty(stage));  // Q, dO, LSE, D of the stage are read
+
+        // dQ partials into dq_accum (the convert kernel scales them).
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int q = q_lo + kDqRows * wg + 16 * warp_in_wg + g + 8 * half;
+          if (q < Nq) {
+            float* row_p = dqa + cuda::wide(q) * kHeadDim + kDqCols * wg + 2 * t;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              cuda::bwd_detail::atomic_add2(row_p + 8 * j, dq[j][2 * half], dq[j][2 * half + 1]);
+            }
+          }
+        }
+      }
+    }
+
+    // Epilogue: dK (scaled) and dV of the warp's 16 keys, straight from the accumulators. The
+    // item decoded again from an opaque copy of the lane: its addresses are computed here.
+    const int ln = ptx::opaque(lane);
+    const Item ie = item(p);
+    const int gg = ln >> 2, tt = ln & 3;
+    Element* dk_g = p.dk + cuda::wide(ie.b) * p.dk_sb + cuda::wide(ie.h) * p.dk_sh;
+    Element* dv_g = p.dv + cuda::wide(ie.b) * p.dv_sb + cuda::wide(ie.h) * p.dv_sh;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int kv = ie.kv0 + 64 * wg + 16 * warp_in_wg + gg + 8 * half;
+      if (kv < Nk) {
+        Element* rk = dk_g + cuda::wide(kv) * p.dk_sn + 2 * tt;
+        Element* rv = dv_g + cuda::wide(kv) * p.dv_sn + 2 * tt;
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          *reinterpret_cast<uint32_t*>(rk + 8 * j) =
+              cuda::ptx::pack2<Element>(dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(rv + 8 * j) = cuda::ptx::pack2<Element>(dv[j][2 * half], dv[j][2 * half + 1]);
+        }
+      }
+    }
+  }
+
+  static __device__ __forceinline__ void run(const Params& P) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    const uint32_t s0 = ptx::smem_addr(smem);
+    const Bars bar{s0 + kOffBar};
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+    if (tid == 0) {
+      ptx::mbar_init(bar.full_kv(), 1);
+      ptx::mbar_init(bar.kv_ready(), 1);
+      for (int s = 0; s < kStages; ++s) {
+        ptx::mbar_init(bar.full(s), 2);  // the TMA's expect-tx arrival and the LSE / D arrival
+        ptx::mbar_init(bar.empty(s), kConsumerWarps);
+      }
+      ptx::fence_barrier_init();
+    }
+    __syncthreads();
+    if (wg == 0) {
+      ptx::reg_dealloc<Tile::kProducerRegs>();
+      if (warp == 0) produce(P, smem, s0, bar, lane);
+    } else {
+      ptx::reg_alloc<Tile::kConsumerRegs>();
+      consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads, 1)
+    bwd_kernel(const __grid_constant__ typename Kernel::Params params) {
+#if defined(FG_SM90A)
+  Kernel::run(params);
+#else
+  __trap();  // the sm90 family needs sm_90a (wgmma, setmaxnreg)
+#endif
+}
+
+template <class Variant, class Element, int kHeadDim, class Tile>
+int launch_bwd(const FgBwdArgs& a) {
+  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile>;
+  using P = typename K::Params;
+  static_assert(K::kSmem <= 227 * 1024, "the sm90 backward's tiles exceed shared memory");
+  static_assert(!Variant::kHasDropout && !Variant::kHasParamGrad,
+                "the sm90 backward (stage a) takes no dropout and no parameter gradients");
+  cuda::detail::reference_hooks<Variant>();
+  cuda::detail::clear_error();
+  int st = cuda::detail::check_sizes(a, kHeadDim, false, true);
+  if (st != FG_OK) return st;
+  if (a.cu_seqlens_q || a.cu_seqlens_k || a.q_blocks.data || a.kv_blocks.data || a.deterministic ||
+      a.heads_q != a.heads_kv || a.dropout_state) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE,
+                              "the sm90 backward takes padded, dense-list, non-deterministic calls with "
+                              "heads_q == heads_kv and no dropout (the family routes the others to sm80)");
+  }
+  if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
+  const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
+  if ((has_q && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.softmax_d || !a.dq_accum)) ||
+      (has_k && (!a.k || !a.v || !a.dk || !a.dv))) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE, "null pointer among q/k/v/out/dout/lse/dq/dk/dv/softmax_d/dq_accum");
+  }
+  constexpr int64_t kE16 = 16 / int64_t(sizeof(Element));
+  auto bad_q = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
+    return has_q && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_q, a.seqlen_q, kE16);
+  };
+  auto bad_k = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
+    return has_k && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_kv, a.seqlen_k, kE16);
+  };
+  const char* bad = nullptr;
+  if (bad_q(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n)) bad = "q";
+  else if (bad_k(a.k, a.k_stride_b, a.k_stride_h, a.k_stride_n)) bad = "k";
+  else if (bad_k(a.v, a.v_stride_b, a.v_stride_h, a.v_stride_n)) bad = "v";
+  else if (bad_q(a.out, a.o_stride_b, a.o_stride_h, a.o_stride_n)) bad = "out";
+  else if (bad_q(a.dout, a.do_stride_b, a.do_stride_h, a.do_stride_n)) bad = "dout";
+  else if (bad_q(a.dq, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n)) bad = "dq";
+  else if (bad_k(a.dk, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n)) bad = "dk";
+  else if (bad_k(a.dv, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n)) bad = "dv";
+  else if (has_q && (cuda::detail::misaligned4(a.lse) || cuda::detail::misaligned4(a.softmax_d) ||
+                     cuda::detail::misaligned4(a.dlse)))
+    bad = "lse/softmax_d/dlse";
+  else if (has_q && cuda::detail::misaligned(a.dq_accum)) bad = "dq_accum";
+  if (bad) return cuda::detail::fail_alignment(bad, kE16);
+
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "cudaGetDevice", err);
+  int num_sms = a.num_sms;
+  if (num_sms <= 0 && cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+    cudaGetLastError();
+    num_sms = 132;
+  }
+  const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  const int64_t kElemGrid = int64_t(num_sms) * 16;
+  constexpr bool kBf16 = std::is_same<Element, __nv_bfloat16>::value;
+
+  // 1. D = rowsum(dout ∘ out) - dlse; dq_accum zeroed.
+  if (has_q) {
+    cuda::BwdPreParams<Element> pp;
+    memset(&pp, 0, sizeof(pp));
+    pp.o = static_cast<const Element*>(a.out);
+    pp.dout = static_cast<const Element*>(a.dout);
+    cuda::detail::set_strides(pp.o_sb, pp.o_sh, pp.o_sn, a.o_stride_b, a.o_stride_h, a.o_stride_n, false);
+    cuda::detail::set_strides(pp.do_sb, pp.do_sh, pp.do_sn, a.do_stride_b, a.do_stride_h, a.do_stride_n, false);
+    pp.dsum = a.softmax_d;
+    pp.dlse = a.dlse;
+    pp.dq_accum = a.dq_accum;
+    pp.rows = a.batch * a.heads_q * a.seqlen_q;
+    pp.heads_q = int(a.heads_q);
+    pp.seqlen_q = int(a.seqlen_q);
+    constexpr int kTpr = kHeadDim / 8;  // 8 or 16 threads per row
+    const int64_t blocks = (pp.rows + 256 / kTpr - 1) / (256 / kTpr);
+    cuda::bwd_preprocess_kernel<Element, kHeadDim>
+        <<<cuda::detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(pp);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "backward preprocess launch", err);
+  }
+
+  // 2. The main kernel: dK, dV; dQ partials.
+  if (has_k) {
+    P p;
+    memset(&p, 0, sizeof(p));
+    auto& b = p.base;
+    b.lse = has_q ? a.lse : nullptr;
+    b.dsum = a.softmax_d;
+    b.dk = static_cast<Element*>(a.dk);
+    b.dv = static_cast<Element*>(a.dv);
+    b.dq_accum = a.dq_accum;
+    cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, false);
+    cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, false);
+    b.heads_q = int(a.heads_q);
+    b.heads_kv = int(a.heads_kv);
+    b.group = 1;
+    b.num_splits = 1;
+    b.heads_per_split = 1;
+    b.seqlen_q = int(a.seqlen_q);
+    b.seqlen_k = int(a.seqlen_k);
+    b.num_m_tiles = int((a.seqlen_q + K::kBlockM - 1) / K::kBlockM);
+    b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
+    b.total_work = int64_t(b.num_n_tiles) * a.heads_q * a.batch;
+    cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
+    st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.k_stride_b,
+                           a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
+    if (st == FG_OK) {
+      st = detail::make_tmap(&p.tv, a.v, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.v_stride_b,
+                             a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
+    }
+    if (st == FG_OK && has_q) {
+      st = detail::make_tmap(&p.tq, a.q, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.q_stride_b,
+                             a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
+      if (st == FG_OK) {
+        st = detail::make_tmap(&p.tdo, a.dout, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.do_stride_b,
+                               a.do_stride_h, a.do_stride_n, K::kBlockM, "dout");
+      }
+    }
+    if (st != FG_OK) return st;
+    auto kernel = &bwd_kernel<K>;
+    static std::atomic<uint64_t> configured{0};
+    st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 backward kernel");
+    if (st != FG_OK) return st;
+    if (b.total_work > 2147483647LL) {
+      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x heads x batch) exceeds "
+                                "2^31 - 1", (long long)b.total_work);
+    }
+    kernel<<<unsigned(b.total_work), K::kThreads, K::kSmem, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "sm90 backward kernel launch", err);
+  }
+
+  // 3. dq = scale * dq_accum.
+  if (has_q) {
+    cuda::BwdConvertParams<Element> cp;
+    cp.src = a.dq_accum;
+    cp.dst = static_cast<Element*>(a.dq);
+    cp.rows = a.batch * a.heads_q * a.seqlen_q;
+    cp.heads = int(a.heads_q);
+    cp.seqlen = int(a.seqlen_q);
+    cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n, false);
+    cp.mul = a.scale;
+    const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
+    cuda::bwd_convert_kernel<Element, kHeadDim>
+        <<<cuda::detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dq convert launch", err);
+  }
+  return FG_OK;
+}
+
+}  // namespace sm90
+}  // namespace flashgen

@@ -1,0 +1,134 @@
+"""The sm90 (Hopper) backward against the float64 reference, next to the sm80 backward in the
+same process (gradient outputs poisoned with NaN before every launch: conftest's
+poison_outputs). Every sm90 case forces the family with flashgen.use_family, so a backward call
+the family does not serve raises instead of silently running on sm80; the module skips on
+devices that are not compute capability 9.0. Stage (a) of the sm90 backward: dense and causal
+specs, head dims 64 and 128, fp16/bf16, the padded layout, heads_q == heads_kv."""
+
+import itertools
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_gpu import DTYPES, make  # the sm80 suite's inputs, reused
+
+import flashgen
+from flashgen import check
+
+pytestmark = pytest.mark.gpu
+
+# Sequence lengths on both sides of the 64-row query tiles and the 128-key tiles.
+SEQLENS = [1, 17, 128, 200]
+LAYOUTS = [(1, 1, 1, False), (3, 5, 5, True), (2, 3, 3, False), (1, 4, 4, True)]  # heads_q == heads_kv
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on compute capability 9.0 only")
+
+
+@pytest.fixture(scope="module")
+def ops(dense_op, causal_op):
+    all_ops = {"dense": dense_op, "causal": causal_op}
+    with flashgen.use_family("sm90"), ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda op: op.build("cuda", None, [64, 128]), all_ops.values()))
+    return all_ops
+
+
+def grads_of(op, q, k, v, dout, family="sm90", **kw):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with flashgen.use_family(family):
+        assert op.family_for(q.device, q.dtype, q.shape[-1], backward=True).family.name == family
+        op(q, k, v, **kw).backward(dout)
+    return q.grad, k.grad, v.grad
+
+
+def check_grads(op, q, k, v, dout, family="sm90", **kw):
+    got = grads_of(op, q, k, v, dout, family, **kw)
+    cmp = check.compare_grads(op.spec, q, k, v, dout, got)
+    assert cmp.ok, f"{family} {op.name} q{tuple(q.shape)} k{tuple(k.shape)} {q.dtype}: {cmp}"
+    assert all(torch.isfinite(g).all() for g in got)
+    return got
+
+
+def test_sm90_serves_the_stage_a_backward(ops):
+    for name in ("dense", "causal"):
+        for d in (64, 128):
+            for dt in (torch.float16, torch.bfloat16):
+                assert ops[name].family_for("cuda", dt, d, backward=True).family.name == "sm90"
+    for kw in ({"layout": "packed"}, {"sparse": True}):
+        choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, **kw)
+        assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
+    assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_gradients_seqlen_cross_product(ops, mask, d, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(4000 + d)
+    for i, (nq, nk) in enumerate(itertools.product(SEQLENS, SEQLENS)):
+        b, h, _, transposed = LAYOUTS[i % len(LAYOUTS)]
+        q, k, v = make(b, h, h, nq, nk, d, DTYPES[dtype], transposed, gen)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).to(q.dtype)
+        g90 = check_grads(ops[mask], q, k, v, dout)
+        g80 = grads_of(ops[mask], q, k, v, dout, family="sm80")
+        for a, b_ in zip(g90, g80, strict=True):
+            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=0)
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_gradients_larger_shapes(ops, mask):
+    gen = torch.Generator(device="cuda").manual_seed(4100)
+    shapes = [(1000, 1000), (1000, 333), (333, 1000), (2048, 2048), (1, 1000), (1000, 1)]
+    for i, (nq, nk) in enumerate(shapes):
+        d, dtype = (64, 128)[i % 2], (torch.bfloat16, torch.float16)[(i // 2) % 2]
+        q, k, v = make(2, 4, 4, nq, nk, d, dtype, bool(i % 3 == 1), gen)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).to(dtype)
+        check_grads(ops[mask], q, k, v, dout)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_rows_without_keys_get_zero_gradients(ops, d):
+    gen = torch.Generator(device="cuda").manual_seed(4200 + d)
+    q, k, v = make(2, 4, 4, 300, 100, d, torch.bfloat16, False, gen)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    dq, dk, dv = check_grads(ops["causal"], q, k, v, dout)
+    assert torch.equal(dq[:, :, :200], torch.zeros_like(dq[:, :, :200]))
+
+
+def test_gradient_through_lse(ops):
+    gen = torch.Generator(device="cuda").manual_seed(4300)
+    q, k, v = make(1, 4, 4, 200, 150, 64, torch.bfloat16, False, gen)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    dlse = torch.randn(q.shape[:3], device="cuda", generator=gen)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    with flashgen.use_family("sm90"):
+        out, lse = ops["causal"](qq, kk, vv, return_lse=True)
+        ((out.float() * dout.float()).sum() + torch.where(torch.isfinite(lse), lse, 0.0).mul(dlse).sum()).backward()
+    cmp = check.compare_grads(ops["causal"].spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad), dlse=dlse)
+    assert cmp.ok, str(cmp)
+
+
+def test_unserved_backward_calls_run_on_sm80_or_raise_when_forced(ops):
+    gen = torch.Generator(device="cuda").manual_seed(4400)
+    q, k, v = make(1, 4, 2, 130, 130, 128, torch.bfloat16, False, gen)  # GQA
+    dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    ops["causal"](qq, kk, vv).backward(dout)  # sm90 forward, sm80 backward
+    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad)).ok
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="GQA"):
+        ops["causal"](qq, kk, vv).backward(dout)
+    q, k, v = make(1, 4, 4, 130, 130, 128, torch.bfloat16, False, gen)
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="deterministic"):
+        ops["causal"](qq, kk, vv, deterministic=True).backward(dout)
+    # Unforced: the sm90 forward, then sm80's deterministic backward, bitwise repeatable.
+    first = [None, None]
+    for i in range(2):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        ops["causal"](qq, kk, vv, deterministic=True).backward(dout)
+        first[i] = (qq.grad, kk.grad, vv.grad)
+    assert all(torch.equal(a, b) for a, b in zip(*first, strict=True))
+    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, first[0]).ok
