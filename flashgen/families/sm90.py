@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from .. import env
 from ..build import artifact
 from ..lang import expr, ir
@@ -445,19 +447,17 @@ class DynamicSchedule(LaunchFields):
     FgWorkQueue, sm90/fwd.cuh ``dynamic``). The work-order table (``sm90_schedule.work_order``:
     the items longest first) is built once per layout, heads and tile and kept on the validated
     layout (``Packed.schedules``; vectorised over query tiles: ~5 ms on one CPU thread for 1000
-    sequences of 1M tokens at 32 heads, 1.3 ms for scripts/bench_varlen.py's batch); the counter is a fresh zeroed int32 per call, so concurrent
-    calls and CUDA graph replays each start from 0 (under capture its zero fill is a captured
-    memset, replayed before each launch). No queue (the static schedule) with
-    FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a graph capture (building a
-    table copies it from the host) or past the kernel's int32 ranks."""
+    sequences of 1M tokens at 32 heads, ~1 ms for scripts/bench_varlen.py's batch); the counter
+    is a fresh zeroed int32 per call, so concurrent calls and CUDA graph replays each start from
+    0 (under capture its zero fill is a captured memset, replayed before each launch). No queue
+    (the static schedule) with FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a
+    graph capture (building a table copies it from the host) or past the kernel's int32 ranks."""
 
     def __init__(self, spec: ir.Spec) -> None:
         self.spec = spec
         self.key = spec.fingerprint()
 
     def fwd_packed(self, args, packed, config):
-        import torch
-
         device = packed.cu_seqlens_q.device
         if device.type != "cuda" or packed.host_cu_q is None or not env.sm90_dynamic_schedule():
             return None
