@@ -1,5 +1,5 @@
-"""The ctypes mirrors of templates/include/flashgen/args.h (FgFwdArgs with FgKvCache, FgBwdArgs), its status
-codes."""
+"""The ctypes mirrors of templates/include/flashgen/args.h (FgFwdArgs with FgKvCache and FgWorkQueue,
+FgBwdArgs), its status codes."""
 
 from __future__ import annotations
 
@@ -47,6 +47,13 @@ class FgKvCache(ctypes.Structure):
                 *[(f"{n}_stride_{d}", _i64) for n in ("kn", "vn") for d in "bhn"]]
 
 
+class FgWorkQueue(ctypes.Structure):
+    """Dynamic tile scheduling (args.h, FgWorkQueue; the sm90 forward on packed batches): a zeroed
+    int32 counter and the ranked work-order table; counter null: the kernel's static schedule."""
+
+    _fields_ = [("counter", ctypes.c_void_p), ("order", ctypes.c_void_p)]
+
+
 class FgFwdArgs(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
@@ -64,6 +71,7 @@ class FgFwdArgs(ctypes.Structure):
         ("kv_blocks", FgBlockLists),
         *_DECIDED,
         ("kv_cache", FgKvCache),
+        ("work", FgWorkQueue),
     ]  # fmt: skip
 
 

@@ -72,6 +72,12 @@ def auto_block_mask() -> bool:
     return os.environ.get("FLASHGEN_AUTO_BLOCK_MASK", "1") not in ("", "0")
 
 
+def sm90_dynamic_schedule() -> bool:
+    """FLASHGEN_SM90_SCHEDULE=static: the sm90 forward runs packed batches on its static
+    schedule instead of the dynamic one (a diagnostic switch for A/B timing, read per call)."""
+    return _get("FLASHGEN_SM90_SCHEDULE") != "static"
+
+
 def family() -> str | None:
     """FLASHGEN_FAMILY=<name> (sm80, cpu): run every call on that kernel family, never another
     (flashgen.families; a call it cannot serve raises NotImplementedError). Unset: the first

@@ -5,6 +5,8 @@
 Times, on one GPU in one run (CUDA events, median of --reps, flashgen.bench.time_fn), for the
 forward and forward+backward:
   * packed:  op(q, k, v, cu_seqlens_q=..., ...) on the packed batch (the varlen layout);
+  * packed-static: the same with FLASHGEN_SM90_SCHEDULE=static (the sm90 forward's static
+             round-robin of query tiles instead of its dynamic, longest-first schedule);
   * padded:  the same op on [B, H, max_len, d] tensors, every sequence padded to the longest
              (what a batch without varlen support costs; the padded rows' outputs are unused);
   * ideal:   the packed batch's FLOPs at the TFLOP/s of a uniform batch of the same spec
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,8 +109,20 @@ def main() -> int:
     fl_u = {k: workload_flops(op.spec, [Nu] * Bu, H, d, k) for k in ("fwd", "fwd+bwd")}
     varlen = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx)
 
+    def static_schedule():
+        old = os.environ.get("FLASHGEN_SM90_SCHEDULE")
+        os.environ["FLASHGEN_SM90_SCHEDULE"] = "static"
+        try:
+            return op(qp, kp, vp, **varlen)
+        finally:
+            if old is None:
+                del os.environ["FLASHGEN_SM90_SCHEDULE"]
+            else:
+                os.environ["FLASHGEN_SM90_SCHEDULE"] = old
+
     impls = {
         "packed": lambda: op(qp, kp, vp, **varlen),
+        "packed-static": static_schedule,
         "padded": lambda: op(qd, kd, vd),
         "uniform": lambda: op(qu, ku, vu),
     }
@@ -131,7 +146,8 @@ def main() -> int:
             call = fn
             if direction == "fwd+bwd":
                 def call(fn=fn, impl=impl):
-                    ins = {"packed": (qp, kp, vp), "padded": (qd, kd, vd), "uniform": (qu, ku, vu)}.get(impl)
+                    ins = {"packed": (qp, kp, vp), "packed-static": (qp, kp, vp), "padded": (qd, kd, vd),
+                           "uniform": (qu, ku, vu)}.get(impl)
                     if ins is not None:
                         for t in ins:
                             t.requires_grad_(True)

@@ -275,10 +275,10 @@ def test_cuda_fragment_bits_match_philox_h(tmp_path):
 
 def test_abi_mirror_matches_args_h(tmp_path):
     """The ctypes blocks lay out like templates/include/flashgen/args.h (offsets of every field)."""
-    from flashgen.abi import FgBlockLists, FgBwdArgs, FgClassifyArgs, FgFwdArgs
+    from flashgen.abi import FgBlockLists, FgBwdArgs, FgClassifyArgs, FgFwdArgs, FgKvCache, FgWorkQueue
 
     lines = ['#include <stddef.h>', '#include "flashgen/args.h"']
-    for struct in (FgFwdArgs, FgBwdArgs, FgBlockLists, FgClassifyArgs):
+    for struct in (FgFwdArgs, FgBwdArgs, FgBlockLists, FgClassifyArgs, FgKvCache, FgWorkQueue):
         names = [f[0] for f in struct._fields_]
         lines.append(f"extern \"C\" void {struct.__name__}_offsets(long* o) {{")
         lines += [f"  o[{i}] = offsetof({struct.__name__}, {n});" for i, n in enumerate(names)]
@@ -287,7 +287,7 @@ def test_abi_mirror_matches_args_h(tmp_path):
     subprocess.run(["g++", "-std=c++17", "-shared", "-fPIC", f"-I{include_dir()}", str(tmp_path / "a.cpp"),
                     "-o", str(tmp_path / "a.so")], check=True)
     lib = ctypes.CDLL(str(tmp_path / "a.so"))
-    for struct in (FgFwdArgs, FgBwdArgs, FgBlockLists, FgClassifyArgs):
+    for struct in (FgFwdArgs, FgBwdArgs, FgBlockLists, FgClassifyArgs, FgKvCache, FgWorkQueue):
         n = len(struct._fields_)
         got = (ctypes.c_long * (n + 1))()
         getattr(lib, f"{struct.__name__}_offsets")(got)

@@ -1,7 +1,8 @@
 """Compile-only check of the sm90 (Hopper) forward (no GPU needed): the causal, ALiBi and document
 example specs at head_dim 128, bf16, rendered by the sm90 family and compiled for sm_90a with the
 flags a build uses. The SASS must issue wgmma (HGMMA) and TMA loads (UTMALDG) and touch no local
-memory (no LDL/STL), and ptxas must report no spills: an sm90 forward that falls back to
+memory (no LDL/STL), and ptxas must report no spills (also for the causal spec's packed unit, whose
+dynamic schedule takes work items by a global atomic): an sm90 forward that falls back to
 mma.sync, to plain global loads or to spilling compiles cleanly and is still wrong, so only the
 machine code shows it. Each unit is compiled once for both checks. Skips where nvcc is absent;
 the SASS check alone skips where cuobjdump is (the spill check needs only nvcc)."""
@@ -61,9 +62,9 @@ def _spills(ptxas: str) -> dict[str, tuple[int, int]]:
     return res
 
 
-@pytest.fixture(scope="module", params=SPEC_NAMES)
-def sm90_unit(request, tmp_path_factory):
-    """The spec's sm90 forward unit compiled for sm_90a: (object file, ptxas report)."""
+def _compile(name: str, packed: bool, work: Path):
+    """The spec's sm90 forward unit (bf16, d 128; ``packed``: the varlen instantiation) compiled
+    for sm_90a with a build's flags: (object file, ptxas report)."""
     if NVCC is None:
         pytest.skip("nvcc not found")
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what a real build adds
@@ -73,12 +74,11 @@ def sm90_unit(request, tmp_path_factory):
     from flashgen.lang import frontend, ir
     from flashgen.paths import include_dir
 
-    inst = families.get("sm90").instantiation(frontend.parse(SPECS / f"{request.param}.attn"), "sm_90a",
-                                              ir.DType.BF16, 128)
+    inst = families.get("sm90").instantiation(frontend.parse(SPECS / f"{name}.attn"), "sm_90a",
+                                              ir.DType.BF16, 128, packed=packed)
     assert "fwd" in inst.kinds
     text = inst.sources()[inst.source_name("fwd")]
     assert '#include "flashgen/sm90/fwd.cuh"' in text  # the Hopper kernel, not the sm80 one
-    work = tmp_path_factory.mktemp(f"sm90-{request.param}")
     src, obj = work / "k.cu", work / "k.o"
     src.write_text(text)
     with pytest.MonkeyPatch.context() as mp:  # the release flags (-G would put everything in local memory)
@@ -90,6 +90,18 @@ def sm90_unit(request, tmp_path_factory):
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stderr}"
     assert "warning" not in res.stderr.lower(), res.stderr
     return obj, res.stderr + res.stdout
+
+
+@pytest.fixture(scope="module", params=SPEC_NAMES)
+def sm90_unit(request, tmp_path_factory):
+    """The spec's sm90 forward unit compiled for sm_90a: (object file, ptxas report)."""
+    return _compile(request.param, False, tmp_path_factory.mktemp(f"sm90-{request.param}"))
+
+
+@pytest.fixture(scope="module")
+def sm90_packed_unit(tmp_path_factory):
+    """The causal spec's packed (varlen) sm90 forward unit: the dynamic schedule's code path."""
+    return _compile("causal", True, tmp_path_factory.mktemp("sm90-causal-packed"))
 
 
 def test_sm90_fwd_no_spills(sm90_unit):
@@ -107,6 +119,34 @@ def test_sm90_fwd_sass(sm90_unit):
     ops = _opcodes(dump.stdout)
     assert ops.get("HGMMA", 0) > 0, f"no wgmma (HGMMA) in the SASS: {sorted(ops)}"
     assert ops.get("UTMALDG", 0) > 0, f"no TMA load (UTMALDG) in the SASS: {sorted(ops)}"
+    local = {op: n for op, n in ops.items() if op in ("LDL", "STL")}
+    assert not local, f"local memory accesses in the SASS: {local}"
+    # the padded layout's schedule is static: no work counter
+    assert not any(op.startswith(("ATOM", "RED")) for op in ops), sorted(ops)
+
+
+def _sass(obj) -> dict[str, int]:
+    dump = subprocess.run([CUOBJDUMP, "-sass", str(obj)], check=False, capture_output=True, text=True, timeout=120)
+    assert dump.returncode == 0, dump.stderr
+    return _opcodes(dump.stdout)
+
+
+def test_sm90_packed_fwd_no_spills(sm90_packed_unit):
+    """The packed causal unit, with the dynamic schedule's work ring and atomic, spills nothing
+    (168 registers per thread as without it)."""
+    _, report = sm90_packed_unit
+    spills = _spills(report)
+    assert any("fwd_kernel" in k for k in spills), f"no forward kernel in the ptxas report:\n{report}"
+    assert all(v == (0, 0) for v in spills.values()), f"spills (store, load bytes): {spills}"
+
+
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump not found (CUDA toolkit or nvidia-cuda-cuobjdump)")
+def test_sm90_packed_fwd_sass_takes_work_by_atomic(sm90_packed_unit):
+    """The packed unit draws its items from the work counter (a global atomic add, ATOMG) and
+    touches no local memory (the padded units have no atomic: test_sm90_fwd_sass)."""
+    ops = _sass(sm90_packed_unit[0])
+    assert ops.get("ATOMG", 0) > 0, f"no global atomic (ATOMG) in the packed SASS: {sorted(ops)}"
+    assert ops.get("HGMMA", 0) > 0 and ops.get("UTMALDG", 0) > 0
     local = {op: n for op, n in ops.items() if op in ("LDL", "STL")}
     assert not local, f"local memory accesses in the SASS: {local}"
 

@@ -38,6 +38,13 @@ class LaunchFields:
     def bwd(self, args, values, config) -> None:
         pass
 
+    def fwd_packed(self, args, packed, config):
+        """A forward call on a packed batch (``packed``: its validated layout, runtime/checks.py
+        Packed; ``config`` the library's instantiation config), after ``fwd``: fill what the
+        kernels take from the layout (the sm90 forward's work queue, args.h FgWorkQueue) and
+        return what must stay alive until the launch is enqueued (None: nothing)."""
+        return None
+
 
 @dataclass(frozen=True)
 class Call:

@@ -63,6 +63,7 @@ import torch
 from .. import env, reference
 from ..caches import Bounded
 from ..lang import expr, ir, keyrange
+from .base import LaunchFields
 
 ALPHA = 5.0  # fixed per-tile costs, in score entries per row or column (see the module docstring)
 _SC_LEVEL2_CACHE_SIZE = 191  # glibc's sysconf name (bits/confname.h)
@@ -299,7 +300,7 @@ def sparse_bwd_tiles(block_r: int, block_c: int) -> tuple[int, int]:
     return block_c, block_r
 
 
-class CpuTiles:
+class CpuTiles(LaunchFields):
     """The CPU family's per-call decision for one spec (``CpuFamily.launch_fields``): fills the
     tile fields of the argument blocks, caching the derived tiles per (sizes, thread count, the
     values the key range reads), so a repeated call pays a dictionary lookup."""

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
+from .. import env
 from ..build import artifact
 from ..lang import expr, ir
 from ..tune import store as tune_store
-from . import sm80
-from .base import Family
+from . import sm80, sm90_schedule
+from .base import Family, LaunchFields
 
 # Per head dim: key tile (fwd_block_n) and K/V stages. The query tile is 128 rows (two consumer
 # warpgroups). Shared memory: Q 128·128 B per 64-column panel, 2 stages of K and V of
@@ -39,24 +42,29 @@ def default_block_n(head_dim: int, sparse: bool = False) -> int:
     return max(bn for bn in range(16, 129, 16) if smem_bytes(head_dim, bn, 2) <= SMEM_LIMIT)
 
 
-def smem_layout(head_dim: int, block_n: int, stages: int, block_m: int = 128) -> tuple[int, bool]:
+def smem_layout(head_dim: int, block_n: int, stages: int, block_m: int = 128, packed: bool = False) -> tuple[int, bool]:
     """(dynamic shared memory in bytes, whether the O staging rows overlay the K/V rings) of
-    the sm90 forward with ``block_m`` query rows: sm90/fwd.cuh Sm90Fwd::kSmem and kOInRing."""
+    the sm90 forward with ``block_m`` query rows: sm90/fwd.cuh Sm90Fwd::kSmem and kOInRing
+    (``packed``: with the dynamic schedule's 64-byte work ring, kWorkBytes)."""
     kd = -(-head_dim // 16) * 16
     panels = -(-kd // 64)
     q = panels * block_m * 128
     ring = 2 * stages * panels * block_n * 128
     o = -(-(block_m * (kd + 8) * 2) // 16) * 16
     bars = 8 * (3 + 4 * stages)
+    if packed:  # the mbarriers rounded up to 16 bytes, then the 64-byte work ring
+        bars = -(-bars // 16) * 16 + 64
     in_ring = q + ring + o + bars + 1024 > SMEM_LIMIT
     if in_ring and ring < o:
         return q + ring + o + bars + 1024, False  # fits neither way: over the limit
     return q + ring + (0 if in_ring else o) + bars + 1024, in_ring
 
 
-def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = 128) -> int:
-    """Dynamic shared memory of the sm90 forward (bytes; sm90/fwd.cuh Sm90Fwd::kSmem)."""
-    return smem_layout(head_dim, block_n, stages, block_m)[0]
+def smem_bytes(head_dim: int, block_n: int, stages: int, block_m: int = 128, packed: bool = False) -> int:
+    """Dynamic shared memory of the sm90 forward (bytes; sm90/fwd.cuh Sm90Fwd::kSmem). The
+    packed instantiations' 72 more bytes never change legality (every legal padded
+    layout leaves at least 872 bytes below the limit)."""
+    return smem_layout(head_dim, block_n, stages, block_m, packed)[0]
 
 
 TILE_KEYS = ("fwd_block_n", "fwd_stages", "fwd_overlap", "fwd_pingpong", "fwd_persistent", "fwd_consumers")
@@ -429,6 +437,9 @@ class Sm90Family(Family):
         classifies blocks of any size)."""
         return sm80.FAMILY.classifier(spec, arch)
 
+    def launch_fields(self, spec: ir.Spec) -> DynamicSchedule:
+        return DynamicSchedule(spec)
+
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
         # The forward's 128-query tiles by its key tile; no backward of its own (a grad call's
         # backward lists are made for the backward's family: op.block_args), so its slots repeat
@@ -436,6 +447,54 @@ class Sm90Family(Family):
         cfg = dict(config())
         bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
         return bm, bn, bn, 128, 128, bn
+
+
+# Work-order tables a captured CUDA graph reads: kept for the life of the process (a replay may
+# come after the layout left the validated-layout cache), by id.
+_GRAPH_TABLES: dict[int, object] = {}
+
+
+class DynamicSchedule(LaunchFields):
+    """The sm90 forward's per-call decision on packed batches: its work queue (args.h
+    FgWorkQueue, sm90/fwd.cuh ``dynamic``). The work-order table (``sm90_schedule.work_order``:
+    the items longest first) is built once per layout, heads and tile and kept on the validated
+    layout (``Packed.schedules``; vectorised over query tiles: ~5 ms on one CPU thread for 1000
+    sequences of 1M tokens at 32 heads, ~1 ms for scripts/bench_varlen.py's batch); the counter
+    is a fresh zeroed int32 per call, so concurrent calls and CUDA graph replays each start from
+    0 (under capture its zero fill is a captured memset, replayed before each launch). No queue
+    (the static schedule) with FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a
+    graph capture (building a table copies it from the host) or past the kernel's int32 ranks."""
+
+    def __init__(self, spec: ir.Spec) -> None:
+        self.spec = spec
+        self.key = spec.fingerprint()
+
+    def fwd_packed(self, args, packed, config):
+        device = packed.cu_seqlens_q.device
+        if device.type != "cuda" or packed.host_cu_q is None or not env.sm90_dynamic_schedule():
+            return None
+        cfg = dict(config)
+        bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
+        heads = int(args.heads_q)
+        n = sm90_schedule.total_work(heads, packed.batch, packed.total_q, bm)
+        if n == 0 or n >= 2**31 - 2**21:
+            return None
+        key = ("sm90-fwd", self.key, heads, bm, bn)
+        order = packed.schedules.get(key)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if order is None:
+            if capturing:
+                return None
+            table = sm90_schedule.work_order(self.spec, packed.host_cu_q, packed.host_cu_k, heads, bm, bn)
+            order = packed.schedules[key] = table.to(device)
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        if capturing:
+            _GRAPH_TABLES[id(order)] = order
+        else:  # a later free of the table waits for this stream's launch
+            order.record_stream(torch.cuda.current_stream(device))
+        args.work.counter = counter.data_ptr()
+        args.work.order = order.data_ptr()
+        return counter, order
 
 
 FAMILY = Sm90Family()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -60,7 +60,9 @@ def ranges_text(dims: tuple[int, ...]) -> str:
 class Packed:
     """A validated packed (varlen) batch: the contiguous int32 cu_seqlens tensors (on the inputs'
     device), the number of sequences, the resolved max_seqlen_q / max_seqlen_k and the token
-    counts total_q / total_k."""
+    counts total_q / total_k. ``host_cu_q`` / ``host_cu_k``: the cu_seqlens values on the host
+    (int64 CPU tensors, the validation's one copy); ``schedules``: what kernel families derive
+    from the layout once and keep with it (the sm90 forward's work-order tables, by key)."""
 
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
@@ -69,6 +71,9 @@ class Packed:
     max_seqlen_k: int
     total_q: int
     total_k: int
+    host_cu_q: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    host_cu_k: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    schedules: dict = field(default_factory=dict, compare=False, repr=False)
 
     def sizes(self, heads: int) -> dict:
         """The parameter dims (batch, heads, seqlen_q, seqlen_k) of this layout."""
@@ -239,7 +244,7 @@ def _validate_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
                              f"({longest}, sequence {int(lengths.argmax())})")
         out[mname] = int(given)
     return Packed(cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), n - 1, out["max_seqlen_q"],
-                  out["max_seqlen_k"], q.shape[0], k.shape[0])
+                  out["max_seqlen_k"], q.shape[0], k.shape[0], host[:n], host[n:])
 
 
 def dims(q: torch.Tensor, k: torch.Tensor, packed: Packed | None) -> tuple[int, ...]:

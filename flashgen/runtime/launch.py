@@ -220,7 +220,11 @@ def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
              lib: cache.LoadedLibrary | None = None,
              family: families.Family | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one forward launch. ``lib``: run this loaded library instead of the
-    call's own (flashgen.tune times candidate tiles this way)."""
+    call's own (flashgen.tune times candidate tiles this way). ``packed``: the validated varlen
+    layout (None: padded); the family may take more from it per call (``fwd_packed``: the sm90
+    forward's work queue, args.h FgWorkQueue -- the layout's cached work-order table, ranked
+    longest first, and a fresh zeroed counter, held until the launch is enqueued; a counter
+    allocated under CUDA graph capture is zeroed by a captured memset at each replay)."""
     B, Hq, Hkv, Nq, Nk, d = dims(q, k, packed)
     fill = float("nan") if poison_outputs else None
     # q's strides when q is dense (a transposed view stays one), else contiguous; as the fake.
@@ -250,8 +254,13 @@ def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,
         _set_varlen(args, packed)
     if blocks is not None:
         args.kv_blocks = blocks.fwd()
-    op.launch_fields(lib).fwd(args, values)
+    fields = op.launch_fields(lib)
+    fields.fwd(args, values)
+    # packed: what the family takes from the layout (the sm90 forward's work queue), held here
+    # until the launch is enqueued
+    keep = fields.fwd_packed(args, packed, lib.instantiation.config) if packed is not None else None
     check_status(lib, "fwd", _launch(lib.fwd, args, q))
+    del keep
     return out, lse
 
 

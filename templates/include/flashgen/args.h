@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 8
+#define FG_ABI_VERSION 9
 
 #ifdef __cplusplus
 extern "C" {
@@ -141,6 +141,22 @@ typedef struct FgKvCache {
   int64_t vn_stride_b, vn_stride_h, vn_stride_n;
 } FgKvCache;
 
+// Dynamic tile scheduling (the sm90 forward on packed batches), the last field of FgFwdArgs.
+// counter null: the kernel's static schedule (every other family and layout ignores the field).
+// Otherwise counter points to one int32 on the inputs' device, zero at launch (the host
+// allocates it per call, so concurrent calls and graph replays each start from 0), and order
+// lists the work items as the kernel's work index enumerates them (sm90/fwd.cuh, ``coord``),
+// ranked by descending cost: entry r is the index of the r-th item to run, or -1 past the last
+// real item; the table has as many entries as the kernel's work index has values
+// (heads_q * (batch + total_q / block_m) for a packed batch), so every rank the kernel can ask
+// for is inside it. A CTA takes rank atomicAdd(counter, 1) until it draws -1 or a rank past
+// the table. Each listed index appears once; the host builds the table once per cu_seqlens
+// layout (flashgen/families/sm90_schedule.py).
+typedef struct FgWorkQueue {
+  int32_t* counter;
+  const int32_t* order;
+} FgWorkQueue;
+
 typedef struct FgFwdArgs {
   const void* q;
   const void* k;
@@ -169,6 +185,7 @@ typedef struct FgFwdArgs {
   // with FG_ERR_BAD_SHAPE (cpu/tiles.h). CUDA: unused (the tiles are the instantiation's).
   int32_t tile_q, tile_kv;
   FgKvCache kv_cache;             // decoding with a KV cache (see above); seqlens null: none
+  FgWorkQueue work;               // dynamic tile scheduling (see above); counter null: static
 } FgFwdArgs;
 
 // Backward pass (recomputation, FlashAttention-2 Alg. 2): from q, k, v, out, dout and the saved

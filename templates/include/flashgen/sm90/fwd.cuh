@@ -32,7 +32,9 @@
 // released the previous one. A persistent grid takes the items in rounds of gridDim.x, CTAs in
 // reverse order in odd rounds (serpentine, ``work_of``): under a causal mask a CTA that took a
 // heavy item in one round takes a light one in the next (a plain round-robin leaves some CTAs
-// 1.1-1.3x the mean work at N 1K-4K, the serpentine 1.03x).
+// 1.1-1.3x the mean work at N 1K-4K, the serpentine 1.03x). A packed batch whose host passes a
+// work queue (args.h FgWorkQueue) runs the dynamic schedule instead (``dynamic``): a persistent
+// grid whose CTAs draw the items longest first from a shared counter, as they free up.
 //
 // Key range and tile classes are those of the sm80 forward (fwd.cuh): only the key tiles of the
 // item's [kv_lo, kv_hi) are visited, from the high end down (or the listed tiles, kSparse). TMA
@@ -69,6 +71,9 @@
 #ifndef FLASHGEN_SM90_FWD_MAX_GRID
 #define FLASHGEN_SM90_FWD_MAX_GRID 2147483647
 #endif
+// The largest persistent grid of the dynamic schedule (one CTA per multiprocessor: a bound on
+// the ranks drawn past the work-order table).
+#define FLASHGEN_SM90_FWD_MAX_DYN_GRID (1 << 20)
 
 namespace flashgen {
 namespace sm90 {
@@ -117,6 +122,9 @@ struct Sm90FwdParams {  // 64-byte aligned through CUtensorMap
   int batch;       // sequences (kPacked: the work index enumerates their query tiles, ``coord``)
   int tma_store;   // kTmaStore: `to` describes the output (else the epilogue stores directly)
   CUtensorMap to;  // the output's tensor map, boxes of 64 columns x 16 rows (epilogue_tma)
+  // kPacked: the dynamic schedule (args.h FgWorkQueue; ``dynamic``); work_counter null: static.
+  int* work_counter;
+  const int* work_order;
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kSparse = false,
@@ -144,13 +152,19 @@ struct Sm90Fwd {
   static constexpr int kRingBytes = 2 * kStages * kKVBytes;
   // full_q, empty_q, full_k[S], empty_k[S], full_v[S], empty_v[S], aux_v
   static constexpr int kNumBars = 3 + 4 * kStages;
-  static constexpr bool kOInRing = kQBytes + kRingBytes + kOBytes + 8 * kNumBars + 1024 > 227 * 1024;
+  // Packed batches: the dynamic schedule's two-slot work ring (``dynamic``) after the mbarriers.
+  // (16-byte aligned: kOffBar is a multiple of 16).
+  static constexpr int kWorkBytes = kPacked ? 64 : 0;
+  static constexpr int kBarBytes = kPacked ? (8 * kNumBars + 15) / 16 * 16 : 8 * kNumBars;
+  static constexpr bool kOInRing = kQBytes + kRingBytes + kOBytes + kBarBytes + kWorkBytes + 1024 > 227 * 1024;
   static_assert(!kOInRing || kRingBytes >= kOBytes, "the O staging rows fit neither beside nor in the rings");
   static constexpr int kOffK = kQBytes;
   static constexpr int kOffV = kOffK + kStages * kKVBytes;
   static constexpr int kOffO = kOInRing ? kOffK : kOffV + kStages * kKVBytes;
   static constexpr int kOffBar = kOInRing ? kOffK + kRingBytes : kOffO + kOBytes;
-  static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+  static constexpr int kOffWork = kOffBar + kBarBytes;
+  static constexpr int kSmem = kOffWork + kWorkBytes + 1024;  // + alignment slack
+  static_assert(!kPacked || kOffWork % 16 == 0, "the work ring's 16-byte stores");
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
   // The epilogue stores O by TMA (epilogue_tma) in the padded layout where the boxes' staging
   // rows (kPanels x 128 bytes) fit in the direct path's (kPitch elements): head dims 64, 128,
@@ -239,17 +253,25 @@ struct Sm90Fwd {
   static __device__ __forceinline__ Item item(const Params& P, int64_t work) {
     const BaseParams& p = P.base;
     const Coord w = coord(P, work);
-    Item it;
-    it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
-    if (w.skip) {
-      it.q0 = it.k0 = it.len_q = it.len_k = it.q_lo = it.q_hi = 0;
-      it.n_hi = it.n_tiles = it.kv_begin = it.kv_end = 0;
-      it.blk = cuda::BlockRow{nullptr, 0, 0};
-      it.skip = true;
-      return it;
-    }
+    if (w.skip) return skipped(w);
     const cuda::SeqSpan sp = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
                                      : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+    return item_at(P, w, sp);
+  }
+  static __device__ __forceinline__ Item skipped(const Coord& w) {
+    Item it;
+    it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
+    it.q0 = it.k0 = it.len_q = it.len_k = it.q_lo = it.q_hi = 0;
+    it.n_hi = it.n_tiles = it.kv_begin = it.kv_end = 0;
+    it.blk = cuda::BlockRow{nullptr, 0, 0};
+    it.skip = true;
+    return it;
+  }
+  // The item at coordinates w (not an empty slot) of the sequence whose rows and lengths are sp.
+  static __device__ __forceinline__ Item item_at(const Params& P, const Coord& w, const cuda::SeqSpan& sp) {
+    const BaseParams& p = P.base;
+    Item it;
+    it.b = w.b, it.h = w.h, it.m_tile = w.m_tile;
     const int Nq = sp.len_q, Nk = sp.len_k;
     it.q0 = sp.q0, it.k0 = sp.k0, it.len_q = Nq, it.len_k = Nk;
     it.q_lo = w.m_tile * kBlockM;
@@ -281,10 +303,51 @@ struct Sm90Fwd {
     }
   }
 
+  // The dynamic schedule (kPacked, the host set args.work: a zeroed counter and the ranked work
+  // order, args.h FgWorkQueue): the producer's lane 0 takes rank atomicAdd(counter, 1) and its
+  // work index order[rank] (-1 past the table or its real items: the end), decodes the item and
+  // publishes its coordinates and sequence span in slot (local & 1) of a two-slot ring in shared
+  // memory before the full_q arrive of its Q load (release); the consumers read the slot after
+  // their full_q wait (acquire), so they decode nothing from cu_seqlens. The end is published the
+  // same way (b = -1) with a plain arrive once the consumers have released the last item's Q. The
+  // producer writes slot (local & 1) only after empty_q of item local - 1, which every consumer
+  // warp arrives on after its epilogue of item local - 2 (the last reader of that slot): two slots
+  // suffice. Items run longest first and the CTAs (one per multiprocessor) take the next one as
+  // they free up, so uneven sequences no longer leave multiprocessors idle at the end of a launch.
+  static __device__ __forceinline__ bool dynamic(const Params& P) {
+    if constexpr (kPacked) {
+      return P.work_counter != nullptr;
+    } else {
+      return false;
+    }
+  }
+  static __device__ __forceinline__ int64_t next_work(const Params& P, int lane) {
+    int w = -1;
+    if (lane == 0) {
+      const int r = atomicAdd(P.work_counter, 1);
+      if (int64_t(r) < P.base.total_work) w = __ldg(P.work_order + r);
+    }
+    return __shfl_sync(0xffffffffu, w, 0);
+  }
+  static constexpr uint32_t kRingSlot = kWorkBytes / 2;  // {b, h, m_tile, q0}, {k0, len_q, len_k, -}
+  static __device__ __forceinline__ void publish(uint32_t slot, int b, int h, int m_tile, int q0, int k0,
+                                                 int len_q, int len_k) {
+    ptx::st_shared_v4(slot, b, h, m_tile, q0);
+    ptx::st_shared_v4(slot + 16, k0, len_q, len_k, 0);
+  }
+  // Reads a published slot; false for the end.
+  static __device__ __forceinline__ bool ring_read(uint32_t slot, Coord& c, cuda::SeqSpan& sp) {
+    const int4 x = ptx::ld_shared_v4(slot), y = ptx::ld_shared_v4(slot + 16);
+    c = Coord{x.x, x.y, x.z, false};
+    sp = cuda::SeqSpan{x.w, y.x, y.y, y.z};
+    return x.x >= 0;
+  }
+
   // ---------------------------------------------------------------------------------------------
   // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp zero-fills).
   static __device__ __forceinline__ void produce(const Params& P, uint32_t s0, const Bars& bar,
                                                  int lane) {
+    const uint32_t ring = s0 + kOffWork;  // the dynamic schedule's work ring
     const BaseParams& p = P.base;
     if (lane == 0) {
       ptx::prefetch_tmap(&P.tq);
@@ -293,9 +356,23 @@ struct Sm90Fwd {
     }
     uint32_t cnt = 0, edges = 0;
     int local = 0;
-    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
-      const int64_t work = work_of(iter);
-      if (work >= p.total_work) break;  // the last round's CTAs without an item
+    const bool dyn = dynamic(P);
+    for (int iter = 0; dyn || int64_t(iter) * gridDim.x < p.total_work; ++iter) {
+      int64_t work;
+      if (dyn) {
+        work = next_work(P, lane);
+        if (work < 0) {  // the end, published once the consumers are done with the last Q
+          if (local > 0) ptx::mbar_wait(bar.empty_q(), (local - 1) & 1);
+          if (lane == 0) {
+            publish(ring + kRingSlot * (local & 1), -1, 0, 0, 0, 0, 0, 0);
+            ptx::mbar_arrive(bar.full_q());
+          }
+          break;
+        }
+      } else {
+        work = work_of(iter);
+        if (work >= p.total_work) break;  // the last round's CTAs without an item
+      }
       const Item it = item(P, work);
       if (it.skip) continue;
       const int h_kv = it.h / p.group;
@@ -303,6 +380,7 @@ struct Sm90Fwd {
       // Q: the consumers released the previous item's Q after their last S GEMM.
       if (local > 0) ptx::mbar_wait(bar.empty_q(), (local - 1) & 1);
       if (lane == 0) {
+        if (dyn) publish(ring + kRingSlot * (local & 1), it.b, it.h, it.m_tile, it.q0, it.k0, it.len_q, it.len_k);
         ptx::mbar_arrive_expect_tx(bar.full_q(), kQBytes);
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) {
@@ -539,17 +617,27 @@ struct Sm90Fwd {
     uint32_t cnt = 0;
     int local = 0;
     if (Tile::kPingPong && wg == 1) pass(wg);  // consumer warpgroup 0 takes the first turn
-    for (int iter = 0; int64_t(iter) * gridDim.x < p.total_work; ++iter) {
-      const int64_t work = work_of(iter);
-      if (work >= p.total_work) break;  // the last round's CTAs without an item
-      const Item it = item(P, work);
-      if (it.skip) continue;
+    const bool dyn = dynamic(P);
+    for (int iter = 0; dyn || int64_t(iter) * gridDim.x < p.total_work; ++iter) {
+      Item it;
+      if (dyn) {  // the producer's published item (``dynamic``): Q has landed with it
+        ptx::mbar_wait(bar.full_q(), local & 1);
+        Coord c;
+        cuda::SeqSpan sp;
+        if (!ring_read(s0 + kOffWork + kRingSlot * (local & 1), c, sp)) break;
+        it = item_at(P, c, sp);
+      } else {
+        const int64_t work = work_of(iter);
+        if (work >= p.total_work) break;  // the last round's CTAs without an item
+        it = item(P, work);
+        if (it.skip) continue;
+      }
       const int Nq = it.len_q, Nk = it.len_k;
       const int wq_lo = it.q_lo + 64 * wg;                 // this warpgroup's rows
       const int wq_hi = imin(wq_lo + 64, Nq);
       Accum acc;
       Base::init(acc);
-      ptx::mbar_wait(bar.full_q(), local & 1);
+      if (!dyn) ptx::mbar_wait(bar.full_q(), local & 1);
       const uint32_t sQ = s0 + wg * (64 * 128);
       if (!kOInRing && it.n_tiles == 0) {
         __syncwarp();
@@ -648,9 +736,16 @@ struct Sm90Fwd {
       // The item decoded again, and the lane and rows, from opaque copies: the epilogue's
       // addresses are computed here, not hoisted out of the item loop and held in registers
       // through the key loop (where the accumulators need them; ptxas would spill them).
-      const Coord w = coord(P, work_of(ptx::opaque(iter)));
-      const cuda::SeqSpan se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
-                                       : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+      // Dynamic: the slot again (its producer rewrites it only after this warp's next item began).
+      Coord w;
+      cuda::SeqSpan se;
+      if (dyn) {
+        ring_read(s0 + kOffWork + kRingSlot * (ptx::opaque(local) & 1), w, se);
+      } else {
+        w = coord(P, work_of(ptx::opaque(iter)));
+        se = kPacked ? cuda::seq_span(p.cu_q, p.cu_k, w.b, p.seqlen_q, p.seqlen_k)
+                     : cuda::SeqSpan{0, 0, p.seqlen_q, p.seqlen_k};
+      }
       bool stored = false;
       if constexpr (kTmaStore) {
         if (P.tma_store) {
@@ -789,6 +884,12 @@ int launch_fwd(const FgFwdArgs& a) {
   p.batch = int(a.batch);
   // Packed: heads_q * slot(batch) items, slot(batch) <= batch + total_q / kBlockM (``coord``).
   if (kPacked) p.base.total_work = a.heads_q * (a.batch + a.total_q / K::kBlockM);
+  // The dynamic schedule where the host passed its queue (packed only; ranks are int32: every
+  // CTA draws at most one rank past the table, so the table plus a grid must fit).
+  const bool dyn = kPacked && a.work.counter != nullptr && a.work.order != nullptr &&
+                   p.base.total_work < int64_t(INT32_MAX) - FLASHGEN_SM90_FWD_MAX_DYN_GRID;
+  p.work_counter = dyn ? a.work.counter : nullptr;
+  p.work_order = dyn ? a.work.order : nullptr;
   st = detail::make_tmap(&p.tq, a.q, kBf16, nb, a.heads_q, rows_q, a.head_dim, kPacked ? 0 : a.q_stride_b,
                          a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
   if (st != FG_OK) return st;
@@ -812,7 +913,7 @@ int launch_fwd(const FgFwdArgs& a) {
   st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 forward kernel");
   if (st != FG_OK) return st;
   int64_t cap = FLASHGEN_SM90_FWD_MAX_GRID;
-  if (a.seqlen_k <= Tile::kPersistentMaxSeqlenK) {
+  if (dyn || a.seqlen_k <= Tile::kPersistentMaxSeqlenK) {  // persistent (the dynamic schedule always)
     int sms = a.num_sms;
     if (sms <= 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) sms = 132;
     cap = sms < cap ? sms : cap;

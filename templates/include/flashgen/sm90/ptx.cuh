@@ -145,6 +145,22 @@ __device__ __forceinline__ void fence_operand(uint32_t& r) {
   asm volatile("" : "+r"(r)::"memory");
 }
 
+// 16-byte shared-memory store and load (the sm90 forward's work ring, sm90/fwd.cuh): volatile,
+// so the load is issued where it stands (after the barrier wait that publishes the slot), never
+// hoisted out of a loop and held in registers.
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, int x, int y, int z, int w) {
+  asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x), "r"(y), "r"(z), "r"(w)
+               : "memory");
+}
+__device__ __forceinline__ int4 ld_shared_v4(uint32_t addr) {
+  int4 v;
+  asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // A copy of x the compiler cannot prove equal to x: what is computed from it is computed again
 // rather than held in registers (through a key loop that needs them for the accumulators).
 __device__ __forceinline__ int opaque(int x) {
