@@ -5,11 +5,11 @@ One process per tool (memcheck with PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that to
 allocator does not hide out-of-bounds accesses inside its blocks; racecheck for shared-memory
 hazards). Each process runs this script with --worker: every spec in specs/ at two small shapes
 (a tile-aligned and a ragged one), bf16, d 64 and 128, and at d 128 one packed batch and one
-block-sparse call, forced onto ``--family`` (a forced family
+block-sparse call and one backward, forced onto ``--family`` (a forced family
 never falls back, so a call it cannot serve is reported as skipped, not run elsewhere). The
 kernels are built first in a plain process, so the sanitized processes only load them.
 
-    python3 scripts/sanitize.py --family sm90 [--tools memcheck,racecheck] [--out DIR]
+    python3 scripts/sanitize.py --family sm90 [--tools memcheck,racecheck] [--specs causal,dense] [--out DIR]
 
 Exit status 0 when every tool reports no error. A report that is a known false positive of the
 tool (for example on wgmma operands in shared memory) must be shown with a minimal reproducer
@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [(1, 2, 2, 128, 128), (2, 4, 2, 77, 200)]  # (batch, heads, kv_heads, seqlen_q, seqlen_k)
 
 
-def worker(family: str) -> int:
+def worker(family: str, specs: list[str] | None = None) -> int:
     import torch
 
     import flashgen
@@ -37,6 +37,8 @@ def worker(family: str) -> int:
 
     ran = skipped = 0
     for path in sorted((ROOT / "specs").glob("*.attn")):
+        if specs and path.stem not in specs:
+            continue
         op = flashgen.compile(path)
         for d in (64, 128):
             for b, h, hkv, nq, nk in SHAPES:
@@ -69,9 +71,18 @@ def worker(family: str) -> int:
                                        max_seqlen_k=200, **example_params(op.spec, 3, 4, 200, 200, device="cuda"), **kw)),
                  ("block-sparse", lambda: op(qs, ks, ks.clone(), block_mask=flashgen.BlockMask.from_pattern(pattern, 128),
                                              **example_params(op.spec, 2, 4, 300, 300, device="cuda"), **kw))]
+        # one backward per spec at d 128 (the family's own backward where it serves the call)
+        qb, kb, vb = (torch.randn(2, 4, 300, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+                      for _ in range(3))
+
+        def backward():
+            out = op(qb, kb, vb, **example_params(op.spec, 2, 4, 300, 300, device="cuda"), **kw)
+            torch.autograd.grad(out, (qb, kb, vb), torch.randn_like(out))
+
+        calls.append(("backward", backward))
         for what, call in calls:
             try:
-                with flashgen.use_family(family), torch.no_grad():
+                with flashgen.use_family(family), torch.set_grad_enabled(what == "backward"):
                     call()
                 torch.cuda.synchronize()
                 ran += 1
@@ -87,6 +98,7 @@ def main(argv=None) -> int:
     ap.add_argument("--family", default="sm90")
     ap.add_argument("--tools", default="memcheck,racecheck")
     ap.add_argument("--out", default=None, help="folder for the tools' logs")
+    ap.add_argument("--specs", default=None, help="only these specs of specs/ (comma-separated names; default all)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     from flashgen import families
@@ -95,12 +107,13 @@ def main(argv=None) -> int:
     if fam.device != "cuda":
         ap.error(f"--family: {fam.name} runs on {fam.device}; compute-sanitizer checks CUDA families")
     if a.worker:
-        return worker(a.family)
+        return worker(a.family, a.specs.split(",") if a.specs else None)
     tool = shutil.which("compute-sanitizer") or "/usr/local/cuda/bin/compute-sanitizer"
     if not Path(tool).exists():
         print("compute-sanitizer not found (CUDA toolkit bin/)", file=sys.stderr)
         return 2
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--family", a.family]
+    me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--family", a.family,
+          *(["--specs", a.specs] if a.specs else [])]
     build = subprocess.run(me, check=False)  # build every kernel outside the sanitizer
     if build.returncode != 0:
         return build.returncode
