@@ -361,8 +361,11 @@ def backward_reason(spec: ir.Spec, call) -> str | None:
 def serves_backward(spec: ir.Spec, head_dim: int | None, packed: bool = False, sparse: bool = False) -> bool:
     """Whether an instantiation of ``spec`` at ``head_dim`` (layout, sparsity) carries the
     backward unit: the spec and head dim ``backward_reason`` accepts, padded and dense-listed."""
-    return (head_dim in BWD_BLOCK_M and not packed and not sparse and spec.score is None and not spec.params
-            and not spec.dropout and spec.mask_kind in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL))
+    if head_dim is None:
+        return False
+    from .base import Call  # the one statement of what the backward serves: backward_reason
+    features = frozenset({"backward"} | ({"varlen"} if packed else set()) | ({"sparse"} if sparse else set()))
+    return backward_reason(spec, Call("cuda", "sm_90a", ir.DType.BF16, head_dim, features)) is None
 
 
 class Sm90Family(Family):
