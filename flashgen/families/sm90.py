@@ -20,7 +20,7 @@ from ..build import artifact
 from ..lang import expr, ir
 from ..tune import store as tune_store
 from . import sm80, sm90_schedule
-from .base import Family, LaunchFields
+from .base import Call, Family, LaunchFields
 
 # Per head dim: key tile (fwd_block_n) and K/V stages. The query tile is 128 rows (two consumer
 # warpgroups). Shared memory: Q 128·128 B per 64-column panel, 2 stages of K and V of
@@ -363,7 +363,6 @@ def serves_backward(spec: ir.Spec, head_dim: int | None, packed: bool = False, s
     backward unit: the spec and head dim ``backward_reason`` accepts, padded and dense-listed."""
     if head_dim is None:
         return False
-    from .base import Call  # the one statement of what the backward serves: backward_reason
     features = frozenset({"backward"} | ({"varlen"} if packed else set()) | ({"sparse"} if sparse else set()))
     return backward_reason(spec, Call("cuda", "sm_90a", ir.DType.BF16, head_dim, features)) is None
 
