@@ -59,15 +59,21 @@ def test_sm90_declares_what_it_serves(causal):
 BWD = frozenset({"backward"})
 
 
-@pytest.mark.parametrize("name", ["dense", "causal"])
+EVERY_SPEC = sorted(p.stem for p in SPECS.glob("*.attn"))
+
+
+@pytest.mark.parametrize("name", EVERY_SPEC)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [ir.DType.FP16, ir.DType.BF16])
-def test_sm90_backward_serves_dense_and_causal(name, d, dtype):
-    """Stage (a) of the sm90 backward: dense and causal specs, head dims 64 and 128, fp16/bf16,
-    the padded layout, no GQA, not deterministic. Its instantiations carry the backward unit."""
+def test_sm90_backward_serves_every_spec(name, d, dtype):
+    """The sm90 backward serves every spec (masks, score expressions, parameters, dropout) at head
+    dims 64 and 128, fp16/bf16, in the padded layout, GQA or not, not deterministic. Its
+    instantiations carry the backward unit."""
     spec = flashgen.compile(SPECS / f"{name}.attn").spec
-    choice = families.choose(spec, families.Call("cuda", "sm_90a", dtype, d, BWD))
-    assert choice.family.name == "sm90", choice.why()
+    feats = BWD | ({"dropout"} if spec.dropout else set())
+    for gqa in (False, True):
+        choice = families.choose(spec, families.Call("cuda", "sm_90a", dtype, d, frozenset(feats), gqa))
+        assert choice.family.name == "sm90", choice.why()
     inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d)
     cfg = dict(inst.config)
     assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
@@ -80,15 +86,11 @@ def test_sm90_backward_serves_dense_and_causal(name, d, dtype):
     ("causal", 96, (), {}, "head_dim 96"),
     ("dense", 128, ("varlen",), {}, "packed (varlen)"),
     ("causal", 128, ("sparse",), {}, "block lists"),
-    ("causal", 64, (), {"gqa": True}, "GQA"),
     ("dense", 128, (), {"deterministic": True}, "deterministic"),
-    ("dropout", 128, ("dropout",), {}, "dropout"),
-    ("dropout", 128, (), {}, "dropout"),
-    ("sliding_window", 128, (), {}, "masks other than causal"),
-    ("document", 64, (), {}, "masks other than causal"),
-    ("softcap", 128, (), {}, "score expressions"),
-    ("alibi", 128, (), {}, "score expressions"),
-    ("bias", 128, (), {}, "score expressions"),
+    ("alibi", 64, (), {"gqa": True, "deterministic": True}, "deterministic"),
+    ("dropout", 256, ("dropout",), {}, "head_dim 256"),
+    ("bias", 128, ("varlen",), {}, "packed (varlen)"),
+    ("sliding_window", 128, ("sparse",), {}, "block lists"),
 ])
 def test_sm90_backward_declines_the_rest(spec, d, feats, kw, lacks):
     """Every other backward call runs on sm80, and the choice names the feature sm90 lacks; a
@@ -117,8 +119,8 @@ def test_sm90_backward_choice_through_the_op(causal):
         mp.setattr(artifact, "cuda_arch_of", lambda index: "sm_90a")
         pick = lambda **kw: causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, backward=True,  # noqa: E731
                                                  **kw).family.name
-        assert pick() == "sm90"
-        assert pick(gqa=True) == "sm80" and pick(deterministic=True) == "sm80"
+        assert pick() == "sm90" and pick(gqa=True) == "sm90"
+        assert pick(deterministic=True) == "sm80" and pick(gqa=True, deterministic=True) == "sm80"
         # the forward ignores both
         assert causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, gqa=True,
                                     deterministic=True).family.name == "sm90"
@@ -402,3 +404,27 @@ def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
         assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
     # 8 heads on one kv head, 2 key tiles of 128 on 132 SMs: the whole group is split 8 ways.
     assert gqa_splits(2, 1, 1, 8, 132) == 8 and gqa_splits(40, 2, 1, 4, 132) == 1
+
+
+def test_sm90_fills_the_gqa_split_of_its_backward_args(causal):
+    """The sm90 family's per-call decision for its own backward: FgBwdArgs.gqa_splits by sm80's
+    rule over the sm90 backward's 128-key tiles (1 when deterministic or without GQA)."""
+    from flashgen.abi import FgBwdArgs
+    from flashgen.families import sm90 as sm90_mod
+    from flashgen.families.sm80 import gqa_splits
+
+    sm90 = families.get("sm90")
+    inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
+    fields = sm90.launch_fields(causal.spec)
+    for batch, hq, hkv, nk, sms, det in ((1, 8, 1, 256, 132, 0), (1, 8, 2, 4096, 132, 0), (2, 6, 2, 1000, 108, 0),
+                                         (1, 8, 1, 256, 132, 1), (1, 4, 4, 128, 132, 0)):
+        args = FgBwdArgs()
+        args.batch, args.heads_q, args.heads_kv, args.seqlen_k, args.num_sms, args.deterministic = \
+            batch, hq, hkv, nk, sms, det
+        fields.bwd(args, (), inst.config)
+        want = 1 if det else gqa_splits(-(-nk // sm90_mod.BWD_BLOCK_N), hkv, batch, hq // hkv, sms)
+        assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
+    args = FgBwdArgs()
+    args.batch, args.heads_q, args.heads_kv, args.seqlen_k, args.num_sms = 1, 8, 1, 256, 132
+    fields.bwd(args, (), inst.config)
+    assert args.gqa_splits == 8  # 2 key tiles of one kv head on 132 SMs: the group split 8 ways

@@ -2,14 +2,18 @@
 same process (gradient outputs poisoned with NaN before every launch: conftest's
 poison_outputs). Every sm90 case forces the family with flashgen.use_family, so a backward call
 the family does not serve raises instead of silently running on sm80; the module skips on
-devices that are not compute capability 9.0. Stage (a) of the sm90 backward: dense and causal
-specs, head dims 64 and 128, fp16/bf16, the padded layout, heads_q == heads_kv."""
+devices that are not compute capability 9.0. The sm90 backward serves every spec (masks, score
+expressions, parameters and their gradients, dropout) at head dims 64 and 128, fp16/bf16, in the
+padded layout, GQA/MQA included (with and without the group split); packed, block-sparse and
+deterministic calls run on sm80."""
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import dropout_cases
+import variant_cases
 from test_gpu import DTYPES, make  # the sm80 suite's inputs, reused
 
 import flashgen
@@ -52,12 +56,13 @@ def check_grads(op, q, k, v, dout, family="sm90", **kw):
     return got
 
 
-def test_sm90_serves_the_stage_a_backward(ops):
+def test_sm90_serves_the_padded_backward(ops):
     for name in ("dense", "causal"):
         for d in (64, 128):
             for dt in (torch.float16, torch.bfloat16):
                 assert ops[name].family_for("cuda", dt, d, backward=True).family.name == "sm90"
-    for kw in ({"layout": "packed"}, {"sparse": True}):
+                assert ops[name].family_for("cuda", dt, d, backward=True, gqa=True).family.name == "sm90"
+    for kw in ({"layout": "packed"}, {"sparse": True}, {"deterministic": True}):
         choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, **kw)
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
     assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"
@@ -113,14 +118,8 @@ def test_gradient_through_lse(ops):
 
 def test_unserved_backward_calls_run_on_sm80_or_raise_when_forced(ops):
     gen = torch.Generator(device="cuda").manual_seed(4400)
-    q, k, v = make(1, 4, 2, 130, 130, 128, torch.bfloat16, False, gen)  # GQA
-    dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    ops["causal"](qq, kk, vv).backward(dout)  # sm90 forward, sm80 backward
-    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad)).ok
-    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="GQA"):
-        ops["causal"](qq, kk, vv).backward(dout)
     q, k, v = make(1, 4, 4, 130, 130, 128, torch.bfloat16, False, gen)
+    dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
     with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="deterministic"):
         ops["causal"](qq, kk, vv, deterministic=True).backward(dout)
@@ -132,3 +131,63 @@ def test_unserved_backward_calls_run_on_sm80_or_raise_when_forced(ops):
         first[i] = (qq.grad, kk.grad, vv.grad)
     assert all(torch.equal(a, b) for a, b in zip(*first, strict=True))
     assert check.compare_grads(ops["causal"].spec, q, k, v, dout, first[0]).ok
+
+
+# Every example spec (masks, score expressions, int / float / tensor parameters and the gradients
+# of the float tensors, which run_case makes require grad) on the sm90 backward, forced, at both
+# head dims, in MHA, GQA and MQA layouts: variant_cases.run_case against the float64 reference.
+SPEC_SEQLENS = [(1, 1), (65, 65), (128, 128), (257, 257), (129, 257), (257, 129), (700, 700)]
+SPEC_LAYOUTS = [(1, 1, 1), (2, 4, 2), (2, 4, 1), (1, 6, 6), (1, 8, 2)]  # (batch, heads, kv_heads)
+
+
+@pytest.fixture(scope="module")
+def _examples_built():
+    with flashgen.use_family("sm90"), ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda n: variant_cases.op(n).build("cuda", None, [64, 128]), variant_cases.EXAMPLES))
+
+
+@pytest.mark.parametrize("name", variant_cases.EXAMPLES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_example_spec_on_the_sm90_backward(_examples_built, name, d):
+    fop = variant_cases.op(name)
+    for gqa in (False, True):
+        assert fop.family_for("cuda", torch.bfloat16, d, backward=True, gqa=gqa).family.name == "sm90"
+    for i, (nq, nk) in enumerate(SPEC_SEQLENS):
+        if name in variant_cases.EQUAL_SEQLENS_ONLY and nq != nk:
+            continue
+        B, Hq, Hkv = SPEC_LAYOUTS[i % len(SPEC_LAYOUTS)]
+        dtype = (torch.bfloat16, torch.float16)[i % 2]
+        with flashgen.use_family("sm90"):
+            variant_cases.run_case(name, B, Hq, Hkv, nq, nk, d, dtype, device="cuda", seed=50 + i, variant=i)
+
+
+@pytest.mark.parametrize("name", ["dropout", "alibi", "window_softcap"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dropout_on_the_sm90_backward(name, d):
+    """The forward's Philox keep mask regenerated by the sm90 backward (the sm80 mainloop's
+    element-wise step on the wgmma fragments), against the reference with the same mask."""
+    for i, (nq, nk) in enumerate([(64, 64), (257, 257), (129, 257), (257, 129), (1000, 1000)]):
+        B, Hq, Hkv = [(1, 2, 2), (2, 4, 2), (2, 4, 1)][i % 3]
+        dtype = (torch.float16, torch.bfloat16)[i % 2]
+        with flashgen.use_family("sm90"):
+            dropout_cases.run_case(name, B, Hq, Hkv, nq, nk, d, dtype, (0.1, 0.5)[i % 2], seed=60 + i, device="cuda")
+
+
+@pytest.mark.parametrize("mask", ["dense", "causal"])
+def test_gqa_group_split_and_whole(ops, mask):
+    """GQA with the group split across CTAs (few key tiles: dK, dV through the fp32 workspaces)
+    and whole (many key tiles: one CTA walks every query head of its kv head), both against the
+    reference and against the sm80 backward."""
+    from flashgen.families import sm80
+
+    gen = torch.Generator(device="cuda").manual_seed(4500)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for b, hq, hkv, n, d in [(1, 8, 2, 200, 128), (1, 8, 1, 300, 64), (2, 16, 2, 4096, 128), (1, 4, 1, 1, 64)]:
+        splits = sm80.gqa_splits(-(-n // 128), hkv, b, hq // hkv, sms)
+        assert (splits > 1) == (n <= 300), (b, hq, hkv, n, splits)
+        q, k, v = make(b, hq, hkv, n, n, d, torch.bfloat16, False, gen)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+        g90 = check_grads(ops[mask], q, k, v, dout)
+        g80 = grads_of(ops[mask], q, k, v, dout, family="sm80")
+        for a, b_ in zip(g90, g80, strict=True):
+            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=0)

@@ -4,8 +4,9 @@ of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatom
 2024), on sm_90a only. It serves the forward for every spec (mask and score hooks, tile classes,
 dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
-256. Its backward (sm90/bwd.cuh) serves dense and causal specs at head dims 64 and 128 in the padded
-layout (``backward_reason``); every other backward runs on ``sm80`` (a backward recomputes from q,
+256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
+GQA/MQA too, at head dims 64 and 128 in the padded layout (``backward_reason``); every other
+backward (packed, block lists, deterministic, other head dims) runs on ``sm80`` (a backward recomputes from q,
 k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
 backward)."""
 
@@ -309,10 +310,10 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
     return cfg
 
 
-# The backward (stage a of its issue: templates/include/flashgen/sm90/bwd.cuh): key/value-
-# stationary CTAs of 128 keys (two consumer warpgroups of 64) walking query tiles of
-# BWD_BLOCK_M[head_dim] rows through a BWD_STAGES-deep TMA ring. It serves dense and causal
-# specs at these head dims; every other backward call runs on sm80 (``backward_reason``).
+# The backward (templates/include/flashgen/sm90/bwd.cuh): key/value-stationary CTAs of 128 keys
+# (two consumer warpgroups of 64) walking the query tiles of BWD_BLOCK_M[head_dim] rows of the
+# query heads of their kv head through a BWD_STAGES-deep TMA ring. It serves every spec at these
+# head dims in the padded layout; every other backward call runs on sm80 (``backward_reason``).
 BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
 BWD_STAGES = 2
 BWD_BLOCK_N = 128  # keys per CTA
@@ -333,17 +334,8 @@ BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
 def backward_reason(spec: ir.Spec, call) -> str | None:
     """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
     the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
-    a dense or causal spec (no score expression, no parameters, no dropout) at head dim 64 or
-    128 in the padded layout, without block lists, GQA or the deterministic mode."""
-    kind = spec.mask_kind
-    if kind not in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL):
-        return "has no backward kernels for masks other than causal (its backward serves dense and causal specs)"
-    if spec.score is not None:
-        return "has no backward kernels for score expressions (its backward serves dense and causal specs)"
-    if spec.params:
-        return "has no backward kernels for spec parameters (its backward serves dense and causal specs)"
-    if spec.dropout or "dropout" in call.features:
-        return "has no backward kernels with dropout"
+    every spec (masks, score expressions, parameters and their gradients, dropout) at head dim 64
+    or 128 in the padded layout, GQA/MQA included, without block lists or the deterministic mode."""
     if call.head_dim not in BWD_BLOCK_M:
         return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
                 f"{', '.join(map(str, BWD_BLOCK_M))})")
@@ -351,8 +343,6 @@ def backward_reason(spec: ir.Spec, call) -> str | None:
         return "has no backward kernels for packed (varlen) batches"
     if "sparse" in call.features:
         return "has no backward kernels for block lists (block-sparse)"
-    if call.gqa:
-        return "has no backward kernels for GQA/MQA (heads_q != heads_kv)"
     if call.deterministic:
         return "has no deterministic backward kernels (deterministic=True)"
     return None
@@ -470,6 +460,16 @@ class DynamicSchedule(LaunchFields):
     def __init__(self, spec: ir.Spec) -> None:
         self.spec = spec
         self.key = spec.fingerprint()
+
+    def bwd(self, args, values, config) -> None:
+        # The sm90 backward's GQA split (FgBwdArgs.gqa_splits): sm80's rule over its 128-key
+        # tiles; the backward splits a group only when its key tiles leave multiprocessors idle.
+        hkv = args.heads_kv
+        if args.deterministic or hkv <= 0:
+            args.gqa_splits = 1
+            return
+        args.gqa_splits = sm80.gqa_splits(-(-args.seqlen_k // BWD_BLOCK_N), hkv, args.batch, args.heads_q // hkv,
+                                          args.num_sms)
 
     def fwd_packed(self, args, packed, config):
         device = packed.cu_seqlens_q.device

@@ -1,9 +1,9 @@
 // flashgen sm90 backward: the Hopper family's attention backward (FlashAttention-3's anatomy,
 // Shah et al. 2024, arXiv 2407.08608, Sec. 3 and App. B), specialised by a generated Variant
-// (flashgen/variant.h). Stage (a) of the family's backward: the padded layout, head dims 64 and
-// 128, fp16/bf16, heads_q == heads_kv, no dropout, no block lists, no parameter gradients, the
-// non-deterministic mode (flashgen/families/sm90.py declares exactly these calls; the others run
-// on the sm80 family).
+// (flashgen/variant.h): every spec (mask and score hooks, parameters and their gradients,
+// dropout regenerated from the forward's Philox stream), GQA/MQA, the padded layout, head dims
+// 64 and 128, fp16/bf16, the non-deterministic mode (flashgen/families/sm90.py declares exactly
+// these calls; packed, block-sparse and deterministic calls run on the sm80 family).
 //
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim /* 64 | 128 */,
 //             class Tile /* Sm90BwdTile */>
@@ -12,10 +12,14 @@
 // ---------------------------------------------------------------------------------------------
 // Launch sequence (all on args.stream):
 //  1. the sm80 family's bwd_preprocess_kernel (cuda/bwd.cuh): D = rowsum(dO ∘ O) − dlse in fp32
-//     into softmax_d, dq_accum zero-filled;
-//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, head, batch): dK, dV of its keys
-//     written directly, dQ partials added to dq_accum with fp32 atomics;
-//  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype.
+//     into softmax_d, dq_accum (and with a GQA split dk_accum, dv_accum) zero-filled;
+//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, GQA split, kv head, batch), walking
+//     the query tiles of every query head of its share of the kv head's group: dK, dV of its
+//     keys summed over those heads in registers and written directly (or, with the group split
+//     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
+//     with fp32 atomics;
+//  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype (and dk, dv
+//     from their workspaces when the group was split).
 //
 // CTA: three warpgroups (384 threads), one CTA per multiprocessor.
 //   warpgroup 0, the producer: warp 0 loads K and V of the key tile once (TMA, then zero-fills
@@ -38,10 +42,11 @@
 //     between the consumer warpgroups orders its writes before the dQ GEMM's reads and the
 //     GEMM's reads before the next-but-one step's writes.
 //   Epilogue: dK · scale and dV in the input dtype, from registers (rows past seqlen_k skipped).
-// The walk: the query tiles m in [m_first, m_last] that can see the key tile (Variant::kv_lo /
-// kv_hi per tile, a warp-parallel scan that producer and consumers compute alike), from the
-// first visible one (causal: the tile of the key tile's first query) on. A key tile no query
-// sees writes dK = dV = 0.
+// The walk: for each query head of the share in order, the query tiles m in [m_first, m_last]
+// that can see the key tile (Variant::kv_lo / kv_hi per tile, a warp-parallel scan that producer
+// and consumers compute alike; the sm80 mainloop's next_step), from the first visible pair on.
+// A key tile no query sees writes dK = dV = 0. Score hooks, masks, parameter gradients and
+// dropout act in the sm80 mainloop's probs_grads on the S^T / dP^T fragments.
 // Rows past seqlen_q arrive as zeros (TMA) with LSE = -inf, so P = dS = 0 there; such tiles take
 // the masked path (q_hi - q_lo < kBlockM) and their dQ rows are not added.
 #pragma once
@@ -163,35 +168,45 @@ struct Sm90Bwd {
     __device__ uint32_t empty(int s) const { return base + 16 + 8 * (kStages + s); }
   };
 
-  // The work item of this CTA: key tile fastest, then head, then batch.
+  // The work item of this CTA: key tile fastest, then the GQA split, then kv head, then batch.
+  // Its query heads: h0, h0 + 1, ..., h0 + n_heads - 1 (the split's share of the kv head's group).
   struct Item {
-    int b, h, n_tile, kv0;
+    int b, hkv, h0, n_heads, n_tile, kv0;
   };
   static __device__ __forceinline__ Item item(const BaseParams& p) {
     Item it;
-    const int64_t w = blockIdx.x;
+    int64_t w = blockIdx.x;
     it.n_tile = int(w % p.num_n_tiles);
-    const int64_t bh = w / p.num_n_tiles;
-    it.h = int(bh % p.heads_q);
-    it.b = int(bh / p.heads_q);
+    w /= p.num_n_tiles;
+    const int split = int(w % p.num_splits);
+    w /= p.num_splits;
+    it.hkv = int(w % p.heads_kv);
+    it.b = int(w / p.heads_kv);
+    it.n_heads = p.heads_per_split;
+    it.h0 = it.hkv * p.group + split * it.n_heads;
     it.kv0 = it.n_tile * kBlockN;
     return it;
   }
 
-  // The query tiles that see key tile kv0 (every warp computes it alike): [m_first, m_last]
-  // (m_first > m_last: none) and the union [vis_lo, vis_hi) of their key ranges.
+  // The (query head, query tile) pairs that see key tile kv0 (every warp computes it alike; a
+  // mask may depend on the head, so with one every head of the share is scanned): the span
+  // [m_first, m_last] of tiles some head needs (m_first > m_last: none) and the union [vis_lo,
+  // vis_hi) of their key ranges.
   struct Walk {
     int m_first, m_last, vis_lo, vis_hi;
   };
-  static __device__ __forceinline__ Walk scan(const BaseParams& p, int b, int h, int kv0, int lane) {
+  static __device__ __forceinline__ Walk scan(const BaseParams& p, const Item& it, int lane) {
+    const int scan_heads = Variant::kHasMask ? it.n_heads : 1;
     int m_first = INT_MAX, m_last = -1, vis_lo = INT_MAX, vis_hi = 0;
     for (int m = lane; m < p.num_m_tiles; m += 32) {
-      const Range r = Base::kv_range(p, b, h, m);
-      if (Base::sees(r, kv0)) {
-        m_first = imin(m_first, m);
-        m_last = imax(m_last, m);
-        vis_lo = imin(vis_lo, r.begin);
-        vis_hi = imax(vis_hi, r.end);
+      for (int gi = 0; gi < scan_heads; ++gi) {
+        const Range r = Base::kv_range(p, it.b, it.h0 + gi, m);
+        if (Base::sees(r, it.kv0)) {
+          m_first = imin(m_first, m);
+          m_last = imax(m_last, m);
+          vis_lo = imin(vis_lo, r.begin);
+          vis_hi = imax(vis_hi, r.end);
+        }
       }
     }
     Walk w;
@@ -201,12 +216,22 @@ struct Sm90Bwd {
     w.vis_hi = __reduce_max_sync(0xffffffffu, vis_hi);
     return w;
   }
-  // The next query tile after m that sees the key tile (> m_last: the walk is over).
-  static __device__ __forceinline__ int next_m(const BaseParams& p, const Walk& w, int b, int h, int kv0, int m) {
-    do {
-      ++m;
-    } while (m <= w.m_last && !Base::sees(Base::kv_range(p, b, h, m), kv0));
-    return m;
+  // The walk's steps (producer and consumers step alike): (gi, m) from the first visible pair
+  // of (0, m_first) on, then the sm80 mainloop's next_step (heads of the share in order, for
+  // each the tiles of [m_first, m_last] that see the key tile); gi == n_heads: over.
+  static __device__ __forceinline__ void first_step(const BaseParams& p, const Item& it, const Walk& w, int& gi,
+                                                    int& m) {
+    gi = 0;
+    m = w.m_first;
+    if constexpr (Variant::kHasMask) {
+      if (!Base::sees(Base::kv_range(p, it.b, it.h0, m), it.kv0)) {
+        Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, gi, m);
+      }
+    }
+  }
+  static __device__ __forceinline__ void next_step(const BaseParams& p, const Item& it, const Walk& w, int& gi,
+                                                   int& m) {
+    Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, gi, m);
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -216,7 +241,7 @@ struct Sm90Bwd {
                                                  const Bars& bar, int lane) {
     const BaseParams& p = P.base;
     const Item it = item(p);
-    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    const Walk w = scan(p, it, lane);
     if (w.m_first > w.m_last) return;
     if (lane == 0) {
       ptx::prefetch_tmap(&P.tq);
@@ -224,8 +249,8 @@ struct Sm90Bwd {
       ptx::mbar_arrive_expect_tx(bar.full_kv(), 2 * kKBytes);
 #pragma unroll
       for (int pn = 0; pn < kPanels; ++pn) {
-        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
-        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
+        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, it.kv0, it.hkv, it.b);
+        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, it.kv0, it.hkv, it.b);
       }
     }
     // Rows of the tile inside the tensor but outside every visible key range: zeros (masked
@@ -251,11 +276,14 @@ struct Sm90Bwd {
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(bar.kv_ready());
 
-    const int64_t row0 = Base::q_rows(p, it.b, it.h);
     float* sL = reinterpret_cast<float*>(smem + kOffL);
     float* sD = reinterpret_cast<float*>(smem + kOffDs);
     uint32_t cnt = 0;
-    for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+    int gi, m;
+    first_step(p, it, w, gi, m);
+    for (; gi < it.n_heads; next_step(p, it, w, gi, m), ++cnt) {
+      const int h = it.h0 + gi;
+      const int64_t row0 = Base::q_rows(p, it.b, h);
       const int stage = int(cnt % kStages);
       const uint32_t phase = (cnt / kStages) & 1;
       if (cnt >= kStages) ptx::mbar_wait(bar.empty(stage), phase ^ 1);
@@ -265,9 +293,9 @@ struct Sm90Bwd {
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) {
           ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, bar.full(stage), pn * 64, q_lo,
-                           it.h, it.b);
+                           h, it.b);
           ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, bar.full(stage), pn * 64, q_lo,
-                           it.h, it.b);
+                           h, it.b);
         }
       }
       for (int r = lane; r < kBlockM; r += 32) {
@@ -314,7 +342,7 @@ struct Sm90Bwd {
                                                  const Bars& bar, int wg, int warp_in_wg, int lane) {
     const BaseParams& p = P.base;
     const Item it = item(p);
-    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int g = lane >> 2, t = lane & 3;
     float dk[kD / 8][4], dv[kD / 8][4];
@@ -330,9 +358,12 @@ struct Sm90Bwd {
       const int kv_row0 = it.kv0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
       const float* sLall = reinterpret_cast<const float*>(smem + kOffL);
       const float* sDall = reinterpret_cast<const float*>(smem + kOffDs);
-      float* dqa = p.dq_accum + Base::q_rows(p, it.b, it.h) * kHeadDim;
       uint32_t cnt = 0;
-      for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+      int gi, m;
+      first_step(p, it, w, gi, m);
+      for (; gi < it.n_heads; next_step(p, it, w, gi, m), ++cnt) {
+        const int h = it.h0 + gi;
+        float* dqa = p.dq_accum + Base::q_rows(p, it.b, h) * kHeadDim;
         const int stage = int(cnt % kStages);
         const uint32_t phase = (cnt / kStages) & 1;
         const int q_lo = m * kBlockM;
@@ -341,10 +372,10 @@ struct Sm90Bwd {
         bool need_mask;
         {
           const int q_hi = imin(q_lo + kBlockM, Nq);
-          const Range r = Base::kv_range(p, it.b, it.h, m);
+          const Range r = Base::kv_range(p, it.b, h, m);
           need_mask = it.kv0 < r.begin || it.kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
                       (Variant::kHasMask &&
-                       !Variant::tile_full(p.vp, it.b, it.h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
+                       !Variant::tile_full(p.vp, it.b, h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
         }
         ptx::mbar_wait(bar.full(stage), phase);
 
@@ -375,11 +406,23 @@ struct Sm90Bwd {
         // P^T and dS^T (the sm80 family's element-wise step on the same fragment layout).
         const float* sL = sLall + stage * kBlockM;
         const float* sD = sDall + stage * kBlockM;
-        if (need_mask) {
-          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0,
-                                                  Base::kv_range(p, it.b, it.h, m), 0, lane);
+        // With parameter gradients (a tensor parameter that requires grad), the variant's
+        // param_grad on every in-bounds kept element (warp-aggregated fp32 atomics).
+        if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
+          if constexpr (Variant::kHasParamGrad) {
+            if (need_mask) {
+              Base::template probs_grads<true, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                     Base::kv_range(p, it.b, h, m), 0, lane);
+            } else {
+              Base::template probs_grads<false, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
+                                                      lane);
+            }
+          }
+        } else if (need_mask) {
+          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                  Base::kv_range(p, it.b, h, m), 0, lane);
         } else {
-          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0, Range{0, 0}, 0,
+          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
                                                    lane);
         }
         uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
@@ -470,8 +513,28 @@ struct Sm90Bwd {
     const int ln = ptx::opaque(lane);
     const Item ie = item(p);
     const int gg = ln >> 2, tt = ln & 3;
-    Element* dk_g = p.dk + cuda::wide(ie.b) * p.dk_sb + cuda::wide(ie.h) * p.dk_sh;
-    Element* dv_g = p.dv + cuda::wide(ie.b) * p.dv_sb + cuda::wide(ie.h) * p.dv_sh;
+    if (p.num_splits > 1) {
+      // A GQA split: this CTA's heads' dK (scaled), dV added into the fp32 workspaces (the
+      // convert kernel writes dk, dv).
+      float* dka = p.dk_accum + Base::k_rows(p, ie.b, ie.hkv) * kHeadDim;
+      float* dva = p.dv_accum + Base::k_rows(p, ie.b, ie.hkv) * kHeadDim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int kv = ie.kv0 + 64 * wg + 16 * warp_in_wg + gg + 8 * half;
+        if (kv < Nk) {
+          float* rk = dka + cuda::wide(kv) * kHeadDim + 2 * tt;
+          float* rv = dva + cuda::wide(kv) * kHeadDim + 2 * tt;
+#pragma unroll
+          for (int j = 0; j < kD / 8; ++j) {
+            cuda::bwd_detail::atomic_add2(rk + 8 * j, dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
+            cuda::bwd_detail::atomic_add2(rv + 8 * j, dv[j][2 * half], dv[j][2 * half + 1]);
+          }
+        }
+      }
+      return;
+    }
+    Element* dk_g = p.dk + cuda::wide(ie.b) * p.dk_sb + cuda::wide(ie.hkv) * p.dk_sh;
+    Element* dv_g = p.dv + cuda::wide(ie.b) * p.dv_sb + cuda::wide(ie.hkv) * p.dv_sh;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int kv = ie.kv0 + 64 * wg + 16 * warp_in_wg + gg + 8 * half;
@@ -530,17 +593,14 @@ int launch_bwd(const FgBwdArgs& a) {
   using K = Sm90Bwd<Variant, Element, kHeadDim, Tile>;
   using P = typename K::Params;
   static_assert(K::kSmem <= 227 * 1024, "the sm90 backward's tiles exceed shared memory");
-  static_assert(!Variant::kHasDropout && !Variant::kHasParamGrad,
-                "the sm90 backward (stage a) takes no dropout and no parameter gradients");
   cuda::detail::reference_hooks<Variant>();
   cuda::detail::clear_error();
   int st = cuda::detail::check_sizes(a, kHeadDim, false, true);
   if (st != FG_OK) return st;
-  if (a.cu_seqlens_q || a.cu_seqlens_k || a.q_blocks.data || a.kv_blocks.data || a.deterministic ||
-      a.heads_q != a.heads_kv || a.dropout_state) {
+  if (a.cu_seqlens_q || a.cu_seqlens_k || a.q_blocks.data || a.kv_blocks.data || a.deterministic) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE,
-                              "the sm90 backward takes padded, dense-list, non-deterministic calls with "
-                              "heads_q == heads_kv and no dropout (the family routes the others to sm80)");
+                              "the sm90 backward takes padded, dense-list, non-deterministic calls (the family "
+                              "routes the others to sm80)");
   }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
   const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
@@ -581,6 +641,22 @@ int launch_bwd(const FgBwdArgs& a) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int64_t kElemGrid = int64_t(num_sms) * 16;
   constexpr bool kBf16 = std::is_same<Element, __nv_bfloat16>::value;
+  // GQA: one CTA walks the query heads of its kv head's group, or (args.gqa_splits > 1, the
+  // family's per-call decision when the key tiles alone leave multiprocessors idle) a share of
+  // them, adding dK, dV into the fp32 workspaces dk_accum / dv_accum.
+  const int group = int(a.heads_q / a.heads_kv);
+  if (a.gqa_splits < 1 || group % a.gqa_splits != 0) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE,
+                              "gqa_splits %d: must be >= 1 and divide the GQA group (heads_q / heads_kv = %d)",
+                              (int)a.gqa_splits, group);
+  }
+  int splits = 1;
+  if (has_q && has_k && group > 1 && a.gqa_splits > 1) {
+    if (!a.dk_accum || !a.dv_accum || cuda::detail::misaligned(a.dk_accum) || cuda::detail::misaligned(a.dv_accum)) {
+      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "gqa_splits > 1 needs 16-byte aligned dk_accum and dv_accum");
+    }
+    splits = int(a.gqa_splits);
+  }
 
   // 1. D = rowsum(dout ∘ out) - dlse; dq_accum zeroed.
   if (has_q) {
@@ -596,6 +672,11 @@ int launch_bwd(const FgBwdArgs& a) {
     pp.rows = a.batch * a.heads_q * a.seqlen_q;
     pp.heads_q = int(a.heads_q);
     pp.seqlen_q = int(a.seqlen_q);
+    if (splits > 1) {
+      pp.zero_a = a.dk_accum;
+      pp.zero_b = a.dv_accum;
+      pp.zero_count = a.batch * a.heads_kv * a.seqlen_k * kHeadDim;
+    }
     constexpr int kTpr = kHeadDim / 8;  // 8 or 16 threads per row
     const int64_t blocks = (pp.rows + 256 / kTpr - 1) / (256 / kTpr);
     cuda::bwd_preprocess_kernel<Element, kHeadDim>
@@ -614,18 +695,20 @@ int launch_bwd(const FgBwdArgs& a) {
     b.dk = static_cast<Element*>(a.dk);
     b.dv = static_cast<Element*>(a.dv);
     b.dq_accum = a.dq_accum;
+    b.dk_accum = a.dk_accum;
+    b.dv_accum = a.dv_accum;
     cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, false);
     cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, false);
     b.heads_q = int(a.heads_q);
     b.heads_kv = int(a.heads_kv);
-    b.group = 1;
-    b.num_splits = 1;
-    b.heads_per_split = 1;
+    b.group = group;
+    b.num_splits = splits;
+    b.heads_per_split = group / splits;
     b.seqlen_q = int(a.seqlen_q);
     b.seqlen_k = int(a.seqlen_k);
     b.num_m_tiles = int((a.seqlen_q + K::kBlockM - 1) / K::kBlockM);
     b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
-    b.total_work = int64_t(b.num_n_tiles) * a.heads_q * a.batch;
+    b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
     st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
@@ -647,8 +730,8 @@ int launch_bwd(const FgBwdArgs& a) {
     st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 backward kernel");
     if (st != FG_OK) return st;
     if (b.total_work > 2147483647LL) {
-      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x heads x batch) exceeds "
-                                "2^31 - 1", (long long)b.total_work);
+      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x splits x kv heads x "
+                                "batch) exceeds 2^31 - 1", (long long)b.total_work);
     }
     kernel<<<unsigned(b.total_work), K::kThreads, K::kSmem, stream>>>(p);
     err = cudaGetLastError();
@@ -670,6 +753,27 @@ int launch_bwd(const FgBwdArgs& a) {
         <<<cuda::detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
     err = cudaGetLastError();
     if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dq convert launch", err);
+  }
+
+  // 4. dk, dv from the workspaces when the GQA group was split (dk_accum holds scale * dS^T Q).
+  if (splits > 1) {
+    for (int which = 0; which < 2; ++which) {
+      cuda::BwdConvertParams<Element> cp;
+      cp.src = which == 0 ? a.dk_accum : a.dv_accum;
+      cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
+      cp.rows = a.batch * a.heads_kv * a.seqlen_k;
+      cp.heads = int(a.heads_kv);
+      cp.seqlen = int(a.seqlen_k);
+      cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, which == 0 ? a.dk_stride_b : a.dv_stride_b,
+                                which == 0 ? a.dk_stride_h : a.dv_stride_h, which == 0 ? a.dk_stride_n : a.dv_stride_n,
+                                false);
+      cp.mul = 1.f;
+      const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
+      cuda::bwd_convert_kernel<Element, kHeadDim>
+          <<<cuda::detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dk/dv convert launch", err);
+    }
   }
   return FG_OK;
 }
