@@ -44,7 +44,7 @@ def test_sm90_declares_what_it_serves(causal):
         assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
                                                           frozenset(feats))).family is sm90
     for d, feats, lacks in ((256, ("backward",), "backward kernels at head_dim 256"),
-                            (128, ("varlen", "backward"), "backward kernels for packed")):
+                            (128, ("sparse", "backward"), "backward kernels for block lists")):
         choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, d, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
@@ -67,29 +67,32 @@ EVERY_SPEC = sorted(p.stem for p in SPECS.glob("*.attn"))
 @pytest.mark.parametrize("dtype", [ir.DType.FP16, ir.DType.BF16])
 def test_sm90_backward_serves_every_spec(name, d, dtype):
     """The sm90 backward serves every spec (masks, score expressions, parameters, dropout) at head
-    dims 64 and 128, fp16/bf16, in the padded layout, GQA or not, not deterministic. Its
-    instantiations carry the backward unit."""
+    dims 64 and 128, fp16/bf16, in the padded and packed layouts, GQA or not, not deterministic.
+    Its instantiations (padded and packed) carry the backward unit."""
     spec = flashgen.compile(SPECS / f"{name}.attn").spec
     feats = BWD | ({"dropout"} if spec.dropout else set())
     for gqa in (False, True):
-        choice = families.choose(spec, families.Call("cuda", "sm_90a", dtype, d, frozenset(feats), gqa))
-        assert choice.family.name == "sm90", choice.why()
-    inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d)
-    cfg = dict(inst.config)
-    assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
-    assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
-    assert '#include "flashgen/sm90/bwd.cuh"' in inst.sources()[inst.source_name("bwd")]
+        for packed in (False, True):
+            call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa)
+            choice = families.choose(spec, call)
+            assert choice.family.name == "sm90", choice.why()
+    for packed in (False, True):
+        inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed)
+        cfg = dict(inst.config)
+        assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
+        assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
+        text = inst.sources()[inst.source_name("bwd")]
+        assert '#include "flashgen/sm90/bwd.cuh"' in text
+        assert f"FgBwdTile, {'true' if packed else 'false'}>(*args)" in text
 
 
 @pytest.mark.parametrize(("spec", "d", "feats", "kw", "lacks"), [
     ("causal", 256, (), {}, "head_dim 256"),
     ("causal", 96, (), {}, "head_dim 96"),
-    ("dense", 128, ("varlen",), {}, "packed (varlen)"),
     ("causal", 128, ("sparse",), {}, "block lists"),
     ("dense", 128, (), {"deterministic": True}, "deterministic"),
     ("alibi", 64, (), {"gqa": True, "deterministic": True}, "deterministic"),
     ("dropout", 256, ("dropout",), {}, "head_dim 256"),
-    ("bias", 128, ("varlen",), {}, "packed (varlen)"),
     ("sliding_window", 128, ("sparse",), {}, "block lists"),
 ])
 def test_sm90_backward_declines_the_rest(spec, d, feats, kw, lacks):
@@ -206,6 +209,8 @@ def test_family_for_says_which_and_why(causal):
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "dropout"}))
     assert families.choose(causal.spec, call).family.name == "sm90"
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "backward"}))
+    assert families.choose(causal.spec, call).family.name == "sm90"
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"sparse", "backward"}))
     assert families.choose(causal.spec, call).family.name == "sm80"
 
 

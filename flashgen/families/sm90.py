@@ -5,8 +5,8 @@ of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatom
 dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
 256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
-GQA/MQA too, at head dims 64 and 128 in the padded layout (``backward_reason``); every other
-backward (packed, block lists, deterministic, other head dims) runs on ``sm80`` (a backward recomputes from q,
+GQA/MQA too, at head dims 64 and 128 in the padded and the packed layout (``backward_reason``);
+every other backward (block lists, deterministic, other head dims) runs on ``sm80`` (a backward recomputes from q,
 k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
 backward)."""
 
@@ -313,7 +313,8 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
 # The backward (templates/include/flashgen/sm90/bwd.cuh): key/value-stationary CTAs of 128 keys
 # (two consumer warpgroups of 64) walking the query tiles of BWD_BLOCK_M[head_dim] rows of the
 # query heads of their kv head through a BWD_STAGES-deep TMA ring. It serves every spec at these
-# head dims in the padded layout; every other backward call runs on sm80 (``backward_reason``).
+# head dims in the padded and packed layouts; every other backward call runs on sm80
+# (``backward_reason``).
 BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
 BWD_STAGES = 2
 BWD_BLOCK_N = 128  # keys per CTA
@@ -321,13 +322,13 @@ BWD_BLOCK_N = 128  # keys per CTA
 
 def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES) -> int:
     """Dynamic shared memory of one sm90 backward CTA in bytes (sm90/bwd.cuh's layout): K and V
-    of the key tile, the Q and dO rings, two dS buffers, the LSE and D rings, the mbarriers and
-    1024 bytes of alignment slack."""
+    of the key tile, the Q and dO rings, two dS buffers, the LSE and D rings, the mbarriers
+    (3 + 2 · stages) and 1024 bytes of alignment slack."""
     bm, panels = BWD_BLOCK_M[head_dim], head_dim // 64
     kv = 2 * panels * BWD_BLOCK_N * 128
     q_do = 2 * stages * panels * bm * 128
     ds = 2 * (BWD_BLOCK_N // 64) * bm * 128
-    return kv + q_do + ds + 2 * stages * bm * 4 + 8 * (2 + 2 * stages) + 1024
+    return kv + q_do + ds + 2 * stages * bm * 4 + 8 * (3 + 2 * stages) + 1024
 BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
 
 
@@ -335,12 +336,11 @@ def backward_reason(spec: ir.Spec, call) -> str | None:
     """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
     the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
     every spec (masks, score expressions, parameters and their gradients, dropout) at head dim 64
-    or 128 in the padded layout, GQA/MQA included, without block lists or the deterministic mode."""
+    or 128 in the padded and the packed (varlen) layout, GQA/MQA included, without block lists or
+    the deterministic mode."""
     if call.head_dim not in BWD_BLOCK_M:
         return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
                 f"{', '.join(map(str, BWD_BLOCK_M))})")
-    if "varlen" in call.features:
-        return "has no backward kernels for packed (varlen) batches"
     if "sparse" in call.features:
         return "has no backward kernels for block lists (block-sparse)"
     if call.deterministic:

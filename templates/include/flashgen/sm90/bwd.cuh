@@ -111,7 +111,7 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   cuda::BwdParams<Element, VParams> base;  // everything the sm80 backward's Params hold
 };
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
 struct Sm90Bwd {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward (stage a) takes head_dim 64 and 128");
   static constexpr int kD = kHeadDim;
@@ -136,7 +136,7 @@ struct Sm90Bwd {
   static constexpr int kOffL = kOffS + 2 * kSBytes;
   static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
-  static constexpr int kNumBars = 2 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S]
+  static constexpr int kNumBars = 3 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail
   static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
   // A consumer's dQ block (64 x 64): rows [kDqRows wg, + 64) and columns [kDqCols wg, + 64) of
@@ -151,7 +151,7 @@ struct Sm90Bwd {
   // queries per step): its key ranges and P^T / dS^T (probs_grads) on the C-fragment layout
   // that each consumer warp's wgmma accumulators share.
   using Base = cuda::BwdMainloop<Variant, Element, kHeadDim, cuda::BwdTile<kBlockM, 8, 1, kBlockM / 32>, true,
-                                 false, false>;
+                                 kPacked, false>;
   static_assert(Base::kBlockN == kBlockN && Base::kBlockM == kBlockM, "tiles");
   using BaseParams = cuda::BwdParams<Element, typename Variant::Params>;
   using Params = Sm90BwdParams<Element, typename Variant::Params>;
@@ -166,7 +166,28 @@ struct Sm90Bwd {
     __device__ uint32_t kv_ready() const { return base + 8; }
     __device__ uint32_t full(int s) const { return base + 16 + 8 * s; }
     __device__ uint32_t empty(int s) const { return base + 16 + 8 * (kStages + s); }
+    // kPacked: the TMA copy of a sequence's last, partial query tile lands here first (the
+    // producer then zeroes the rows past the sequence before it releases the stage).
+    __device__ uint32_t q_tail() const { return base + 16 + 16 * kStages; }
   };
+
+  // Packed batches: the Params of sequence sp as if it were a padded batch of its own lengths
+  // (the per-row buffers and the outputs moved to its first rows; the tensor maps see the whole
+  // packed tensor, so TMA rows are offset by sp.q0 / sp.k0 instead).
+  static __device__ __forceinline__ BaseParams localize(const BaseParams& p, const cuda::SeqSpan& sp) {
+    BaseParams lp = p;
+    lp.seqlen_q = sp.len_q;
+    lp.seqlen_k = sp.len_k;
+    lp.num_m_tiles = (sp.len_q + kBlockM - 1) / kBlockM;
+    lp.dk += cuda::wide(sp.k0) * p.dk_sn;
+    lp.dv += cuda::wide(sp.k0) * p.dv_sn;
+    lp.lse += sp.q0;
+    lp.dsum += sp.q0;
+    lp.dq_accum += cuda::wide(sp.q0) * kHeadDim;
+    if (p.dk_accum) lp.dk_accum += cuda::wide(sp.k0) * kHeadDim;
+    if (p.dv_accum) lp.dv_accum += cuda::wide(sp.k0) * kHeadDim;
+    return lp;
+  }
 
   // The work item of this CTA: key tile fastest, then the GQA split, then kv head, then batch.
   // Its query heads: h0, h0 + 1, ..., h0 + n_heads - 1 (the split's share of the kv head's group).
@@ -237,10 +258,10 @@ struct Sm90Bwd {
   // ---------------------------------------------------------------------------------------------
   // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp loads LSE / D and
   // zero-fills).
-  static __device__ __forceinline__ void produce(const Params& P, unsigned char* smem, uint32_t s0,
-                                                 const Bars& bar, int lane) {
-    const BaseParams& p = P.base;
+  static __device__ __forceinline__ void produce(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
+                                                 unsigned char* smem, uint32_t s0, const Bars& bar, int lane) {
     const Item it = item(p);
+    const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
     const Walk w = scan(p, it, lane);
     if (w.m_first > w.m_last) return;
     if (lane == 0) {
@@ -249,14 +270,15 @@ struct Sm90Bwd {
       ptx::mbar_arrive_expect_tx(bar.full_kv(), 2 * kKBytes);
 #pragma unroll
       for (int pn = 0; pn < kPanels; ++pn) {
-        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, it.kv0, it.hkv, it.b);
-        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, it.kv0, it.hkv, it.b);
+        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, sp.k0 + it.kv0, it.hkv, tb);
+        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, sp.k0 + it.kv0, it.hkv, tb);
       }
     }
     // Rows of the tile inside the tensor but outside every visible key range: zeros (masked
-    // there, but dQ = dS K would take 0 x NaN from them).
+    // there, but dQ = dS K would take 0 x NaN from them). Packed: the rows past the sequence's
+    // keys are the next sequence's, zeroed too.
     ptx::mbar_wait(bar.full_kv(), 0);
-    const int in_hi = imin(it.kv0 + kBlockN, p.seqlen_k);
+    const int in_hi = kPacked ? it.kv0 + kBlockN : imin(it.kv0 + kBlockN, p.seqlen_k);
     if (w.vis_lo > it.kv0 || w.vis_hi < in_hi) {
       const uint4 zero = make_uint4(0, 0, 0, 0);
       for (int r = lane / 8; r < kBlockN; r += 4) {
@@ -279,6 +301,7 @@ struct Sm90Bwd {
     float* sL = reinterpret_cast<float*>(smem + kOffL);
     float* sD = reinterpret_cast<float*>(smem + kOffDs);
     uint32_t cnt = 0;
+    [[maybe_unused]] uint32_t tails = 0;
     int gi, m;
     first_step(p, it, w, gi, m);
     for (; gi < it.n_heads; next_step(p, it, w, gi, m), ++cnt) {
@@ -288,14 +311,43 @@ struct Sm90Bwd {
       const uint32_t phase = (cnt / kStages) & 1;
       if (cnt >= kStages) ptx::mbar_wait(bar.empty(stage), phase ^ 1);
       const int q_lo = m * kBlockM;
+      // Packed: a partial last tile's rows past the sequence are the next sequence's queries;
+      // its copy completes on q_tail, the warp zeroes those rows of Q and dO (P = dS = 0 there
+      // by selection, but dV += P^T dO and dK += dS^T Q would take 0 x NaN from them), then
+      // arrives on the stage's full barrier in the copy's place.
+      const bool tail = kPacked && q_lo + kBlockM > p.seqlen_q;
+      const uint32_t copy_bar = tail ? bar.q_tail() : bar.full(stage);
       if (lane == 0) {
-        ptx::mbar_arrive_expect_tx(bar.full(stage), 2 * kQBytes);
+        ptx::mbar_arrive_expect_tx(copy_bar, 2 * kQBytes);
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) {
-          ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, bar.full(stage), pn * 64, q_lo,
-                           h, it.b);
-          ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, bar.full(stage), pn * 64, q_lo,
-                           h, it.b);
+          ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, copy_bar, pn * 64, sp.q0 + q_lo,
+                           h, tb);
+          ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, copy_bar, pn * 64, sp.q0 + q_lo,
+                           h, tb);
+        }
+      }
+      if constexpr (kPacked) {
+        if (tail) {
+          ptx::mbar_wait(bar.q_tail(), tails & 1);
+          ++tails;
+          const uint4 zero = make_uint4(0, 0, 0, 0);
+          // Rows [seqlen_q - q_lo, kBlockM) of every 64-column panel of Q and dO: 8 16-byte
+          // chunks per 128-byte row (the swizzle permutes chunks within a row only).
+          for (int c = lane; c < (kBlockM - (p.seqlen_q - q_lo)) * 8; c += 32) {
+            const int r = p.seqlen_q - q_lo + c / 8;
+#pragma unroll
+            for (int pn = 0; pn < 2 * kPanels; ++pn) {
+              const uint32_t a = s0 + (pn < kPanels ? kOffQ : kOffDO) + stage * kQBytes + (pn % kPanels) * kQPanel +
+                                 r * 128 + (c % 8) * 16;
+              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(zero.x), "r"(zero.y),
+                           "r"(zero.z), "r"(zero.w)
+                           : "memory");
+            }
+          }
+          ptx::fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(bar.full(stage));
         }
       }
       for (int r = lane; r < kBlockM; r += 32) {
@@ -338,9 +390,8 @@ struct Sm90Bwd {
   }
 
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
-  static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
+  static __device__ __forceinline__ void consume(const BaseParams& p, unsigned char* smem, uint32_t s0,
                                                  const Bars& bar, int wg, int warp_in_wg, int lane) {
-    const BaseParams& p = P.base;
     const Item it = item(p);
     const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
@@ -565,15 +616,30 @@ struct Sm90Bwd {
         ptx::mbar_init(bar.full(s), 2);  // the TMA's expect-tx arrival and the LSE / D arrival
         ptx::mbar_init(bar.empty(s), kConsumerWarps);
       }
+      ptx::mbar_init(bar.q_tail(), 1);
       ptx::fence_barrier_init();
     }
     __syncthreads();
+    if constexpr (kPacked) {
+      // Key tiles are counted up to max_seqlen_k: one past its sequence's keys has nothing to
+      // do (its keys' dK, dV come from the CTAs that hold them).
+      const Item it = item(P.base);
+      const cuda::SeqSpan sp = cuda::seq_span(P.base.cu_q, P.base.cu_k, it.b, P.base.seqlen_q, P.base.seqlen_k);
+      if (it.kv0 >= sp.len_k) return;
+      dispatch(P, localize(P.base, sp), sp, smem, s0, bar, wg, warp, lane);
+    } else {
+      dispatch(P, P.base, cuda::SeqSpan{0, 0, P.base.seqlen_q, P.base.seqlen_k}, smem, s0, bar, wg, warp, lane);
+    }
+  }
+  static __device__ __forceinline__ void dispatch(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
+                                                  unsigned char* smem, uint32_t s0, const Bars& bar, int wg, int warp,
+                                                  int lane) {
     if (wg == 0) {
       ptx::reg_dealloc<Tile::kProducerRegs>();
-      if (warp == 0) produce(P, smem, s0, bar, lane);
+      if (warp == 0) produce(P, p, sp, smem, s0, bar, lane);
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
-      consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
+      consume(p, smem, s0, bar, wg - 1, warp % 4, lane);
     }
   }
 };
@@ -588,32 +654,39 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
 int launch_bwd(const FgBwdArgs& a) {
-  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile>;
+  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile, kPacked>;
   using P = typename K::Params;
   static_assert(K::kSmem <= 227 * 1024, "the sm90 backward's tiles exceed shared memory");
   cuda::detail::reference_hooks<Variant>();
   cuda::detail::clear_error();
-  int st = cuda::detail::check_sizes(a, kHeadDim, false, true);
+  // Packed (varlen) batches (args.h): per-sequence rows from cu_seqlens (seqlen_q / seqlen_k
+  // are the longest sequence's), batch strides unused, the fp32 per-row buffers [H, total]; the
+  // tensor maps and the element-wise kernels see one batch of total rows.
+  int st = cuda::detail::check_sizes(a, kHeadDim, kPacked, true);
   if (st != FG_OK) return st;
-  if (a.cu_seqlens_q || a.cu_seqlens_k || a.q_blocks.data || a.kv_blocks.data || a.deterministic) {
+  if (a.q_blocks.data || a.kv_blocks.data || a.deterministic) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE,
-                              "the sm90 backward takes padded, dense-list, non-deterministic calls (the family "
-                              "routes the others to sm80)");
+                              "the sm90 backward takes dense-list, non-deterministic calls (the family routes the "
+                              "others to sm80)");
   }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
-  const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
+  const bool has_q = a.seqlen_q > 0 && (!kPacked || a.total_q > 0);
+  const bool has_k = a.seqlen_k > 0 && (!kPacked || a.total_k > 0);
+  if (!has_q && !has_k) return FG_OK;
+  const int64_t nb = kPacked ? 1 : a.batch;
+  const int64_t rows_q = kPacked ? a.total_q : a.seqlen_q, rows_k = kPacked ? a.total_k : a.seqlen_k;
   if ((has_q && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.softmax_d || !a.dq_accum)) ||
       (has_k && (!a.k || !a.v || !a.dk || !a.dv))) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE, "null pointer among q/k/v/out/dout/lse/dq/dk/dv/softmax_d/dq_accum");
   }
   constexpr int64_t kE16 = 16 / int64_t(sizeof(Element));
   auto bad_q = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_q && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_q, a.seqlen_q, kE16);
+    return has_q && cuda::detail::bad_tensor(ptr, sb, sh, sn, nb, a.heads_q, rows_q, kE16);
   };
   auto bad_k = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_k && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_kv, a.seqlen_k, kE16);
+    return has_k && cuda::detail::bad_tensor(ptr, sb, sh, sn, nb, a.heads_kv, rows_k, kE16);
   };
   const char* bad = nullptr;
   if (bad_q(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n)) bad = "q";
@@ -664,18 +737,18 @@ int launch_bwd(const FgBwdArgs& a) {
     memset(&pp, 0, sizeof(pp));
     pp.o = static_cast<const Element*>(a.out);
     pp.dout = static_cast<const Element*>(a.dout);
-    cuda::detail::set_strides(pp.o_sb, pp.o_sh, pp.o_sn, a.o_stride_b, a.o_stride_h, a.o_stride_n, false);
-    cuda::detail::set_strides(pp.do_sb, pp.do_sh, pp.do_sn, a.do_stride_b, a.do_stride_h, a.do_stride_n, false);
+    cuda::detail::set_strides(pp.o_sb, pp.o_sh, pp.o_sn, a.o_stride_b, a.o_stride_h, a.o_stride_n, kPacked);
+    cuda::detail::set_strides(pp.do_sb, pp.do_sh, pp.do_sn, a.do_stride_b, a.do_stride_h, a.do_stride_n, kPacked);
     pp.dsum = a.softmax_d;
     pp.dlse = a.dlse;
     pp.dq_accum = a.dq_accum;
-    pp.rows = a.batch * a.heads_q * a.seqlen_q;
+    pp.rows = nb * a.heads_q * rows_q;
     pp.heads_q = int(a.heads_q);
-    pp.seqlen_q = int(a.seqlen_q);
+    pp.seqlen_q = int(rows_q);
     if (splits > 1) {
       pp.zero_a = a.dk_accum;
       pp.zero_b = a.dv_accum;
-      pp.zero_count = a.batch * a.heads_kv * a.seqlen_k * kHeadDim;
+      pp.zero_count = nb * a.heads_kv * rows_k * kHeadDim;
     }
     constexpr int kTpr = kHeadDim / 8;  // 8 or 16 threads per row
     const int64_t blocks = (pp.rows + 256 / kTpr - 1) / (256 / kTpr);
@@ -697,8 +770,12 @@ int launch_bwd(const FgBwdArgs& a) {
     b.dq_accum = a.dq_accum;
     b.dk_accum = a.dk_accum;
     b.dv_accum = a.dv_accum;
-    cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, false);
-    cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, false);
+    cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, kPacked);
+    cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, kPacked);
+    b.cu_q = a.cu_seqlens_q;
+    b.cu_k = a.cu_seqlens_k;
+    b.total_q = a.total_q;
+    b.total_k = a.total_k;
     b.heads_q = int(a.heads_q);
     b.heads_kv = int(a.heads_kv);
     b.group = group;
@@ -710,17 +787,18 @@ int launch_bwd(const FgBwdArgs& a) {
     b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
     b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
-    st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.k_stride_b,
+    const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
+    st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st == FG_OK) {
-      st = detail::make_tmap(&p.tv, a.v, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.v_stride_b,
+      st = detail::make_tmap(&p.tv, a.v, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.v_stride_b,
                              a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
     }
     if (st == FG_OK && has_q) {
-      st = detail::make_tmap(&p.tq, a.q, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.q_stride_b,
+      st = detail::make_tmap(&p.tq, a.q, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.q_stride_b,
                              a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
       if (st == FG_OK) {
-        st = detail::make_tmap(&p.tdo, a.dout, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.do_stride_b,
+        st = detail::make_tmap(&p.tdo, a.dout, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.do_stride_b,
                                a.do_stride_h, a.do_stride_n, K::kBlockM, "dout");
       }
     }
@@ -743,10 +821,10 @@ int launch_bwd(const FgBwdArgs& a) {
     cuda::BwdConvertParams<Element> cp;
     cp.src = a.dq_accum;
     cp.dst = static_cast<Element*>(a.dq);
-    cp.rows = a.batch * a.heads_q * a.seqlen_q;
+    cp.rows = nb * a.heads_q * rows_q;
     cp.heads = int(a.heads_q);
-    cp.seqlen = int(a.seqlen_q);
-    cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n, false);
+    cp.seqlen = int(rows_q);
+    cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n, kPacked);
     cp.mul = a.scale;
     const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
     cuda::bwd_convert_kernel<Element, kHeadDim>
@@ -761,12 +839,12 @@ int launch_bwd(const FgBwdArgs& a) {
       cuda::BwdConvertParams<Element> cp;
       cp.src = which == 0 ? a.dk_accum : a.dv_accum;
       cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
-      cp.rows = a.batch * a.heads_kv * a.seqlen_k;
+      cp.rows = nb * a.heads_kv * rows_k;
       cp.heads = int(a.heads_kv);
-      cp.seqlen = int(a.seqlen_k);
+      cp.seqlen = int(rows_k);
       cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, which == 0 ? a.dk_stride_b : a.dv_stride_b,
                                 which == 0 ? a.dk_stride_h : a.dv_stride_h, which == 0 ? a.dk_stride_n : a.dv_stride_n,
-                                false);
+                                kPacked);
       cp.mul = 1.f;
       const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
       cuda::bwd_convert_kernel<Element, kHeadDim>
