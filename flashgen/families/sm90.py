@@ -433,9 +433,9 @@ class Sm90Family(Family):
         return DynamicSchedule(spec)
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
-        # The forward's 128-query tiles by its key tile; no backward of its own (a grad call's
-        # backward lists are made for the backward's family: op.block_args), so its slots repeat
-        # the forward's.
+        # The forward's 128-query tiles by its key tile; its backward takes no block lists (a grad
+        # call's backward lists are made for the backward's family, sm80: op.block_args), so its
+        # slots repeat the forward's.
         cfg = dict(config())
         bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
         return bm, bn, bn, 128, 128, bn

@@ -41,7 +41,7 @@ def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, m
 
     fr, fc, br, bc, dr, dc = tiles_of(fam)
     bfam = fam
-    if grad:  # the backward's lists are for the backward's family (sm90 has none: sm80's)
+    if grad:  # the backward's lists are for the backward's family (sm90's backward takes none: sm80's)
         bfam = op.choose_family(q.device, dtype, d, packed, True, dropout, backward=True).family
         if bfam is not fam:
             br, bc, dr, dc = tiles_of(bfam)[2:]
