@@ -91,6 +91,7 @@ class FgBwdArgs(ctypes.Structure):
         *_VARLEN,
         ("q_blocks", FgBlockLists), ("kv_blocks", FgBlockLists),
         *_DECIDED, ("gqa_splits", ctypes.c_int32),
+        ("dq_semaphore", ctypes.c_void_p),
     ]
 
 

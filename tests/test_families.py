@@ -2,6 +2,8 @@
 call runs where it runs, and forcing one (FLASHGEN_FAMILY, use_family, op.build(family=),
 --family) without ever falling back."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import SPECS
@@ -67,15 +69,14 @@ EVERY_SPEC = sorted(p.stem for p in SPECS.glob("*.attn"))
 @pytest.mark.parametrize("dtype", [ir.DType.FP16, ir.DType.BF16])
 def test_sm90_backward_serves_every_spec(name, d, dtype):
     """The sm90 backward serves every spec (masks, score expressions, parameters, dropout) at head
-    dims 64 and 128, fp16/bf16, in the padded and packed layouts, GQA or not, not deterministic.
-    Its instantiations (padded and packed) carry the backward unit."""
+    dims 64 and 128, fp16/bf16, in the padded and packed layouts, GQA or not, deterministic or
+    not. Its instantiations (padded and packed) carry the backward unit."""
     spec = flashgen.compile(SPECS / f"{name}.attn").spec
     feats = BWD | ({"dropout"} if spec.dropout else set())
-    for gqa in (False, True):
-        for packed in (False, True):
-            call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa)
-            choice = families.choose(spec, call)
-            assert choice.family.name == "sm90", choice.why()
+    for gqa, packed, det in itertools.product((False, True), repeat=3):
+        call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa, det)
+        choice = families.choose(spec, call)
+        assert choice.family.name == "sm90", choice.why()
     for packed in (False, True):
         inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed)
         cfg = dict(inst.config)
@@ -90,8 +91,7 @@ def test_sm90_backward_serves_every_spec(name, d, dtype):
     ("causal", 256, (), {}, "head_dim 256"),
     ("causal", 96, (), {}, "head_dim 96"),
     ("causal", 128, ("sparse",), {}, "block lists"),
-    ("dense", 128, (), {"deterministic": True}, "deterministic"),
-    ("alibi", 64, (), {"gqa": True, "deterministic": True}, "deterministic"),
+    ("alibi", 64, ("sparse",), {"gqa": True, "deterministic": True}, "block lists"),
     ("dropout", 256, ("dropout",), {}, "head_dim 256"),
     ("sliding_window", 128, ("sparse",), {}, "block lists"),
 ])
@@ -123,7 +123,9 @@ def test_sm90_backward_choice_through_the_op(causal):
         pick = lambda **kw: causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, backward=True,  # noqa: E731
                                                  **kw).family.name
         assert pick() == "sm90" and pick(gqa=True) == "sm90"
-        assert pick(deterministic=True) == "sm80" and pick(gqa=True, deterministic=True) == "sm80"
+        assert pick(deterministic=True) == "sm90" and pick(gqa=True, deterministic=True) == "sm90"
+        assert causal.choose_family(dev, ir.DType.BF16, 128, False, True, False, backward=True,
+                                    deterministic=True).family.name == "sm80"  # block lists
         # the forward ignores both
         assert causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, gqa=True,
                                     deterministic=True).family.name == "sm90"

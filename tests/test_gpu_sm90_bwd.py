@@ -4,8 +4,8 @@ poison_outputs). Every sm90 case forces the family with flashgen.use_family, so 
 the family does not serve raises instead of silently running on sm80; the module skips on
 devices that are not compute capability 9.0. The sm90 backward serves every spec (masks, score
 expressions, parameters and their gradients, dropout) at head dims 64 and 128, fp16/bf16, in the
-padded layout, GQA/MQA included (with and without the group split); packed, block-sparse and
-deterministic calls run on sm80."""
+padded and packed layouts, GQA/MQA included (with and without the group split), deterministic or
+not; block-sparse calls run on sm80."""
 
 import itertools
 from concurrent.futures import ThreadPoolExecutor
@@ -62,9 +62,10 @@ def test_sm90_serves_the_padded_backward(ops):
             for dt in (torch.float16, torch.bfloat16):
                 assert ops[name].family_for("cuda", dt, d, backward=True).family.name == "sm90"
                 assert ops[name].family_for("cuda", dt, d, backward=True, gqa=True).family.name == "sm90"
-    for kw in ({"layout": "packed"}, {"sparse": True}, {"deterministic": True}):
-        choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, **kw)
-        assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
+                for kw in ({"layout": "packed"}, {"deterministic": True}):
+                    assert ops[name].family_for("cuda", dt, d, backward=True, **kw).family.name == "sm90"
+    choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, sparse=True)
+    assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
     assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"
 
 
@@ -117,20 +118,63 @@ def test_gradient_through_lse(ops):
 
 
 def test_unserved_backward_calls_run_on_sm80_or_raise_when_forced(ops):
+    """Block lists: the sm90 forward, then sm80's backward; forced onto sm90 the backward raises."""
     gen = torch.Generator(device="cuda").manual_seed(4400)
-    q, k, v = make(1, 4, 4, 130, 130, 128, torch.bfloat16, False, gen)
+    q, k, v = make(1, 4, 4, 300, 300, 128, torch.bfloat16, False, gen)
     dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+    bm = flashgen.BlockMask.from_pattern(torch.ones(1, 4, 3, 3, dtype=torch.bool, device="cuda").tril(), 128)
     qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="deterministic"):
-        ops["causal"](qq, kk, vv, deterministic=True).backward(dout)
-    # Unforced: the sm90 forward, then sm80's deterministic backward, bitwise repeatable.
-    first = [None, None]
-    for i in range(2):
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        ops["causal"](qq, kk, vv, deterministic=True).backward(dout)
-        first[i] = (qq.grad, kk.grad, vv.grad)
-    assert all(torch.equal(a, b) for a, b in zip(*first, strict=True))
-    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, first[0]).ok
+    ops["causal"](qq, kk, vv, block_mask=bm).backward(dout)
+    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad)).ok
+    with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="block lists"):
+        ops["causal"](qq, kk, vv, block_mask=bm).backward(dout)
+
+
+# deterministic=True on the sm90 backward: each query tile's dQ adds in key-tile order behind a
+# semaphore; bitwise repeatable, equal to the reference, within rounding of the default mode.
+@pytest.mark.parametrize("name", ["causal", "dense", "sliding_window", "gemma", "document"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_on_the_sm90_backward(name, d):
+    fop = variant_cases.op(name)
+    gen = torch.Generator().manual_seed(4600 + d)
+    for b, hq, hkv, n in [(2, 4, 2, 1000), (1, 8, 1, 257), (3, 2, 2, 64)]:
+        q, k, v, dout = (torch.randn(b, h, n, d, generator=gen).bfloat16().cuda() for h in (hq, hkv, hkv, hq))
+        params = variant_cases.make_params(name, b, hq, n, n, "cuda", gen)
+        runs = []
+        for det in (True, True, True, False):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            with flashgen.use_family("sm90"):
+                fop(qq, kk, vv, deterministic=det, **params).backward(dout)
+            runs.append((qq.grad, kk.grad, vv.grad))
+        for other in runs[1:3]:
+            assert all(torch.equal(a, b_) for a, b_ in zip(runs[0], other, strict=True)), f"{name} d{d} n{n}"
+        cmp = check.compare_grads(fop.spec, q, k, v, dout, runs[0], params=params)
+        assert cmp.ok, f"{name} d{d} b{b} h{hq}/{hkv} n{n}: {cmp}"
+        for a, b_ in zip(runs[0], runs[3], strict=True):
+            torch.testing.assert_close(a.float(), b_.float(), atol=2e-2, rtol=0)
+
+
+def test_deterministic_packed_on_the_sm90_backward():
+    import varlen_cases
+
+    fop = variant_cases.op("causal")
+    lens = [1, 0, 1000, 37, 512]
+    cu = varlen_cases.cu_seqlens(lens, "cuda")
+    q, k, v, dout = varlen_cases.inputs(lens, lens, 8, 2, 128, torch.bfloat16, device="cuda", seed=90)
+    kw = {"cu_seqlens_q": cu, "cu_seqlens_k": cu, "max_seqlen_q": 1000, "max_seqlen_k": 1000, "deterministic": True}
+    runs = []
+    for _ in range(3):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        with flashgen.use_family("sm90"):
+            fop(qq, kk, vv, **kw).backward(dout)
+        runs.append((qq.grad, kk.grad, vv.grad))
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r, strict=True))
+    c = cu.tolist()
+    for b in range(len(lens)):
+        seq = [varlen_cases.sequence(t, c, b) for t in (q, k, v, dout)]
+        grads = tuple(varlen_cases.sequence(g, c, b) for g in runs[0])
+        cmp = check.compare_grads(fop.spec, *seq, grads)
+        assert cmp.ok, f"sequence {b}: {cmp}"
 
 
 # Every example spec (masks, score expressions, int / float / tensor parameters and the gradients

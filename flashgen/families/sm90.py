@@ -6,7 +6,8 @@ dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and t
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
 256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
 GQA/MQA too, at head dims 64 and 128 in the padded and the packed layout (``backward_reason``);
-every other backward (block lists, deterministic, other head dims) runs on ``sm80`` (a backward recomputes from q,
+deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not;
+every other backward (block lists, other head dims) runs on ``sm80`` (a backward recomputes from q,
 k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
 backward)."""
 
@@ -336,15 +337,13 @@ def backward_reason(spec: ir.Spec, call) -> str | None:
     """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
     the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
     every spec (masks, score expressions, parameters and their gradients, dropout) at head dim 64
-    or 128 in the padded and the packed (varlen) layout, GQA/MQA included, without block lists or
-    the deterministic mode."""
+    or 128 in the padded and the packed (varlen) layout, GQA/MQA included, deterministic or not,
+    without block lists."""
     if call.head_dim not in BWD_BLOCK_M:
         return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
                 f"{', '.join(map(str, BWD_BLOCK_M))})")
     if "sparse" in call.features:
         return "has no backward kernels for block lists (block-sparse)"
-    if call.deterministic:
-        return "has no deterministic backward kernels (deterministic=True)"
     return None
 
 

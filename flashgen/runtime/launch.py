@@ -328,6 +328,10 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
         args.q_blocks, args.kv_blocks = blocks.bwd()
     if q.is_cuda:
         args.num_sms = _num_sms(q.get_device())
+    # The sm90 backward's deterministic mode orders each query tile's dQ adds with a semaphore
+    # per query row (args.h); the other families ignore it.
+    dq_semaphore = torch.zeros(rows_q, dtype=torch.int32, device=q.device) if deterministic and q.is_cuda else None
+    args.dq_semaphore = ptr(dq_semaphore)
     op.launch_fields(lib).bwd(args, values, lib.instantiation.config)
     check_status(lib, "bwd", _launch(lib.bwd, args, q))
     return dq, dk, dv, pgrads

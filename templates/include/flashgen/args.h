@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 9
+#define FG_ABI_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -253,6 +253,11 @@ typedef struct FgBwdArgs {
   // FG_ERR_BAD_SHAPE. Taken only on the non-deterministic path with the dk/dv workspaces (cuda/
   // bwd.cuh); otherwise one CTA serves the whole group. CPU: unused.
   int32_t gqa_splits;
+  // CUDA, the sm90 backward's deterministic mode: int32 zeros, one per query row in lse's layout
+  // ([batch, heads_q, seqlen_q], packed [heads_q, total_q]), allocated per call; the entry of a
+  // query tile's first row orders the key tiles' dQ adds (sm90/bwd.cuh). Null when not
+  // deterministic; sm80 and the CPU ignore it.
+  int32_t* dq_semaphore;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

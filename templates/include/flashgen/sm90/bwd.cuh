@@ -85,6 +85,15 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                : "memory");
 #endif
 }
+// The deterministic mode's semaphore: an acquire load and a release store at GPU scope.
+__device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int32_t* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 }  // namespace ptx
 
 // kBlockM query rows per step (64 at d 64 and 128; 128 at d 64 builds but ptxas spills there:
@@ -109,6 +118,10 @@ template <class Element, class VParams>
 struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   CUtensorMap tq, tk, tv, tdo;  // TMA descriptors (sm90/tma.cuh)
   cuda::BwdParams<Element, VParams> base;  // everything the sm80 backward's Params hold
+  // The deterministic mode (args.dq_semaphore; null otherwise): int32 per query row, laid out
+  // as lse, zeros at launch (the host allocates them per call); the entry of a query tile's first row counts the
+  // key tiles that have added their dQ partials to that tile.
+  int32_t* sem;
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
@@ -390,8 +403,8 @@ struct Sm90Bwd {
   }
 
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
-  static __device__ __forceinline__ void consume(const BaseParams& p, unsigned char* smem, uint32_t s0,
-                                                 const Bars& bar, int wg, int warp_in_wg, int lane) {
+  static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, unsigned char* smem,
+                                                 uint32_t s0, const Bars& bar, int wg, int warp_in_wg, int lane) {
     const Item it = item(p);
     const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
@@ -545,15 +558,44 @@ struct Sm90Bwd {
         if (lane == 0) ptx::mbar_arrive(bar.empty(stage));  // Q, dO, LSE, D of the stage are read
 
         // dQ partials into dq_accum (the convert kernel scales them).
+        auto add_dq = [&]() {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int q = q_lo + kDqRows * wg + 16 * warp_in_wg + g + 8 * half;
-          if (q < Nq) {
-            float* row_p = dqa + cuda::wide(q) * kHeadDim + kDqCols * wg + 2 * t;
+          for (int half = 0; half < 2; ++half) {
+            const int q = q_lo + kDqRows * wg + 16 * warp_in_wg + g + 8 * half;
+            if (q < Nq) {
+              float* row_p = dqa + cuda::wide(q) * kHeadDim + kDqCols * wg + 2 * t;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              cuda::bwd_detail::atomic_add2(row_p + 8 * j, dq[j][2 * half], dq[j][2 * half + 1]);
+              for (int j = 0; j < 8; ++j) {
+                cuda::bwd_detail::atomic_add2(row_p + 8 * j, dq[j][2 * half], dq[j][2 * half + 1]);
+              }
             }
+          }
+        };
+        if (P.sem == nullptr) {
+          add_dq();
+        } else {
+          // Deterministic: the key tiles that see query tile (h, m) add in ascending order, each
+          // once the tile's semaphore counts the ones before it (its rank among the tiles that
+          // intersect the tile's key range; FlashAttention-3's ordered dQ). Inside the CTA the
+          // warpgroups' adds are disjoint (d 128) or ordered by a named barrier (d 64, where
+          // both add to the whole tile); the count is released after all of them.
+          int32_t* sem = P.sem + q0 + Base::q_rows(p, it.b, h) + q_lo;
+          const int rank = it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN;
+          if (wg == 0 && warp_in_wg == 0 && lane == 0) {
+            while (ptx::ld_acquire_gpu(sem) != rank) __nanosleep(32);
+          }
+          ptx::bar_sync<2, 256>();
+          if constexpr (kDqKeySplit) {
+            if (wg == 0) add_dq();
+            ptx::bar_sync<2, 256>();
+            if (wg == 1) add_dq();
+          } else {
+            add_dq();
+          }
+          ptx::bar_sync<2, 256>();
+          if (wg == 0 && warp_in_wg == 0 && lane == 0) {
+            __threadfence();
+            ptx::st_release_gpu(sem, rank + 1);
           }
         }
       }
@@ -639,7 +681,7 @@ struct Sm90Bwd {
       if (warp == 0) produce(P, p, sp, smem, s0, bar, lane);
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
-      consume(p, smem, s0, bar, wg - 1, warp % 4, lane);
+      consume(P, p, sp.q0, smem, s0, bar, wg - 1, warp % 4, lane);
     }
   }
 };
@@ -666,11 +708,11 @@ int launch_bwd(const FgBwdArgs& a) {
   // tensor maps and the element-wise kernels see one batch of total rows.
   int st = cuda::detail::check_sizes(a, kHeadDim, kPacked, true);
   if (st != FG_OK) return st;
-  if (a.q_blocks.data || a.kv_blocks.data || a.deterministic) {
+  if (a.q_blocks.data || a.kv_blocks.data) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE,
-                              "the sm90 backward takes dense-list, non-deterministic calls (the family routes the "
-                              "others to sm80)");
+                              "the sm90 backward takes dense-list calls (the family routes block lists to sm80)");
   }
+  const bool det = a.deterministic != 0;
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
   const bool has_q = a.seqlen_q > 0 && (!kPacked || a.total_q > 0);
   const bool has_k = a.seqlen_k > 0 && (!kPacked || a.total_k > 0);
@@ -724,7 +766,11 @@ int launch_bwd(const FgBwdArgs& a) {
                               (int)a.gqa_splits, group);
   }
   int splits = 1;
-  if (has_q && has_k && group > 1 && a.gqa_splits > 1) {
+  if (det && has_q && has_k && (!a.dq_semaphore || cuda::detail::misaligned4(a.dq_semaphore))) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE, "deterministic: dq_semaphore must be a 4-byte aligned int32 buffer "
+                              "of one entry per query row");
+  }
+  if (!det && has_q && has_k && group > 1 && a.gqa_splits > 1) {
     if (!a.dk_accum || !a.dv_accum || cuda::detail::misaligned(a.dk_accum) || cuda::detail::misaligned(a.dv_accum)) {
       return cuda::detail::fail(FG_ERR_BAD_SHAPE, "gqa_splits > 1 needs 16-byte aligned dk_accum and dv_accum");
     }
@@ -770,6 +816,7 @@ int launch_bwd(const FgBwdArgs& a) {
     b.dq_accum = a.dq_accum;
     b.dk_accum = a.dk_accum;
     b.dv_accum = a.dv_accum;
+    p.sem = det && has_q ? a.dq_semaphore : nullptr;
     cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, kPacked);
     cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, kPacked);
     b.cu_q = a.cu_seqlens_q;
