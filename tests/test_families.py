@@ -46,7 +46,7 @@ def test_sm90_declares_what_it_serves(causal):
         assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
                                                           frozenset(feats))).family is sm90
     for d, feats, lacks in ((256, ("backward",), "backward kernels at head_dim 256"),
-                            (128, ("sparse", "backward"), "backward kernels for block lists")):
+                            (96, ("sparse", "backward"), "backward kernels at head_dim 96")):
         choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, d, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
@@ -77,23 +77,26 @@ def test_sm90_backward_serves_every_spec(name, d, dtype):
         call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa, det)
         choice = families.choose(spec, call)
         assert choice.family.name == "sm90", choice.why()
-    for packed in (False, True):
-        inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed)
+    for packed, sparse in itertools.product((False, True), repeat=2):
+        inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed, sparse=sparse)
         cfg = dict(inst.config)
         assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
         assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
         text = inst.sources()[inst.source_name("bwd")]
         assert '#include "flashgen/sm90/bwd.cuh"' in text
-        assert f"FgBwdTile, {'true' if packed else 'false'}>(*args)" in text
+        flag = lambda x: "true" if x else "false"  # noqa: E731
+        assert f"FgBwdTile, {flag(packed)}, {flag(sparse)}>(*args)" in text
+        # the backward's q lists are at its own tiles: 128 keys x 64-row query tiles
+        assert families.get("sm90").block_tiles(lambda: cfg, (128, 128))[2:4] == (128, 64)
 
 
 @pytest.mark.parametrize(("spec", "d", "feats", "kw", "lacks"), [
     ("causal", 256, (), {}, "head_dim 256"),
     ("causal", 96, (), {}, "head_dim 96"),
-    ("causal", 128, ("sparse",), {}, "block lists"),
+    ("causal", 128, ("sparse",), {"deterministic": True}, "block lists"),
     ("alibi", 64, ("sparse",), {"gqa": True, "deterministic": True}, "block lists"),
     ("dropout", 256, ("dropout",), {}, "head_dim 256"),
-    ("sliding_window", 128, ("sparse",), {}, "block lists"),
+    ("sliding_window", 128, ("sparse", "varlen"), {"deterministic": True}, "block lists"),
 ])
 def test_sm90_backward_declines_the_rest(spec, d, feats, kw, lacks):
     """Every other backward call runs on sm80, and the choice names the feature sm90 lacks; a
@@ -213,6 +216,8 @@ def test_family_for_says_which_and_why(causal):
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "backward"}))
     assert families.choose(causal.spec, call).family.name == "sm90"
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"sparse", "backward"}))
+    assert families.choose(causal.spec, call).family.name == "sm90"
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"sparse", "backward"}), deterministic=True)
     assert families.choose(causal.spec, call).family.name == "sm80"
 
 

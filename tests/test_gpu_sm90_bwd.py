@@ -62,9 +62,9 @@ def test_sm90_serves_the_padded_backward(ops):
             for dt in (torch.float16, torch.bfloat16):
                 assert ops[name].family_for("cuda", dt, d, backward=True).family.name == "sm90"
                 assert ops[name].family_for("cuda", dt, d, backward=True, gqa=True).family.name == "sm90"
-                for kw in ({"layout": "packed"}, {"deterministic": True}):
+                for kw in ({"layout": "packed"}, {"deterministic": True}, {"sparse": True}):
                     assert ops[name].family_for("cuda", dt, d, backward=True, **kw).family.name == "sm90"
-    choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, sparse=True)
+    choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, sparse=True, deterministic=True)
     assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
     assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"
 
@@ -118,16 +118,21 @@ def test_gradient_through_lse(ops):
 
 
 def test_unserved_backward_calls_run_on_sm80_or_raise_when_forced(ops):
-    """Block lists: the sm90 forward, then sm80's backward; forced onto sm90 the backward raises."""
+    """Block lists with deterministic=True: the sm90 forward, then sm80's deterministic backward,
+    bitwise repeatable; forced onto sm90 the backward raises."""
     gen = torch.Generator(device="cuda").manual_seed(4400)
     q, k, v = make(1, 4, 4, 300, 300, 128, torch.bfloat16, False, gen)
     dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
     bm = flashgen.BlockMask.from_pattern(torch.ones(1, 4, 3, 3, dtype=torch.bool, device="cuda").tril(), 128)
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    ops["causal"](qq, kk, vv, block_mask=bm).backward(dout)
-    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad)).ok
+    runs = []
+    for _ in range(2):
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        ops["causal"](qq, kk, vv, block_mask=bm, deterministic=True).backward(dout)
+        runs.append((qq.grad, kk.grad, vv.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert check.compare_grads(ops["causal"].spec, q, k, v, dout, runs[0]).ok
     with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="block lists"):
-        ops["causal"](qq, kk, vv, block_mask=bm).backward(dout)
+        ops["causal"](qq, kk, vv, block_mask=bm, deterministic=True).backward(dout)
 
 
 # deterministic=True on the sm90 backward: each query tile's dQ adds in key-tile order behind a
@@ -281,3 +286,42 @@ def test_packed_sequences_never_see_their_neighbours():
         seq = [varlen_cases.sequence(t, c, b) for t in (q, k, v, dout)]
         cmp = check.compare_grads(fop.spec, *seq, grads)
         assert cmp.ok, f"sequence {b}: {cmp}"
+
+
+# Block lists on the sm90 backward, forced: random patterns (an empty query block, a key block
+# nobody sees), block masks from the spec's own mask, the document spec's per-call lists (its
+# block classifier at the backward's 128 x 64 tiles), GQA, packed.
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_sparse_on_the_sm90_backward(d):
+    import sparsity_cases
+
+    cases = [("causal", 2, 4, 2, 700, 500, {}, None), ("dense", 1, 4, 4, 300, 640, {}, 0.5),
+             ("sliding_window", 2, 4, 1, 900, 900, {"window": 200}, None), ("dense", 2, 2, 2, 257, 257, {}, 0.3)]
+    for i, (name, B, Hq, Hkv, nq, nk, params, density) in enumerate(cases):
+        with flashgen.use_family("sm90"):
+            sparsity_cases.run_case(name, B, Hq, Hkv, nq, nk, d, torch.bfloat16, device="cuda", params=params,
+                                    pattern=density, from_spec=density is None, seed=100 + i)
+    with flashgen.use_family("sm90"):
+        sparsity_cases.run_case("causal", 0, 4, 2, 700, 500, d, torch.bfloat16, device="cuda", from_spec=True,
+                                seed=110, packed=([700, 0, 17, 300], [500, 5, 17, 0]))
+        sparsity_cases.run_case("dropout", 1, 2, 1, 600, 600, d, torch.float16, device="cuda", pattern=0.5,
+                                dropout_p=0.2, seed=111)
+
+
+def test_document_auto_block_lists_on_the_sm90_backward():
+    """The document spec without a block_mask: per-call block lists from the classifier for the
+    forward's and the sm90 backward's tiles (no dq lists: sm90 has no separate dq pass)."""
+    ids = torch.tensor([[0] * 300 + [1] * 450 + [2] * 250, [0] * 7 + [3] * 993], dtype=torch.int32)
+    for d in (64, 128):
+        assert variant_cases.op("document").family_for("cuda", torch.bfloat16, d, sparse=True,
+                                                       backward=True).family.name == "sm90"
+        with flashgen.use_family("sm90"):
+            variant_cases.run_case("document", 2, 4, 2, 1000, 1000, d, torch.bfloat16, device="cuda", seed=120 + d)
+    with flashgen.use_family("sm90"):
+        fop = variant_cases.op("document")
+        g = torch.Generator().manual_seed(7)
+        q, k, v, dout = (torch.randn(2, h, 1000, 128, generator=g).bfloat16().cuda() for h in (4, 2, 2, 4))
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        fop(qq, kk, vv, document_id=ids.cuda()).backward(dout)
+        cmp = check.compare_grads(fop.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad), params={"document_id": ids.cuda()})
+        assert cmp.ok, str(cmp)

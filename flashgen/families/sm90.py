@@ -5,9 +5,10 @@ of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatom
 dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
 256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
-GQA/MQA too, at head dims 64 and 128 in the padded and the packed layout (``backward_reason``);
+GQA/MQA too, block lists too, at head dims 64 and 128 in the padded and the packed layout
+(``backward_reason``);
 deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not;
-every other backward (block lists, other head dims) runs on ``sm80`` (a backward recomputes from q,
+every other backward (other head dims; block lists with ``deterministic=True``) runs on ``sm80`` (a backward recomputes from q,
 k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
 backward)."""
 
@@ -337,13 +338,13 @@ def backward_reason(spec: ir.Spec, call) -> str | None:
     """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
     the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
     every spec (masks, score expressions, parameters and their gradients, dropout) at head dim 64
-    or 128 in the padded and the packed (varlen) layout, GQA/MQA included, deterministic or not,
-    without block lists."""
+    or 128 in the padded and the packed (varlen) layout, dense or with block lists, GQA/MQA
+    included, deterministic or not (except with block lists)."""
     if call.head_dim not in BWD_BLOCK_M:
         return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
                 f"{', '.join(map(str, BWD_BLOCK_M))})")
-    if "sparse" in call.features:
-        return "has no backward kernels for block lists (block-sparse)"
+    if "sparse" in call.features and call.deterministic:
+        return "has no deterministic backward kernels for block lists (block-sparse with deterministic=True)"
     return None
 
 
@@ -432,11 +433,14 @@ class Sm90Family(Family):
         return DynamicSchedule(spec)
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
-        # The forward's 128-query tiles by its key tile; its backward takes no block lists (a grad
-        # call's backward lists are made for the backward's family, sm80: op.block_args), so its
-        # slots repeat the forward's.
+        # The forward's 128-query tiles by its key tile; the backward's q lists per key tile of
+        # BWD_BLOCK_N keys by query tiles of its bwd90_block_m rows where the instantiation
+        # carries the sm90 backward (else the forward's, never used: a grad call's backward
+        # lists are made for the backward's family, op.block_args); no dq lists (dq_lists).
         cfg = dict(config())
         bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
+        if "bwd90_block_m" in cfg:
+            return bm, bn, BWD_BLOCK_N, cfg["bwd90_block_m"], 128, bn
         return bm, bn, bn, 128, 128, bn
 
 

@@ -41,7 +41,7 @@ def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, m
 
     fr, fc, br, bc, dr, dc = tiles_of(fam)
     bfam = fam
-    if grad:  # the backward's lists are for the backward's family (sm90's backward takes none: sm80's)
+    if grad:  # the backward's lists are for the backward's family (its tiles; dq lists only with dq_lists)
         bfam = op.choose_family(q.device, dtype, d, packed, True, dropout, backward=True).family
         if bfam is not fam:
             br, bc, dr, dc = tiles_of(bfam)[2:]
@@ -86,5 +86,5 @@ def auto_blocks(op, fam: families.Family, kind: str, q, k, values, packed: Packe
         return Blocks(lists_of(classify(mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
                       None, meta)
     qst = classify(mask_lib, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
-    dq = classify(mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
-    return Blocks(None, lists_of(qst), lists_of(dq), meta)
+    dq = lists_of(classify(mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)) if fam.dq_lists else None
+    return Blocks(None, lists_of(qst), dq, meta)

@@ -62,7 +62,7 @@ struct Variant_bias {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_bias_bwd_fp16_hd128(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_bias, __half, 128, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_bias, __half, 128, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_bias_bwd_fp16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

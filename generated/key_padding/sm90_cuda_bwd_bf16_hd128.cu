@@ -58,7 +58,7 @@ struct Variant_key_padding {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_key_padding_bwd_bf16_hd128(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_key_padding, __nv_bfloat16, 128, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_key_padding, __nv_bfloat16, 128, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_key_padding_bwd_bf16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

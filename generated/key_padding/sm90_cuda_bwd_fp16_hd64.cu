@@ -58,7 +58,7 @@ struct Variant_key_padding {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_key_padding_bwd_fp16_hd64(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_key_padding, __half, 64, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_key_padding, __half, 64, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_key_padding_bwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

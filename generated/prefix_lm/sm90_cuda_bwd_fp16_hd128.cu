@@ -58,7 +58,7 @@ struct Variant_prefix_lm {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_prefix_lm_bwd_fp16_hd128(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_prefix_lm, __half, 128, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_prefix_lm, __half, 128, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_prefix_lm_bwd_fp16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

@@ -63,7 +63,7 @@ struct Variant_relative_bias {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_relative_bias_bwd_fp16_hd64(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_relative_bias, __half, 64, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_relative_bias, __half, 64, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_relative_bias_bwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

@@ -56,7 +56,7 @@ struct Variant_sliding_window {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_sliding_window_bwd_bf16_hd64(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_sliding_window, __nv_bfloat16, 64, FgBwdTile, false>(*args);
+  return flashgen::sm90::launch_bwd<Variant_sliding_window, __nv_bfloat16, 64, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_sliding_window_bwd_bf16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

@@ -124,7 +124,7 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   int32_t* sem;
 };
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 struct Sm90Bwd {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward (stage a) takes head_dim 64 and 128");
   static constexpr int kD = kHeadDim;
@@ -164,7 +164,7 @@ struct Sm90Bwd {
   // queries per step): its key ranges and P^T / dS^T (probs_grads) on the C-fragment layout
   // that each consumer warp's wgmma accumulators share.
   using Base = cuda::BwdMainloop<Variant, Element, kHeadDim, cuda::BwdTile<kBlockM, 8, 1, kBlockM / 32>, true,
-                                 kPacked, false>;
+                                 kPacked, kSparse>;
   static_assert(Base::kBlockN == kBlockN && Base::kBlockM == kBlockM, "tiles");
   using BaseParams = cuda::BwdParams<Element, typename Variant::Params>;
   using Params = Sm90BwdParams<Element, typename Variant::Params>;
@@ -252,20 +252,34 @@ struct Sm90Bwd {
   }
   // The walk's steps (producer and consumers step alike): (gi, m) from the first visible pair
   // of (0, m_first) on, then the sm80 mainloop's next_step (heads of the share in order, for
-  // each the tiles of [m_first, m_last] that see the key tile); gi == n_heads: over.
-  static __device__ __forceinline__ void first_step(const BaseParams& p, const Item& it, const Walk& w, int& gi,
-                                                    int& m) {
-    gi = 0;
-    m = w.m_first;
-    if constexpr (Variant::kHasMask) {
-      if (!Base::sees(Base::kv_range(p, it.b, it.h0, m), it.kv0)) {
-        Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, gi, m);
+  // each the tiles of [m_first, m_last] that see the key tile); kSparse: the listed pairs of the
+  // key tile's q lists in list order (next_listed; partial: the list calls the tile partial);
+  // gi == n_heads: over.
+  struct Step {
+    int gi, m, idx;
+    bool partial;
+  };
+  static __device__ __forceinline__ Step first_step(const BaseParams& p, const Item& it, const Walk& w) {
+    Step st{0, w.m_first, -1, false};
+    if constexpr (kSparse) {
+      if (w.m_first <= w.m_last) {
+        Base::next_listed(p, it.b, it.h0, it.n_heads, it.n_tile, it.kv0, st.gi, st.idx, st.m, st.partial);
+      } else {
+        st.gi = it.n_heads;
+      }
+    } else if constexpr (Variant::kHasMask) {
+      if (!Base::sees(Base::kv_range(p, it.b, it.h0, st.m), it.kv0)) {
+        Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, st.gi, st.m);
       }
     }
+    return st;
   }
-  static __device__ __forceinline__ void next_step(const BaseParams& p, const Item& it, const Walk& w, int& gi,
-                                                   int& m) {
-    Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, gi, m);
+  static __device__ __forceinline__ void next_step(const BaseParams& p, const Item& it, const Walk& w, Step& st) {
+    if constexpr (kSparse) {
+      Base::next_listed(p, it.b, it.h0, it.n_heads, it.n_tile, it.kv0, st.gi, st.idx, st.m, st.partial);
+    } else {
+      Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, st.gi, st.m);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
@@ -315,10 +329,8 @@ struct Sm90Bwd {
     float* sD = reinterpret_cast<float*>(smem + kOffDs);
     uint32_t cnt = 0;
     [[maybe_unused]] uint32_t tails = 0;
-    int gi, m;
-    first_step(p, it, w, gi, m);
-    for (; gi < it.n_heads; next_step(p, it, w, gi, m), ++cnt) {
-      const int h = it.h0 + gi;
+    for (Step st = first_step(p, it, w); st.gi < it.n_heads; next_step(p, it, w, st), ++cnt) {
+      const int h = it.h0 + st.gi, m = st.m;
       const int64_t row0 = Base::q_rows(p, it.b, h);
       const int stage = int(cnt % kStages);
       const uint32_t phase = (cnt / kStages) & 1;
@@ -423,10 +435,8 @@ struct Sm90Bwd {
       const float* sLall = reinterpret_cast<const float*>(smem + kOffL);
       const float* sDall = reinterpret_cast<const float*>(smem + kOffDs);
       uint32_t cnt = 0;
-      int gi, m;
-      first_step(p, it, w, gi, m);
-      for (; gi < it.n_heads; next_step(p, it, w, gi, m), ++cnt) {
-        const int h = it.h0 + gi;
+      for (Step sw = first_step(p, it, w); sw.gi < it.n_heads; next_step(p, it, w, sw), ++cnt) {
+        const int h = it.h0 + sw.gi, m = sw.m;
         float* dqa = p.dq_accum + Base::q_rows(p, it.b, h) * kHeadDim;
         const int stage = int(cnt % kStages);
         const uint32_t phase = (cnt / kStages) & 1;
@@ -437,8 +447,11 @@ struct Sm90Bwd {
         {
           const int q_hi = imin(q_lo + kBlockM, Nq);
           const Range r = Base::kv_range(p, it.b, h, m);
-          need_mask = it.kv0 < r.begin || it.kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
-                      (Variant::kHasMask &&
+          // kSparse: the lists' partial tiles take the mask; their full ones skip keep() when
+          // full_kept.
+          need_mask = (kSparse && sw.partial) || it.kv0 < r.begin || it.kv0 + kBlockN > r.end ||
+                      q_hi - q_lo < kBlockM ||
+                      (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
                        !Variant::tile_full(p.vp, it.b, h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
         }
         ptx::mbar_wait(bar.full(stage), phase);
@@ -696,9 +709,9 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
-template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 int launch_bwd(const FgBwdArgs& a) {
-  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile, kPacked>;
+  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
   using P = typename K::Params;
   static_assert(K::kSmem <= 227 * 1024, "the sm90 backward's tiles exceed shared memory");
   cuda::detail::reference_hooks<Variant>();
@@ -708,11 +721,18 @@ int launch_bwd(const FgBwdArgs& a) {
   // tensor maps and the element-wise kernels see one batch of total rows.
   int st = cuda::detail::check_sizes(a, kHeadDim, kPacked, true);
   if (st != FG_OK) return st;
-  if (a.q_blocks.data || a.kv_blocks.data) {
-    return cuda::detail::fail(FG_ERR_BAD_SHAPE,
-                              "the sm90 backward takes dense-list calls (the family routes block lists to sm80)");
-  }
+  // Block sparsity: each key tile's q list at the kernel's tiles (the dq lists of the sm80
+  // family's separate dq pass, args.kv_blocks, are not used here). The deterministic mode's
+  // order assumes the closed-form walk: the family routes sparse deterministic calls to sm80.
+  st = cuda::detail::check_tile_lists(a.q_blocks, kSparse, "q_blocks", a.seqlen_k, a.seqlen_q, K::kBlockN,
+                                      K::kBlockM);
+  if (st != FG_OK) return st;
   const bool det = a.deterministic != 0;
+  if (kSparse && det) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE,
+                              "the sm90 backward's deterministic mode takes no block lists (the family routes "
+                              "them to sm80)");
+  }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
   const bool has_q = a.seqlen_q > 0 && (!kPacked || a.total_q > 0);
   const bool has_k = a.seqlen_k > 0 && (!kPacked || a.total_k > 0);
