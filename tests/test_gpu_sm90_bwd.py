@@ -325,3 +325,36 @@ def test_document_auto_block_lists_on_the_sm90_backward():
         fop(qq, kk, vv, document_id=ids.cuda()).backward(dout)
         cmp = check.compare_grads(fop.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad), params={"document_id": ids.cuda()})
         assert cmp.ok, str(cmp)
+
+
+@pytest.mark.parametrize("hkv", [16, 4])
+def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
+    """Peak memory of forward + backward (B 1, 16 query heads, d 128, causal, N 16K; MHA and GQA
+    4:1) on the sm90 family at or below SDPA flash's on the same inputs (its kv heads expanded,
+    as SDPA takes them with enable_gqa), both above the inputs' own allocation."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n = 16384
+    gen = torch.Generator(device="cuda").manual_seed(4700)
+    q = torch.randn(1, 16, n, 128, device="cuda", generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, hkv, n, 128, device="cuda", generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def peak(fn):
+        for t in (q, k, v):
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn().backward(dout)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    with flashgen.use_family("sm90"):
+        ours = peak(lambda: ops["causal"](q, k, v))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        theirs = peak(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                             enable_gqa=hkv != 16))
+    print(f"peak fwd+bwd MiB, kv heads {hkv}: flashgen sm90 {ours / 2**20:.1f}, SDPA flash {theirs / 2**20:.1f}")
+    assert ours <= theirs * 1.02, (ours, theirs)
