@@ -15,12 +15,13 @@ SPECS = ["dense", "causal", "softcap", "alibi", "sliding_window", "document"]
 B, HQ, HKV, N, D = 2, 4, 2, 320, 32
 
 
-def padded_inputs(name, seed=0, positive_q0=False, dtype=torch.float32, device="cpu"):
+def padded_inputs(name, seed=0, positive_q0=False, dtype=torch.float32, device="cpu", heads=(HQ, HKV), d=D):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, h, N, D, generator=g) for h in (HQ, HKV, HKV))
+    hq, hkv = heads
+    q, k, v = (torch.randn(B, h, N, d, generator=g) for h in (hq, hkv, hkv))
     if positive_q0:  # q·k = +inf for every row at a key holding +inf in element 0
         q[..., 0] = q[..., 0].abs() + 0.5
-    params = make_params(name, B, HQ, N, N, "cpu", g, variant=1 if name == "sliding_window" else 0)
+    params = make_params(name, B, hq, N, N, "cpu", g, variant=1 if name == "sliding_window" else 0)
     params = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in params.items()}
     return [t.to(dtype).to(device) for t in (q, k, v)], params
 
@@ -86,8 +87,8 @@ def test_score_expression_non_finite(case):
 
 # ---- block-sparse calls --------------------------------------------------------------------
 
-def block_pattern():
-    pat = torch.ones(B, HQ, 3, 3, dtype=torch.bool)  # 128-blocks of N = 320: 3 x 3
+def block_pattern(hq=HQ):
+    pat = torch.ones(B, hq, 3, 3, dtype=torch.bool)  # 128-blocks of N = 320: 3 x 3
     pat[..., 1, :] = False  # query block 1 (rows 128..255) sees nothing
     pat[..., :, 2] = False  # key block 2 (keys 256..319) is seen by nobody
     pat[0, 1, 0, 1] = False
@@ -121,14 +122,16 @@ def test_block_sparse(name, case):
 LQ, LK = [100, 200, 77], [150, 200, 90]
 
 
-def packed_inputs(seed, positive_q0=True):
+def packed_inputs(seed, positive_q0=True, dtype=torch.float32, device="cpu", heads=(HQ, HKV), d=D):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(sum(n), h, D, generator=g) for n, h in ((LQ, HQ), (LK, HKV), (LK, HKV)))
+    hq, hkv = heads
+    q, k, v = (torch.randn(sum(n), h, d, generator=g) for n, h in ((LQ, hq), (LK, hkv), (LK, hkv)))
     if positive_q0:
         q[..., 0] = q[..., 0].abs() + 0.5
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,  # noqa: E731
+                                   device=device)
     call = {"cu_seqlens_q": cu(LQ), "cu_seqlens_k": cu(LK), "max_seqlen_q": max(LQ), "max_seqlen_k": max(LK)}
-    return [q, k, v], call
+    return [t.to(dtype).to(device) for t in (q, k, v)], call
 
 
 PACKED = {

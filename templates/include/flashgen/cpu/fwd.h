@@ -108,10 +108,11 @@
 //     P = 0 in the masking row; if that V row holds NaN/inf, IEEE 0 * NaN puts NaN in the
 //     masking row too (the same result as an unfused softmax(S) @ V).
 //   * Non-finite scores (DESIGN.md): a NaN or +inf score at a kept entry makes the row's out and
-//     lse NaN. Nothing is tested per element: NaN passes the row max and exp2v (NaN in, NaN
-//     out), +inf becomes the row max and gives P = 2^(inf - inf) = NaN there, so l turns NaN
-//     and stays NaN; only m == -inf (every score so far -inf) means "row still empty", and the
-//     epilogue writes zeros only for l == 0. A score of -inf is a masked one.
+//     lse NaN. Nothing is tested per element: whether or not the row max keeps a NaN, exp2v
+//     gives NaN for it (NaN in, NaN out), and +inf becomes the row max and gives
+//     P = 2^(inf - inf) = NaN there, so l turns NaN and stays NaN; only m == -inf (every score
+//     so far -inf) means "row still empty", and the epilogue writes zeros only for l == 0. A
+//     score of -inf is a masked one.
 //   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv).
 //   * Any batch/head/seq strides (elements, 64-bit offsets); the last dim must be contiguous.
 //     lse is fp32, contiguous [B, Hq, Nq] (packed: [Hq, total_q]); out is written in Element
