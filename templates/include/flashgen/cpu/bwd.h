@@ -116,9 +116,11 @@
 // for dQ += dS K on a tile with interior fully-masked columns the K rows of those columns are
 // replaced by zeros (so NaN/inf there cannot turn 0 * NaN into NaN). Not covered (as in the
 // forward): a key that one row of a tile keeps and another masks enters the masking row's dQ as
-// 0 * K, so NaN/inf in that K row reaches it (an unfused autograd gives the same); a NaN score at
-// a kept entry (from the gemm or from score()) gives P = 0 (polynomial exp2), and a NaN lse is
-// treated like -inf (empty row). A non-finite dscore(s) reaches dS only where dS' != 0.
+// 0 * K, so NaN/inf in that K row reaches it (an unfused autograd gives the same). Non-finite
+// values (DESIGN.md): only lse == -inf is an empty row; a NaN lse (the forward saw a NaN or +inf
+// score at a kept key) gives P = NaN on the row's kept entries, so its dQ and the dK / dV of the
+// keys it keeps are NaN; a NaN score at a kept entry of a finite-lse row gives P = NaN there
+// (exp2v propagates NaN). A non-finite dscore(s) reaches dS only where dS' != 0.
 // Any batch/head/seq strides (64-bit offsets), last dim contiguous; lse, dlse, softmax_d
 // contiguous [B, Hq, Nq] (packed: [Hq, total_q]).
 // Errors: FG_ERR_BAD_HEAD_DIM; FG_ERR_BAD_SHAPE for negative sizes, seqlens > FG_MAX_SEQLEN,
@@ -565,10 +567,12 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         if (cs >= ce) continue;
         const int64_t q_lo = qt * qb, mq = std::min(qb, Nq - q_lo);
         const float* lse = lse_bh + q_lo;
-        // Rows with lse == -inf (or NaN) see no key: trimmed at both ends, P = 0 inside.
+        // Rows with lse == -inf see no key: trimmed at both ends, P = 0 inside. A NaN lse (a NaN
+        // or +inf score at a kept key) is not empty: its P = 2^(s - NaN) is NaN and reaches dQ of
+        // the row and dK / dV of the keys it keeps (as an unfused autograd's gradients).
         int64_t r0 = 0, r1 = mq;
-        while (r0 < r1 && !(lse[r0] > kNegInf)) ++r0;
-        while (r1 > r0 && !(lse[r1 - 1] > kNegInf)) --r1;
+        while (r0 < r1 && lse[r0] == kNegInf) ++r0;
+        while (r1 > r0 && lse[r1 - 1] == kNegInf) --r1;
         if (r0 == r1) continue;
         int64_t c0 = cs - k0, c1 = ce - k0;  // tile columns
         bool full = true, holes = false;
@@ -584,7 +588,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
             for (int64_t i = r0; i < r1; ++i) {
               uint8_t* mr = w.mask + i * kvb;
               uint8_t any = 0;
-              if (lse[i] > kNegInf) {
+              if (lse[i] != kNegInf) {
                 const int qi = (int)(q_lo + i);
                 for (int64_t j = c0; j < c1; ++j) {
                   const uint8_t kp = Variant::keep(prm, bi, hi_, qi, (int)(k0 + j), nq_i, nk_i);
@@ -658,7 +662,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
         }
         for (int64_t i = 0; i < m; ++i) {
           const float l = lse[r0 + i];
-          w.L[i] = l > kNegInf ? l * kLog2e : kPosInf;  // +inf: exp2(x - inf) = 0
+          w.L[i] = l == kNegInf ? kPosInf : l * kLog2e;  // +inf: exp2(x - inf) = 0; NaN stays
           w.D[i] = D_bh[q_lo + r0 + i];
         }
 
@@ -703,7 +707,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
             for (int64_t j = 0; j < c0 - c0a; ++j) s[j] = 0.f;
             float* p = P + i * ldS;
             float* gp = Gp + i * ldS;
-            if (!(w.L[i] < kPosInf)) {  // a row that sees no key (lse == -inf): P = 0, no hooks
+            if (w.L[i] == kPosInf) {  // a row that sees no key (lse == -inf): P = 0, no hooks
               memset(p, 0, sizeof(float) * nn8);
               continue;
             }
@@ -787,7 +791,7 @@ static void bwd_task(const FgBwdArgs& a, const typename Variant::Params& prm, co
           // G holds s: param_grad(dS', s) and dS = dS' · dscore(s) on every entry with dS' != 0
           // (in bounds, kept, nonzero P by construction).
           for (int64_t i = 0; i < m; ++i) {
-            if (!(w.L[i] < kPosInf)) continue;  // P = 0: dS' = 0 throughout
+            if (w.L[i] == kPosInf) continue;  // P = 0: dS' = 0 throughout
             float* p = P + i * ldS;
             const float* gp = Gp + i * ldS;
             const int qi = (int)(q_lo + r0 + i);
@@ -951,7 +955,7 @@ int run_bwd(const FgBwdArgs& args) {
           const int64_t i = r % Nrow, bh = r / Nrow, h = bh % Hq, b = bh / Hq;
           T* dq = static_cast<T*>(a.dq) + b * a.dq_stride_b + h * a.dq_stride_h +
                   i * a.dq_stride_n;
-          if (no_keys || !(a.lse[r] > kNegInf)) {
+          if (no_keys || a.lse[r] == kNegInf) {
             memset(dq, 0, sizeof(T) * d);
             continue;
           }

@@ -107,7 +107,12 @@
 //     Not covered: a key that one row of a tile keeps and another row masks is multiplied by
 //     P = 0 in the masking row; if that V row holds NaN/inf, IEEE 0 * NaN puts NaN in the
 //     masking row too (the same result as an unfused softmax(S) @ V).
-//   * A NaN score at a kept entry is not propagated by the polynomial exp2 (it gives P = 0).
+//   * Non-finite scores (DESIGN.md): a NaN or +inf score at a kept entry makes the row's out and
+//     lse NaN. Nothing is tested per element: whether or not the row max keeps a NaN, exp2v
+//     gives NaN for it (NaN in, NaN out), and +inf becomes the row max and gives
+//     P = 2^(inf - inf) = NaN there, so l turns NaN and stays NaN; only m == -inf (every score
+//     so far -inf) means "row still empty", and the epilogue writes zeros only for l == 0. A
+//     score of -inf is a masked one.
 //   * GQA/MQA: query head h reads kv head h / (heads_q / heads_kv).
 //   * Any batch/head/seq strides (elements, 64-bit offsets); the last dim must be contiguous.
 //     lse is fp32, contiguous [B, Hq, Nq] (packed: [Hq, total_q]); out is written in Element
@@ -428,7 +433,8 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
         const float rmax = hmax(vmax(vmax(vm0, vm1), vmax(vm2, vm3)));
         const float m_old = M[i];
         const float m_new = rmax > m_old ? rmax : m_old;
-        const float sub = m_new == kNegInf ? 0.f : m_new;  // row still empty: P = 0 below
+        // Row still empty (only m == -inf; a NaN m propagates): P = 0 below.
+        const float sub = m_new == kNegInf ? 0.f : m_new;
         const f8 vsub = splat(sub);
         f8 vs0 = splat(0.f), vs1 = vs0;
         for (j = 0; j + 16 <= nn8; j += 16) {
@@ -493,12 +499,13 @@ static inline void fwd_tile(const FgFwdArgs& a, const typename Variant::Params& 
     }
 
     // Epilogue: out = O / l (times 1 / (1 - p) with dropout), lse = ln l + m (natural units).
-    // l == 0: exact zeros and -inf.
+    // l == 0 (no kept key): exact zeros and -inf. A NaN l (a NaN or +inf score at a kept key)
+    // falls through to O / l: out and lse NaN.
     float* lse = a.lse + lse_row;
     T* Ot = Og + b * a.o_stride_b + h * a.o_stride_h + (q_row0 + q_lo) * a.o_stride_n;
     for (int64_t i = 0; i < mq; ++i) {
       T* orow = Ot + i * a.o_stride_n;
-      if (L[i] > 0.f) {
+      if (L[i] != 0.f) {
         C::scale_from_f32(O + i * d, (dr.on ? dr.scale : 1.f) / L[i], orow, d);
         lse[i] = (M[i] + std::log2(L[i])) * kLn2;
       } else {

@@ -47,6 +47,9 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 // 2^x, branch free. Range reduction x = n + f, n = round(x), f in [-1/2, 1/2]; 2^f by the
 // Cephes exp2f minimax polynomial (degree 6, rel. error ~2e-7); 2^n added to the exponent bits.
 // x <= -126 (including -inf) gives exactly 0; inputs here are always <= 0 (x = s - rowmax).
+// NaN gives NaN (DESIGN.md's non-finite rule: a NaN or +inf score at a kept key, whose x is
+// NaN, must reach the row sum): the clamp and the final select both let it through, and the
+// float-to-int conversion of NaN (x86: INT_MIN; AArch64: 0) shifted by 23 adds 0 to its bits.
 static inline f8 exp2v(f8 x) {
   const f8 lo = splat(-127.0f);
   x = x < lo ? lo : x;
@@ -62,7 +65,7 @@ static inline f8 exp2v(f8 x) {
   p = p * f + 1.0f;
   const i8 ni = __builtin_convertvector(n, i8);
   const f8 r = (f8)((i8)p + (ni << 23));
-  return x > splat(-126.0f) ? r : splat(0.0f);
+  return x <= splat(-126.0f) ? splat(0.0f) : r;
 }
 
 static inline float exp2s(float x) {  // scalar wrapper (per-row rescale factors)

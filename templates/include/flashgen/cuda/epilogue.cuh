@@ -6,7 +6,8 @@
 //                 deterministic dQ kernel (dQ), and by any kernel that ends on such a tile.
 //   FwdEpilogue   O / l (times 1 / (1 - p) with dropout) and LSE = ln(2) * (m + log2(l)); rows
 //                 that saw no key (l == 0) get exactly 0 by selection and LSE = -inf
-//                 (FlashAttention-2, Alg. 1, lines 12-13).
+//                 (FlashAttention-2, Alg. 1, lines 12-13); a NaN l (a NaN or +inf score at a
+//                 kept key) gives out and LSE NaN (row_has_keys below).
 //   DqEpilogue    dQ * scale of the deterministic dQ kernel (through TileEpilogue).
 //   KVEpilogue    the backward main kernel's dK * scale and dV (FlashAttention-2, Alg. 2, line
 //                 24): staged through the K/V tiles and stored, or, for a split GQA group, added
@@ -22,6 +23,21 @@
 
 namespace flashgen {
 namespace cuda {
+
+// DESIGN.md's non-finite rule at the end of a row: the row is empty (out 0, LSE -inf) only when
+// its sum l is exactly 0, i.e. every score it saw was -inf (masked). The softmax itself tests
+// nothing per element: a NaN score passes exp2 as NaN, a +inf one becomes the row max and gives
+// exp2(inf - inf) = NaN there, so l turns NaN, and a NaN l must be written as out = O / l and
+// LSE = m + log2(l), both NaN (a training run that diverges sees NaN, not zeros). The test costs
+// what the old one (l > 0, which wrote those rows as empty ones) did: one compare per row.
+// FG_NONFINITE_LEGACY restores the old test; it exists for scripts/ab_nonfinite.py's A/B only.
+__device__ __forceinline__ bool row_has_keys(float l) {
+#ifdef FG_NONFINITE_LEGACY
+  return l > 0.f;
+#else
+  return l != 0.f;
+#endif
+}
 
 namespace bwd_detail {
 // dst[0] += a, dst[1] += b in fp32 (dst 8-byte aligned); one vector reduction on sm_90.
@@ -117,7 +133,7 @@ struct FwdEpilogue {
         float l = row_sum[ma][half];
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
-        const bool has = l > 0.f;
+        const bool has = row_has_keys(l);
         float inv = has ? 1.f / l : 0.f;
         if constexpr (Variant::kHasDropout) {
           if (p.dropout.state) inv *= p.dropout.scale;

@@ -40,6 +40,8 @@
 //      FLASHGEN_FWD_RESCALE_LOG2=8 also keeps a stale m until it is exceeded by 8 (log2 units),
 //      2-4% faster but with up to ~2x the output rounding error)
 //   O /= l;  LSE = ln(2) * (m + log2(l))                   (rows with l == 0: O = 0, LSE = -inf)
+//   (non-finite scores, DESIGN.md: nothing is tested per element; a NaN score or a +inf one
+//    (exp2(inf - inf)) makes l NaN, and only l == 0 is an empty row, so out and LSE are NaN)
 //
 // Memory pipeline: K and V tiles stream through a 2-stage ring in shared memory with cp.async.
 // At the top of iteration j one barrier publishes tile j (issued during iteration j-1) and

@@ -795,7 +795,7 @@ struct Sm90Fwd {
       float l = acc.row_sum[0][half];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const bool has = l > 0.f;
+      const bool has = cuda::row_has_keys(l);  // l == 0: empty; NaN: out and LSE NaN
       float inv = has ? 1.f / l : 0.f;
       if constexpr (Variant::kHasDropout) {
         if (p.dropout.state) inv *= p.dropout.scale;
