@@ -278,3 +278,96 @@ def test_missing_compiler_is_the_first_line(real, monkeypatch, tmp_path):
     assert str(e.value).splitlines()[0] == (f"no C++ compiler found: install g++ (a C++17 compiler with OpenMP) or "
                                             f"set CXX (CXX is '{tmp_path / 'no-such-g++'}', not found)")
     assert not (tmp_path / "cache" / inst.name).exists()
+
+
+@pytest.mark.parametrize("output, first", [
+    ("x.cpp:1:10: fatal error: omp.h: No such file or directory", "the C++ compiler has no OpenMP (omp.h not found)"),
+    ("x.cpp:1:10: fatal error: 'omp.h' file not found", "the C++ compiler has no OpenMP (omp.h not found)"),
+    ("clang: error: unsupported option '-fopenmp'", "the C++ compiler has no OpenMP (it does not take -fopenmp)"),
+    ("/usr/bin/ld: cannot find -lgomp: No such file or directory",
+     "the C++ compiler has no OpenMP (its OpenMP runtime library is not found)"),
+    ("ld: library not found for -lomp", "the C++ compiler has no OpenMP (its OpenMP runtime library is not found)"),
+    ("x.cpp:3:10: fatal error: 'Python.h' file not found", "Python's C headers (Python.h) not found"),
+])
+def test_compiler_output_naming_a_missing_prerequisite_is_the_first_line(real, fake_compile, monkeypatch, output,
+                                                                         first):
+    """g++'s and clang++'s words for a missing OpenMP or Python.h, as the compiler prints them."""
+    _, inst, _ = real
+    root, _ = fake_compile
+    monkeypatch.setattr(ce, "load", lambda *a, **k: (_ for _ in ()).throw(
+        RuntimeError(f"Error building extension 'x':\n[1/2] c++ ...\nFAILED: x.o\n{output}\nninja: build stopped")))
+    with pytest.raises(BuildError) as e:
+        load(inst)
+    assert str(e.value).splitlines()[0].startswith(first), str(e.value)
+    assert not (root / inst.name).exists()
+
+
+def test_missing_ninja_and_nvcc_are_the_first_line(monkeypatch):
+    import torch
+    from torch.utils import cpp_extension
+
+    from flashgen.build.artifact import Target
+
+    which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "ninja" else which(name, *a, **k))
+    with pytest.raises(BuildError, match=r"^ninja not found"):
+        cache.check_toolchain([Target("cpu", "x86_64", "cpu")])
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", None)
+    with pytest.raises(BuildError, match=r"^no CUDA compiler \(nvcc\) found: install the CUDA toolkit"):
+        cache.check_toolchain([Target("sm80", "sm_80", "cuda")])
+
+
+def test_missing_compiler_is_said_before_any_compiling_message(real, monkeypatch, tmp_path):
+    _, inst, _ = real
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-g++"))
+    said = []
+    with pytest.raises(BuildError, match=r"^no C\+\+ compiler found"):
+        load(inst, said)
+    assert said == []
+
+
+def test_full_disk_in_a_build_of_several_together(real, fake_compile, monkeypatch):
+    _, inst, _ = real
+    root, _ = fake_compile
+    real_write = Path.write_text
+
+    def write_text(self, *a, **k):
+        if self.name.endswith(".cpp"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(BuildError) as e:
+        cache.load_together([inst])
+    assert str(e.value).startswith("failed to build 1 instantiations together: no space left on device")
+    assert "FLASHGEN_CACHE_DIR" in str(e.value) and not (root / inst.name).exists()
+
+
+def test_cache_root_below_a_file_names_the_file(real, monkeypatch, tmp_path):
+    _, inst, _ = real
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    with pytest.raises(BuildError) as e:
+        load(inst)
+    assert str(e.value).startswith(f"{tmp_path / 'file'}, a folder of the kernel cache {tmp_path / 'file' / 'cache'}, "
+                                   "is a file, not a folder")
+
+
+def test_aot_out_that_exists_is_made_unwritable_by_others_and_refused_if_not_ours(real, fake_compile, monkeypatch,
+                                                                                   tmp_path):
+    op, inst, _ = real
+    out = tmp_path / "shared"
+    out.mkdir()
+    os.chmod(out, 0o777)
+    aot_build.build_dir([op], out, device="cpu", dtypes=["fp32"])
+    assert stat.S_IMODE(os.stat(out).st_mode) & 0o022 == 0 and (out / inst.name / "lib.so").exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    foreign(theirs, monkeypatch)
+    with pytest.raises(UntrustedPathError) as e:
+        aot_build.build_dir([op], theirs, device="cpu", dtypes=["fp32"])
+    assert str(e.value).startswith(f"refusing to write kernels into {theirs}: it is owned by uid")
+    assert "choose a directory of your own" in str(e.value) and not list(theirs.iterdir())
+    aot.reload()

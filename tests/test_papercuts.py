@@ -186,6 +186,9 @@ def test_numpy_is_a_declared_dependency():
     """torch warns "Failed to initialize NumPy" at import without numpy, on every command."""
     requires = importlib.metadata.requires("flashgen") or []
     assert any(re.match(r"numpy\b", r) for r in requires), requires
+    tomllib = pytest.importorskip("tomllib")  # the checkout's own pyproject.toml, not the installed metadata
+    project = tomllib.loads((SPECS.parent / "pyproject.toml").read_text())["project"]
+    assert any(re.match(r"numpy\b", r) for r in project["dependencies"]), project["dependencies"]
 
 
 def test_a_long_spec_line_is_shown_as_a_window_around_the_error():

@@ -193,6 +193,7 @@ def load_cached(inst: Instantiation, announce: Callable[[str], None] | None = No
         with _build_lock(root, inst, announce):
             lib, why = _try_load(inst, root, entry)  # another process may have built it meanwhile
             if lib is None:
+                check_toolchain([inst.target])  # a missing compiler is said before "compiling …"
                 if announce:
                     announce(f"compiling {inst.name} (first use; cached in {root})" if why is None else
                              f"cache entry {entry} is damaged ({why}); rebuilding")
@@ -292,8 +293,7 @@ def _build_together(insts: list[Instantiation], root: Path, units: int) -> None:
     except OSError as e:
         for folder in (work, *publish.values()):
             shutil.rmtree(folder, ignore_errors=True)
-        raise BuildError(f"failed to build {len(insts)} instantiations together: could not write "
-                         f"{e.filename or root} ({e.strerror or e}); nothing was cached") from None
+        raise _write_failed(f"{len(insts)} instantiations together", e, root) from None
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -334,9 +334,12 @@ class _build_lock:
         root = self.root
         try:
             private_dir(root)
-        except FileExistsError as e:
-            raise BuildError(f"the kernel cache {root} is a file, not a folder: set FLASHGEN_CACHE_DIR to a "
-                             "directory (or remove the file)") from e
+        except (FileExistsError, NotADirectoryError) as e:
+            in_way = next((p for p in (root, *root.parents) if os.path.lexists(p) and not p.is_dir()), root)
+            where = f"the kernel cache {root} is a file" if in_way == root else \
+                f"{in_way}, a folder of the kernel cache {root}, is a file"
+            raise BuildError(f"{where}, not a folder: set FLASHGEN_CACHE_DIR to a directory (or remove the "
+                             "file)") from e
         except OSError as e:
             raise _unwritable_root(root, e) from None
         check_private((root,), f"kernels from the cache {root}", _CACHE_FIX)
@@ -428,11 +431,19 @@ def check_toolchain(targets) -> None:
 
 
 # Compiler output that means a prerequisite is missing -> the first line of the BuildError.
+# g++ says "omp.h: No such file or directory", clang++ "'omp.h' file not found"; a compiler without
+# OpenMP support refuses -fopenmp; the linker misses libgomp (g++) or libomp (clang++).
+_NO_OPENMP = ("the C++ compiler has no OpenMP ({}): install it (libgomp for g++, libomp for clang++) or set CXX to "
+              "a compiler with OpenMP")
 _MISSING = (
-    (re.compile(r"omp\.h: No such file"), ("the C++ compiler has no OpenMP (omp.h not found): install it (libgomp "
-                                           "for g++, libomp for clang++) or set CXX to a compiler with OpenMP")),
-    (re.compile(r"Python\.h: No such file"), ("Python's C headers (Python.h) not found: install the Python "
-                                              "development package (python3-dev or python3-devel)")),
+    (re.compile(r"omp\.h'?:? (No such file|file not found)"), _NO_OPENMP.format("omp.h not found")),
+    (re.compile(r"unsupported option '-fopenmp'|unrecognized command[- ]line option '-fopenmp'"),
+     _NO_OPENMP.format("it does not take -fopenmp")),
+    (re.compile(r"cannot find -l(gomp|omp)\b|library not found for -l(gomp|omp)\b|unable to find library -l(gomp|omp)"
+                r"\b"), _NO_OPENMP.format("its OpenMP runtime library is not found")),
+    (re.compile(r"Python\.h'?:? (No such file|file not found)"), ("Python's C headers (Python.h) not found: install "
+                                                                 "the Python development package (python3-dev or "
+                                                                 "python3-devel)")),
     (re.compile(r"No space left on device"), "no space left on device"),
 )
 
@@ -464,14 +475,18 @@ def _build_and_publish(inst: Instantiation, entry: Path) -> None:
     except OSError as e:
         for folder in (work, publish):
             shutil.rmtree(folder, ignore_errors=True)
-        where = e.filename or root
-        if _no_space(e):
-            raise BuildError(f"failed to build {inst.name}: no space left on device writing {where}; nothing "
-                             "was cached. Free some space, or set FLASHGEN_CACHE_DIR to a directory on another "
-                             "disk") from None
-        raise BuildError(f"failed to build {inst.name}: could not write {where} ({e.strerror or e}); nothing was "
-                         "cached") from None
+        raise _write_failed(inst.name, e, root) from None
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _write_failed(what: str, e: OSError, root: Path) -> BuildError:
+    """The BuildError of a build of ``what`` whose write under ``root`` failed with ``e`` (its
+    folders already removed: nothing was cached)."""
+    where = e.filename or root
+    if _no_space(e):
+        return BuildError(f"failed to build {what}: no space left on device writing {where}; nothing was cached. "
+                          "Free some space, or set FLASHGEN_CACHE_DIR to a directory on another disk")
+    return BuildError(f"failed to build {what}: could not write {where} ({e.strerror or e}); nothing was cached")
 
 
 def _build_into(inst: Instantiation, work: Path, publish: Path) -> None:

@@ -22,7 +22,7 @@ import torch
 from .. import families, tiles
 from ..archs import cuda_arch
 from ..build import aot, artifact, cache
-from ..errors import BuildError
+from ..errors import BuildError, UntrustedPathError
 from ..paths import write_json_atomic
 from ..runtime.checks import as_dtype, ranges_text
 from ..runtime.op import AttentionOp
@@ -359,13 +359,18 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
     Raises:
         SpecError: a spec does not parse or validate.
         ValueError / TypeError: bad arguments (naming them).
-        BuildError: a compile failed.
+        BuildError: a compile failed, or ``out`` exists and is owned by another user (nothing
+            is written into it).
     """
     planned = plan(specs, device=device, arches=arches, dtypes=dtypes, head_dims=head_dims, layouts=layouts,
                    sparse=sparse)
     out = Path(out)
     cache.check_toolchain(p.inst.target for p in planned)  # before DIR is created
     existed = out.is_dir()
+    problem = cache.path_problem(out) if existed else None
+    if problem and problem.startswith("is owned"):  # its owner could replace what we write: a load would refuse it
+        raise UntrustedPathError(f"refusing to write kernels into {out}: it {problem}, so that user could replace them "
+                         "(and processes loading from it refuse it)\n  fix: choose a directory of your own for --out")
     cache.private_dir(out)
     if existed and os.stat(out).st_mode & 0o022:
         os.chmod(out, os.stat(out).st_mode & 0o7755)
