@@ -46,6 +46,12 @@
 //     w_s. A split with lse -inf weighs 0 and its O is never read (no NaN from it); every split
 //     -inf: out 0, lse -inf; any split NaN: out and lse NaN.
 //
+// Why not the forward's mainloop step (fwd_mainloop.cuh): there each warp owns 16 or 32 query
+// rows of a 64-128-row tile and every warp walks every key; a decode tile has 16 rows in all,
+// so here the warps share the rows and split each key tile between them (16 keys each), and
+// their softmax states are merged once at the end. The building blocks are shared
+// (mainloop.cuh: lane offsets, row bounds of row-exact masks; ptx.cuh).
+//
 // Bad device values: a sequence is invalid when pad < 0, pad > n, n + seqlen_new > capacity,
 // or (paged) a page index of one of the slots [pad, n + seqlen_new) lies outside
 // [0, num_pages). The append kernel checks everything and writes nothing for an invalid
