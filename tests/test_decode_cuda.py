@@ -576,7 +576,7 @@ def test_gpu_cuda_graph_replay_with_new_lengths(sm80_decode):
     """One decode step (append + attention + combine) captured once, replayed with new lengths
     and new tokens written into the same static tensors: each replay equals the eager call."""
     op, g = op_of("causal"), torch.Generator().manual_seed(12)
-    B, hkv, Hq, cap, d = 4, 2, 8, 512, 128
+    B, hkv, Hq, d = 4, 2, 8, 128
     pool_k = torch.randn(64, 16, hkv, d, generator=g).bfloat16().cuda()
     pool_v = torch.randn(64, 16, hkv, d, generator=g).bfloat16().cuda()
     table = torch.randperm(64, generator=g)[:B * 8].view(B, 8).to(torch.int32).cuda()  # capacity 128
@@ -584,7 +584,6 @@ def test_gpu_cuda_graph_replay_with_new_lengths(sm80_decode):
     q = torch.zeros(B, Hq, 1, d, dtype=torch.bfloat16, device="cuda")
     kn = torch.zeros(B, hkv, 1, d, dtype=torch.bfloat16, device="cuda")
     vn = torch.zeros_like(kn)
-    del cap
     kw = {"block_table": table, "k": kn, "v": vn, "return_lse": True}
     op.with_kvcache(q, pool_k.clone(), pool_v.clone(), cache_seqlens=seqlens, **kw)  # warm-up outside the graph
     torch.cuda.synchronize()
