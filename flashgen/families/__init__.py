@@ -54,7 +54,7 @@ def complete(fam: Family) -> bool:
     prefill call its dtypes and head dims allow, so it is what a device falls back to (sm80,
     cpu); a partial family (sm90, forward only) serves what it declares and leaves the rest to
     the next family. Decoding ('decode', ``op.with_kvcache``) is not part of it: a family
-    without decode kernels (sm80 in this version) declines those calls, naming with_kvcache."""
+    without decode kernels (sm90 in this version) declines those calls, naming with_kvcache."""
     return fam.features >= frozenset(PREFILL_FEATURES)
 
 
@@ -188,7 +188,7 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
             return Choice(fam, tuple(tried), None)
         tried.append((fam.name, why))
     for fam in _ORDER:  # a family that would serve the call but for a feature: name its argument
-        if call.features and fam.declines(spec, replace(call, features=frozenset())) is None:
+        if call.features - fam.features and fam.declines(spec, replace(call, features=frozenset())) is None:
             feature = sorted(call.features - fam.features)[0]
             arg, what = _FEATURE_ARG[feature]
             raise NotImplementedError(f"{arg}: {what} not implemented for {call.device.upper()} in this version "

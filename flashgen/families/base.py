@@ -38,6 +38,13 @@ class LaunchFields:
     def bwd(self, args, values, config) -> None:
         pass
 
+    def kv_splits(self, args, inst, requested: int) -> int:
+        """A decode call's split-KV count (FgKvCache.num_splits, args.h) for the filled ``args``
+        (sizes, capacity, ``num_sms``) on the decode library of instantiation ``inst``;
+        ``requested`` is the call's num_splits (0 chooses, 1 disables). This default does not
+        split."""
+        return 1
+
     def fwd_packed(self, args, packed, config):
         """A forward call on a packed batch (``packed``: its validated layout, runtime/checks.py
         Packed; ``config`` the library's instantiation config), after ``fwd``: fill what the
@@ -175,6 +182,13 @@ class Family:
         """The tiles named by an instantiation's ``config``, as a short text for messages ('tiles
         fwd ... bwd ...'); '' when the config names none."""
         return ""
+
+    def decode_instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType,
+                             head_dim: int) -> artifact.Instantiation | None:
+        """The artifact of this family's decode kernels (op.with_kvcache) for (arch, dtype,
+        head_dim), when they are a library of their own (sm80: config ("decode", 1)); None when
+        the forward's library serves decode calls (the CPU family)."""
+        return None
 
     def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""

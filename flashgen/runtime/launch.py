@@ -112,6 +112,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if _misaligned(t) else t
 
 
+def num_sms(t: torch.Tensor) -> int:
+    """The multiprocessor count of t's CUDA device (0 for a CPU tensor), cached."""
+    return _num_sms(t.get_device()) if t.is_cuda else 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``_aligned`` for the other runtime modules (runtime/decode.py)."""
+    return _aligned(t)
+
+
 _sms: dict[int, int] = {}
 
 

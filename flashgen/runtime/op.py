@@ -732,6 +732,24 @@ class AttentionOp:
             self._libraries[key] = lib
         return lib
 
+    def decode_library(self, fam: families.Family, device: torch.device, dtype: ir.DType, head_dim: int,
+                       seqlen: int | None = None) -> cache.LoadedLibrary:
+        """The loaded library of a decode call (``with_kvcache``) on ``fam``: the family's own
+        decode instantiation where it has one (sm80: ``decode_instantiation``, entry ``decode``),
+        else the forward's library (``library``, tiles for ``seqlen``)."""
+        key = ("decode", fam.name, device.index, dtype, head_dim, env.library_selection(), _generation[0])
+        lib = self._libraries.get(key)
+        if lib is not None:
+            return lib
+        target = fam.device_target(_index(device) if device.type == "cuda" else None)
+        inst = fam.decode_instantiation(self.spec, target.arch, dtype, head_dim)
+        if inst is None:
+            return self.library(fam, device, dtype, head_dim, False, False, seqlen)
+        lib = loader.load(inst, announce=announce)
+        with self._libs_lock:
+            self._libraries[key] = lib
+        return lib
+
     # ------------------------------------------------------------ kernel call
 
     def launch_fields(self, lib: cache.LoadedLibrary) -> families.LaunchFields:
