@@ -396,10 +396,8 @@ class AttentionOp:
         """The kernel family a call on ``device`` with ``dtype`` (default the family's first the
         spec allows) and ``head_dim`` runs on, and why (``Choice.why()``): ``family`` or a forced
         one (FLASHGEN_FAMILY, ``flashgen.use_family``), else the first family that serves the
-        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0);
-        ``backward``: the family of the call's backward pass (each pass chooses its own), with
-        ``gqa`` (heads_q != heads_kv) and ``deterministic`` (``deterministic=True``) saying what
-        the backward must do.
+        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0); ``backward``:
+        its backward pass's (each pass chooses its own), ``gqa`` heads_q != heads_kv, ``deterministic``.
 
         Raises ValueError for an unknown layout or family, NotImplementedError when the forced
         family, or every family, cannot serve the call (naming what it lacks)."""
@@ -410,8 +408,8 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine (a CUDA call's family "
                              "depends on the device's architecture)")
         dt = as_dtype(dtype, "dtype") if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
-        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward,
-                                  gqa=gqa, deterministic=deterministic)
+        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward, gqa=gqa,
+                                  deterministic=deterministic)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
                 dropout: bool, family: str | None = None, backward: bool = False,
