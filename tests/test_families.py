@@ -394,18 +394,20 @@ def test_messages_name_what_forced_the_family(causal, monkeypatch, capsys):
         causal(q.double(), q, q)
 
 
-def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
-    """sm80's per-call decision (families/sm80.py): FgBwdArgs.gqa_splits from the rule, with the key
-    tile of the library's backward kernel and the multiprocessor count; 1 when deterministic
-    (the CUDA launcher only reads and checks it)."""
+@pytest.mark.parametrize("name", ["sm80", "sm90"])
+def test_families_fill_the_gqa_split_of_the_backward_args(causal, name):
+    """Each CUDA family's per-call decision for its backward (families/sm80.py, sm90.py):
+    FgBwdArgs.gqa_splits from sm80's rule, with the key tile of the library's backward kernel
+    (sm90: its 128 keys) and the multiprocessor count; 1 when deterministic (the CUDA launchers
+    only read and check it)."""
     from flashgen.abi import FgBwdArgs
+    from flashgen.families import sm90 as sm90_mod
     from flashgen.families.sm80 import gqa_splits
 
-    sm80 = families.get("sm80")
-    inst = sm80.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
-    block_n = flashgen.tiles.from_config(dict(inst.config))[1].block_n
-    fields = sm80.launch_fields(causal.spec)
-    assert not fields.fills_fwd
+    fam = families.get(name)
+    inst = fam.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
+    block_n = flashgen.tiles.from_config(dict(inst.config))[1].block_n if name == "sm80" else sm90_mod.BWD_BLOCK_N
+    fields = fam.launch_fields(causal.spec)
     for batch, hq, hkv, nk, sms, det in ((1, 8, 1, 256, 132, 0), (1, 8, 2, 4096, 132, 0), (2, 6, 2, 1000, 108, 0),
                                          (1, 8, 1, 256, 132, 1), (1, 4, 4, 128, 132, 0)):
         args = FgBwdArgs()
@@ -416,27 +418,5 @@ def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
         assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
     # 8 heads on one kv head, 2 key tiles of 128 on 132 SMs: the whole group is split 8 ways.
     assert gqa_splits(2, 1, 1, 8, 132) == 8 and gqa_splits(40, 2, 1, 4, 132) == 1
-
-
-def test_sm90_fills_the_gqa_split_of_its_backward_args(causal):
-    """The sm90 family's per-call decision for its own backward: FgBwdArgs.gqa_splits by sm80's
-    rule over the sm90 backward's 128-key tiles (1 when deterministic or without GQA)."""
-    from flashgen.abi import FgBwdArgs
-    from flashgen.families import sm90 as sm90_mod
-    from flashgen.families.sm80 import gqa_splits
-
-    sm90 = families.get("sm90")
-    inst = sm90.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
-    fields = sm90.launch_fields(causal.spec)
-    for batch, hq, hkv, nk, sms, det in ((1, 8, 1, 256, 132, 0), (1, 8, 2, 4096, 132, 0), (2, 6, 2, 1000, 108, 0),
-                                         (1, 8, 1, 256, 132, 1), (1, 4, 4, 128, 132, 0)):
-        args = FgBwdArgs()
-        args.batch, args.heads_q, args.heads_kv, args.seqlen_k, args.num_sms, args.deterministic = \
-            batch, hq, hkv, nk, sms, det
-        fields.bwd(args, (), inst.config)
-        want = 1 if det else gqa_splits(-(-nk // sm90_mod.BWD_BLOCK_N), hkv, batch, hq // hkv, sms)
-        assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
-    args = FgBwdArgs()
-    args.batch, args.heads_q, args.heads_kv, args.seqlen_k, args.num_sms = 1, 8, 1, 256, 132
-    fields.bwd(args, (), inst.config)
-    assert args.gqa_splits == 8  # 2 key tiles of one kv head on 132 SMs: the group split 8 ways
+    if name == "sm80":
+        assert not fields.fills_fwd
