@@ -180,7 +180,7 @@ PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 # warps, the most registers), a score mod with a parameter on the A100 tile (alibi). A mask with
 # a score mod (gemma, from generated/) is tests/test_nvcc.py's.
 NVCC_CASES = [("causal", "bf16", 128, "sm_90a"), ("document", "fp16", 128, "sm_90a"), ("causal", "bf16", 256, "sm_90a"),
-              ("alibi", "fp16", 128, "sm_80")]
+              ("alibi", "fp16", 128, "sm_80"), ("causal", "bf16", 96, "sm_80"), ("sliding_window", "bf16", 80, "sm_90a")]
 
 
 def ptxas_report(text: str) -> dict[str, tuple[int, int, int]]:
@@ -465,7 +465,7 @@ def sm80_decode():
         pytest.skip("needs a CUDA device")
     fam, dev = families.get("sm80"), torch.device("cuda", torch.cuda.current_device())
     wanted = [(n, "bf16", 128) for n in ALL_SPECS] + [("causal", dt, d) for dt in ("bf16", "fp16")
-                                                      for d in (64, 128, 256)] + \
+                                                      for d in (64, 96, 128, 256)] + \
         [("gemma", dt, d) for dt in ("bf16", "fp16") for d in (64, 128)] + [("sliding_window", "fp16", 64)]
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda w: op_of(w[0]).decode_library(fam, dev, ir.DType(w[1]), w[2]), wanted))
@@ -492,7 +492,7 @@ def test_gpu_rows_and_groups(sm80_decode, Sq, group):
 
 
 @gpu
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_gpu_head_dims_and_dtypes(sm80_decode, d, dtype):
     decode_case("causal", "cuda", DT[dtype], d=d, Sq=1, group=8, hkv=2, B=4, cap=700, seed=d)

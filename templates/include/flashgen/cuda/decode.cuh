@@ -243,10 +243,22 @@ struct DecodeKernel {
   static constexpr int kRows = 16;  // query rows per CTA (one m16 atom)
   static constexpr int kE = int(sizeof(Element));
   static constexpr int kDBlocks = kD / 8;
-  static constexpr int kChunksPerRow = kD / 8;
-  static_assert(kThreads % kChunksPerRow == 0, "a pass of the copy covers whole rows");
-  static constexpr int kRowStep = kThreads / kChunksPerRow;
-  static_assert(kBlockN % kRowStep == 0, "copy shape");
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+  // Copies: chunk c of pass i is thread tid's c = tid + i * kThreads, row c / kChunksPerRow.
+  // Where a pass covers whole rows (d 16, 32, 64, 128, 256), a thread keeps one column chunk and
+  // steps kRowStep rows per pass; otherwise (d 48, 80, 96, ...) rows and chunks come from c.
+  static constexpr bool kWholeRows = kThreads % kChunksPerRow == 0;
+  static constexpr int kRowStep = kWholeRows ? kThreads / kChunksPerRow : 1;
+  static __device__ __forceinline__ void chunk_of(int tid, int i, int& r, int& cc) {
+    if constexpr (kWholeRows) {
+      r = tid / kChunksPerRow + i * kRowStep;
+      cc = tid % kChunksPerRow;
+    } else {
+      const int c = tid + i * kThreads;
+      r = c / kChunksPerRow;
+      cc = c % kChunksPerRow;
+    }
+  }
   static constexpr int kQBytes = kRows * kPitch * kE;
   static constexpr int kStageBytes = 2 * kBlockN * kPitch * kE;  // K and V of one tile
   static constexpr int kPipeBytes = kQBytes + kStages * kStageBytes;
@@ -263,10 +275,11 @@ struct DecodeKernel {
   // Key rows [kv0, kv0 + kBlockN) of the split (rows at or past kv_end zero-filled) into a stage.
   static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const Params& p, int b,
                                                  int hk, int pad, int kv0, int kv_end, int tid) {
-    const int cc = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
 #pragma unroll
-    for (int i = 0; i < kBlockN / kRowStep; ++i) {
-      const int r = r0 + i * kRowStep;
+    for (int i = 0; i < (kBlockN * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
+      int r, cc;
+      chunk_of(tid, i, r, cc);
+      if ((kBlockN * kChunksPerRow) % kThreads != 0 && r >= kBlockN) break;
       const int j = kv0 + r;
       const bool ok = j < kv_end;
       int64_t ko = 0, vo = 0;
@@ -384,10 +397,10 @@ struct DecodeKernel {
     const uint32_t sQ = ptx::smem_addr(smem);
     const uint32_t sKV = sQ + kQBytes;
     {
-      const int cc = tid % kChunksPerRow, r0 = tid / kChunksPerRow;
 #pragma unroll
-      for (int i = 0; i < kRows / kRowStep + (kRows % kRowStep ? 1 : 0); ++i) {
-        const int r = r0 + i * kRowStep;
+      for (int i = 0; i < (kRows * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
+        int r, cc;
+        chunk_of(tid, i, r, cc);
         if (r < kRows) {
           const int R = row0 + r;
           const bool ok = R < rows_total;

@@ -1,9 +1,10 @@
 // flashgen sm90 backward: the Hopper family's attention backward (FlashAttention-3's anatomy,
 // Shah et al. 2024, arXiv 2407.08608, Sec. 3 and App. B), specialised by a generated Variant
 // (flashgen/variant.h): every spec (mask and score hooks, parameters and their gradients,
-// dropout regenerated from the forward's Philox stream), GQA/MQA, the padded layout, head dims
-// 64 and 128, fp16/bf16, the non-deterministic mode (flashgen/families/sm90.py declares exactly
-// these calls; packed, block-sparse and deterministic calls run on the sm80 family).
+// dropout regenerated from the forward's Philox stream), GQA/MQA, head dims
+// 64 and 128, fp16/bf16, padded or packed, dense or block lists, deterministic or not
+// (flashgen/families/sm90.py declares exactly these calls; block lists with the deterministic
+// mode and other head dims run on the sm80 family).
 //
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim /* 64 | 128 */,
 //             class Tile /* Sm90BwdTile */>
@@ -196,7 +197,7 @@ struct Sm90Bwd {
     lp.dv += cuda::wide(sp.k0) * p.dv_sn;
     lp.lse += sp.q0;
     lp.dsum += sp.q0;
-    lp.dq_accum += cuda::wide(sp.q0) * kHeadDim;
+    if (p.dq_accum) lp.dq_accum += cuda::wide(sp.q0) * kHeadDim;
     if (p.dk_accum) lp.dk_accum += cuda::wide(sp.k0) * kHeadDim;
     if (p.dv_accum) lp.dv_accum += cuda::wide(sp.k0) * kHeadDim;
     return lp;
