@@ -374,6 +374,22 @@ def test_decode_kernels_load_from_a_directory_with_jit_disabled(tmp_path, monkey
     assert not (tmp_path / "cache-off").exists()
 
 
+def test_build_command_decode_option(tmp_path, monkeypatch, capsys):
+    """`flashgen build --out DIR --arch ...` writes the decode kernels (and says so); --no-decode
+    leaves them out."""
+    from flashgen import cli
+
+    fake_cuda(monkeypatch, tmp_path / "cache", {})
+    args = [str(SPEC), "--arch", "sm_80", "--dtype", "bf16", "--head-dim", "64"]
+    assert cli.main(["build", *args, "--out", str(tmp_path / "a")]) == 0
+    assert "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64" in capsys.readouterr().out
+    assert cli.main(["build", *args, "--out", str(tmp_path / "b"), "--no-decode"]) == 0
+    assert "decode kernels" not in capsys.readouterr().out
+    kinds = {d: sorted(e["kinds"][0] for e in json.loads((tmp_path / d / "index.json").read_text())["entries"])
+             for d in ("a", "b")}
+    assert kinds == {"a": ["decode", "fwd"], "b": ["fwd"]}
+
+
 def test_op_build_loads_the_decode_kernels(tmp_path, monkeypatch):
     """op.build(cuda) loads the decode library too (decode=True, the default), so the first
     decode call finds it; decode=False leaves it to that call. On the CPU there is nothing more
