@@ -71,6 +71,14 @@ gcmp = check.compare_grads(op.spec, q, k, v, dout, (qg.grad, kg.grad, vg.grad), 
 assert gcmp.ok, str(gcmp)
 print("forward:", cmp)
 print("backward:", gcmp)
+if cfg.get("decode"):  # a decode step on a cache holding the first N - 1 keys, appending the last
+    kc, vc = (torch.zeros(B, H, N + 3, d, device=device, dtype=dtype) for _ in range(2))
+    kc[:, :, :N - 1], vc[:, :, :N - 1] = k[:, :, :N - 1], v[:, :, :N - 1]
+    lens = torch.full((B,), N - 1, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        got = op.with_kvcache(q[:, :, -1:], kc, vc, cache_seqlens=lens, k=k[:, :, -1:], v=v[:, :, -1:], **params)
+    torch.testing.assert_close(got.float(), out[:, :, -1:].float(), atol=2e-2, rtol=2e-2)
+    print("decode: ok")
 missing = cfg["missing"]
 x = torch.randn(B, H, N, missing["head_dim"], device=device).to(getattr(torch, missing["dtype"]))
 try:
@@ -144,8 +152,8 @@ def test_directory_layout_and_index(cpu_dir):
 def test_fresh_process_with_jit_disabled_compiles_nothing(cpu_dir, tmp_path):
     out, _ = cpu_dir
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cpu", dtype="float32", seqlen=77,
-                       head_dim=40, missing={"dtype": "bfloat16", "head_dim": 40})
-    assert "forward: ok" in stdout and "backward: ok" in stdout
+                       head_dim=40, decode=True, missing={"dtype": "bfloat16", "head_dim": 40})
+    assert "forward: ok" in stdout and "backward: ok" in stdout and "decode: ok" in stdout
     assert "NOT BUILT NotBuiltError" in stdout
     assert "causal: cpu" in stdout and "bf16" in stdout and str(out) in stdout
     assert "flashgen build" in stdout and "--dtype bf16" in stdout
@@ -308,8 +316,8 @@ def test_cuda_plan_holds_the_decode_kernels(monkeypatch):
     with pytest.raises(TypeError, match="decode"):
         aot_build.plan([SPEC], arches=["sm_80"], decode="yes")
     inst = got[("sm80", "sm_80", "bf16", 64)]
-    assert aot.describe_instantiation(inst) == "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64, " \
-        "64 keys x 3 stages"
+    assert aot.describe_instantiation(inst) == \
+        "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64, 64 keys x 3 stages"
     assert aot.build_command(inst).endswith("--arch sm_80 --dtype bf16 --head-dim 64 --decode")
     assert aot._tiles_note(inst) is None  # its tile is the architecture's, never tuned
 
@@ -473,9 +481,10 @@ def test_cuda_directory_runs_with_jit_disabled(tmp_path):
     fams = {f.name for f in families.for_arch_all("cuda", artifact.cuda_arch_of(None))}
     assert entries and all(e["target"][2] == "cuda" and e["head_dim"] == 64 for e in entries)
     assert {e["target"][0] for e in entries} == fams
+    assert any(e["kinds"] == ["decode"] for e in entries)  # with_kvcache's kernels (decode=True, the default)
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cuda", dtype="bfloat16", seqlen=300,
-                       head_dim=64, missing={"dtype": "bfloat16", "head_dim": 128})
-    assert "forward: ok" in stdout and "backward: ok" in stdout
+                       head_dim=64, decode=True, missing={"dtype": "bfloat16", "head_dim": 128})
+    assert "forward: ok" in stdout and "backward: ok" in stdout and "decode: ok" in stdout
     assert "NOT BUILT NotBuiltError" in stdout and "head_dim 128" in stdout and "--head-dim 128" in stdout
 
 

@@ -337,7 +337,8 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
 def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable[str] = (),
               dtypes: Iterable | None = None, head_dims: Iterable[int] | None = None,
               layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] | bool = (False,),
-              decode: bool = True, jobs: int | None = None, announce: Callable[[str], None] | None = None) -> list[dict]:
+              decode: bool = True, jobs: int | None = None,
+              announce: Callable[[str], None] | None = None) -> list[dict]:
     """Compile the kernels of ``specs`` into the ahead-of-time directory ``out`` and add them to
     its ``index.json`` (an existing directory keeps its other entries; a variant built again
     replaces its entry).
