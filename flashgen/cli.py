@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA layouts (default padded; packed: varlen batches)")
     b.add_argument("--sparse", action="store_true", help="CUDA: also the block-sparse kernels (block_mask=) and "
                    "the block classifier")
+    b.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: the decode kernels of op.with_kvcache too, one per dtype and head dim (default; "
+                   "--no-decode: prefill kernels only). The CPU's decode runs in its forward kernels")
 
     r = sub.add_parser("run", formatter_class=_Help, help="run a spec on random inputs, check against the float64 reference, time it")
     r.add_argument("spec", type=Path, help="a .attn file")
@@ -259,7 +262,7 @@ def _build_cache(args, console, torch, fg_compile) -> int:
         t0 = time.perf_counter()
         with console.status(f"building {op.spec.name} for {device} …"):
             insts = op.build(device, dtypes, args.head_dim, layouts=args.layouts,
-                             sparse=(False, True) if args.sparse else (False,))
+                             sparse=(False, True) if args.sparse else (False,), decode=args.decode)
         dt = time.perf_counter() - t0
         for inst in insts:
             entry = env.cache_dir() / inst.name
@@ -277,7 +280,7 @@ def _build_aot(args, console) -> int:
     with console.status(f"building {len(args.specs)} spec(s) into {where} …"):
         if args.out is None:  # --arch without --out: into the cache
             planned = aot_build.plan(args.specs, device=args.device, arches=args.arch or (), dtypes=dtypes,
-                               head_dims=args.head_dim, layouts=args.layouts, sparse=sparse)
+                               head_dims=args.head_dim, layouts=args.layouts, sparse=sparse, decode=args.decode)
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=len(planned) or 1) as pool:
@@ -286,7 +289,7 @@ def _build_aot(args, console) -> int:
         else:
             entries = aot_build.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
                                     dtypes=dtypes, head_dims=args.head_dim, layouts=args.layouts, sparse=sparse,
-                                    announce=announce)
+                                    decode=args.decode, announce=announce)
             rows = [(e["spec"], e["artifact"], aot.describe(e["spec"], e["target"], e["dtype"], e["head_dim"],
                                                             e["config"])) for e in entries]
     dt = time.perf_counter() - t0
@@ -397,7 +400,8 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--dropout-p {args.dropout_p}: spec '{op.spec.name}' declares no dropout; add a line "
                          "`dropout` to the spec to enable it")
     sparse = (False, True) if args.block_mask and op.spec.mask is not None else (False,)
-    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None, sparse=sparse)
+    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None, sparse=sparse,
+             decode=False)  # prefill only (--decode times with_kvcache, built at its first call)
     try:
         rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
                          backward=args.backward, params=given, dropout_p=args.dropout_p, block_mask=args.block_mask)

@@ -36,8 +36,8 @@ _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q
 _forced: list[str | None] = []
 _origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
-__all__ = ["FAMILIES", "FEATURES", "PREFILL_FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete", "for_arch",
-           "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
+__all__ = ["FAMILIES", "FEATURES", "PREFILL_FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete",
+           "decode_instantiation", "for_arch", "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
 
 
 def get(name: str, what: str = "family") -> Family:
@@ -195,3 +195,16 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
                                       f"(family {fam.name}; they run on: {', '.join(with_feature(feature)) or 'none'})")
     raise NotImplementedError(f"no kernel family serves this call of spec '{spec.name}' ("
                               + "; ".join(f"{n} {w}" for n, w in tried) + ")")
+
+
+def decode_instantiation(spec: ir.Spec, fams: tuple[Family, ...], arch: str | None, dtype: ir.DType,
+                         head_dim: int):
+    """The artifact a build adds for decode calls (op.with_kvcache) of ``spec`` at (arch, dtype,
+    head_dim): the decode instantiation of the first of ``fams`` (``for_arch_all``'s families of
+    the target, as a call chooses among them) that serves such calls, or None when none serves
+    them there (sm90 alone, a head dim sm80's decode kernels lack) or when the forward's library
+    serves them (cpu: nothing more to build)."""
+    for fam in fams:
+        if fam.declines(spec, Call(fam.device, arch, dtype, head_dim, frozenset({"decode"}))) is None:
+            return fam.decode_instantiation(spec, arch, dtype, head_dim)
+    return None

@@ -54,22 +54,16 @@ from .library import register, register_kvcache
 # dropout_p > 0 raises NotImplementedError naming dropout_p.
 DROPOUT_BACKENDS = families.with_feature("dropout")
 
-
 # The kernel families whose kernels take packed (varlen) batches (cu_seqlens_q, ...); on the
 # others the op raises NotImplementedError naming cu_seqlens_q.
 VARLEN_BACKENDS = families.with_feature("varlen")
 
-
 _registry: dict[str, AttentionOp] = {}
-
-
 _registry_lock = threading.Lock()
-
 
 # The tuning store's generation: part of every library key, bumped by ``invalidate_libraries``
 # (flashgen.tune calls it when it reads or records results), so a new winner is picked up.
 _generation = [0]
-
 
 # The first-use tuner (FLASHGEN_AUTOTUNE=1): flashgen.tune plugs ``ensure_tuned`` in here, called
 # as first_use_tuner(op, device, dtype, head_dim, seqlen, family=fam) before a library is chosen.
@@ -564,7 +558,7 @@ class AttentionOp:
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
               layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,),
-              family: str | None = None) -> list[artifact.Instantiation]:
+              family: str | None = None, decode: bool = True) -> list[artifact.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
@@ -583,6 +577,8 @@ class AttentionOp:
                 a call on ``device`` may run on (families.for_arch_all: on sm_90a the sm90
                 forward for what it serves of the request, then sm80). Calls then run on it
                 while it is forced, or while it is the first family that serves them.
+            decode: also the decode kernels (``with_kvcache``) where they are a library of their own
+                (sm80, per dtype and head dim; cpu's decode runs in its forward library).
 
         Returns the instantiations, now loaded in this process.
 
@@ -615,9 +611,9 @@ class AttentionOp:
                     lay_p, sp_p = part.served(lays, sps)
                     if hd_p and dt_p and lay_p and sp_p:
                         insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts=lay_p, sparse=sp_p,
-                                            family=part.name)
+                                            family=part.name, decode=False)
                 return insts + self.build(device, dtypes, head_dims, jobs=jobs, layouts=layouts, sparse=sparse,
-                                          family=fams[-1].name)
+                                          family=fams[-1].name, decode=decode)
             fam = fams[0]
         name = fam.name
         dts = [as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
@@ -656,12 +652,16 @@ class AttentionOp:
                         for n in lens[dt][hd] if not sp else [None]:
                             todo.setdefault(self.instantiation(device, dt, hd, pk, sp, n, family=fam), []).append(
                                 (dt, hd, pk, sp, n))
-        insts = list(todo)
+        dec = {(dt, hd): families.decode_instantiation(self.spec, (fam,), arch, dt, hd)
+               for dt in dts for hd in hds if decode and not fam.runtime_head_dim}
+        insts = list(todo) + [i for i in dec.values() if i is not None]
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: loader.load(i, announce=announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            for dt, hd, pk, sp, n in todo[inst]:
+            for dt, hd, pk, sp, n in todo.get(inst, ()):
                 self._remember(fam, device, dt, hd, pk, sp, n, lib)
+        for dt, hd in (k for k, i in dec.items() if i is not None):  # loaded now: recorded under their key
+            self.decode_library(fam, device, dt, hd)
         return insts
 
     def mask_library(self, fam: families.Family, device: torch.device) -> cache.LoadedLibrary:
@@ -734,7 +734,7 @@ class AttentionOp:
                        seqlen: int | None = None) -> cache.LoadedLibrary:
         """The loaded library of a decode call (``with_kvcache``) on ``fam``: the family's own
         decode instantiation where it has one (sm80: ``decode_instantiation``, entry ``decode``),
-        else the forward's library (``library``, tiles for ``seqlen``)."""
+        else the forward's library (``library``, tiles for ``seqlen``); ``build(decode=True)`` loads it."""
         key = ("decode", fam.name, device.index, dtype, head_dim, env.library_selection(), _generation[0])
         lib = self._libraries.get(key)
         if lib is not None:
