@@ -36,7 +36,7 @@ def _hopper():
 def ops(dense_op, causal_op):
     all_ops = {"dense": dense_op, "causal": causal_op}
     with flashgen.use_family("sm90"), ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda op: op.build("cuda", None, [64, 128]), all_ops.values()))
+        list(pool.map(lambda op: op.build("cuda", None, [64, 128], decode=False), all_ops.values()))
     return all_ops
 
 
@@ -192,7 +192,8 @@ SPEC_LAYOUTS = [(1, 1, 1), (2, 4, 2), (2, 4, 1), (1, 6, 6), (1, 8, 2)]  # (batch
 @pytest.fixture(scope="module")
 def _examples_built():
     with flashgen.use_family("sm90"), ThreadPoolExecutor(4) as pool:
-        list(pool.map(lambda n: variant_cases.op(n).build("cuda", None, [64, 128]), variant_cases.EXAMPLES))
+        list(pool.map(lambda n: variant_cases.op(n).build("cuda", None, [64, 128], decode=False),
+                      variant_cases.EXAMPLES))
 
 
 @pytest.mark.parametrize("name", variant_cases.EXAMPLES)
@@ -323,7 +324,8 @@ def test_document_auto_block_lists_on_the_sm90_backward():
         q, k, v, dout = (torch.randn(2, h, 1000, 128, generator=g).bfloat16().cuda() for h in (4, 2, 2, 4))
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         fop(qq, kk, vv, document_id=ids.cuda()).backward(dout)
-        cmp = check.compare_grads(fop.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad), params={"document_id": ids.cuda()})
+        cmp = check.compare_grads(fop.spec, q, k, v, dout, (qq.grad, kk.grad, vv.grad),
+                                  params={"document_id": ids.cuda()})
         assert cmp.ok, str(cmp)
 
 
