@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check from a cold cache: first build + cached load through `flashgen run`, then the GPU
-# test suite (its own cold cache, timed). Logs go under $OUT (default ./gpu-logs).
+# test suite (its own cold cache, timed; PYTEST_ARGS="-n 16" spreads it over workers with pytest-xdist). Logs go under $OUT (default ./gpu-logs).
 set -uo pipefail
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -13,7 +13,7 @@ FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cold.txt"
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
 [ -d .minilm ] && export FLASHGEN_TEST_MINILM=$PWD/.minilm  # fp16 copy of the MiniLM test model, if carried
 start=$(date +%s)
-FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -s -rf --durations=8 tests 2>&1 | tee "$out/pytest-gpu.txt"
+FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -s -rf --durations=8 ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest-gpu.txt"
 echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"
 # BENCH: "fwd", "bwd" (forward+backward), "fwd bwd" (default) or "" (none)
 for dir in ${BENCH-fwd bwd}; do
