@@ -31,6 +31,9 @@ class LaunchFields:
     nothing."""
 
     fills_fwd = False
+    # The family's backward orders its deterministic dQ adds by semaphores (FgBwdArgs.dq_semaphore,
+    # allocated by the runtime only then).
+    orders_dq = False
 
     def fwd(self, args, values) -> None:
         pass

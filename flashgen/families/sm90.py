@@ -460,6 +460,8 @@ class DynamicSchedule(LaunchFields):
     (the static schedule) with FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a
     graph capture (building a table copies it from the host) or past the kernel's int32 ranks."""
 
+    orders_dq = True  # the sm90 backward's deterministic mode (sm90/bwd.cuh)
+
     def __init__(self, spec: ir.Spec) -> None:
         self.spec = spec
         self.key = spec.fingerprint()

@@ -337,11 +337,13 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
         args.q_blocks, args.kv_blocks = blocks.bwd()
     if q.is_cuda:
         args.num_sms = _num_sms(q.get_device())
-    # The sm90 backward's deterministic mode orders each query tile's dQ adds with a semaphore
-    # per query row (args.h); the other families ignore it.
-    dq_semaphore = torch.zeros(rows_q, dtype=torch.int32, device=q.device) if deterministic and q.is_cuda else None
+    fields = op.launch_fields(lib)
+    # A family whose deterministic mode orders each query tile's dQ adds (sm90) takes one
+    # semaphore per query row (args.h).
+    dq_semaphore = torch.zeros(rows_q, dtype=torch.int32, device=q.device) \
+        if deterministic and q.is_cuda and fields.orders_dq else None
     args.dq_semaphore = ptr(dq_semaphore)
-    op.launch_fields(lib).bwd(args, values, lib.instantiation.config)
+    fields.bwd(args, values, lib.instantiation.config)
     if q.is_cuda and Hq != Hkv and args.gqa_splits > 1:
         # The shares of a split group add dK, dV into fp32 workspaces (the launch zeroes them).
         dk_accum, dv_accum = (torch.empty((*rows_k, d), **f32) for _ in range(2))

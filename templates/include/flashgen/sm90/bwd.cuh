@@ -901,26 +901,8 @@ int launch_bwd(const FgBwdArgs& a) {
     if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dq convert launch", err);
   }
 
-  // 4. dk, dv from the workspaces when the GQA group was split (dk_accum holds scale * dS^T Q).
-  if (splits > 1) {
-    for (int which = 0; which < 2; ++which) {
-      cuda::BwdConvertParams<Element> cp;
-      cp.src = which == 0 ? a.dk_accum : a.dv_accum;
-      cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
-      cp.rows = nb * a.heads_kv * rows_k;
-      cp.heads = int(a.heads_kv);
-      cp.seqlen = int(rows_k);
-      cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, which == 0 ? a.dk_stride_b : a.dv_stride_b,
-                                which == 0 ? a.dk_stride_h : a.dv_stride_h, which == 0 ? a.dk_stride_n : a.dv_stride_n,
-                                kPacked);
-      cp.mul = 1.f;
-      const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
-      cuda::bwd_convert_kernel<Element, kHeadDim>
-          <<<cuda::detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
-      err = cudaGetLastError();
-      if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dk/dv convert launch", err);
-    }
-  }
+  // 4. dk, dv from the workspaces when the GQA group was split (the sm80 family's convert).
+  if (splits > 1) return cuda::convert_kv_workspaces<Element, kHeadDim>(a, nb, rows_k, kPacked, kElemGrid, stream);
   return FG_OK;
 }
 
