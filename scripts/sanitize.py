@@ -302,12 +302,22 @@ def sanitizer() -> str | None:
     return None
 
 
+def worker_cmd(family: str, specs: list[str] | None, record: Path) -> list[str]:
+    """The command line of one worker process (its calls recorded in ``record``)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--worker", "--family", family,
+            "--record", str(record), *(["--specs", ",".join(specs)] if specs else [])]
+
+
 def sanitize_cmd(tool_path: str, tool: str, family: str, specs: list[str] | None, record: Path) -> list[str]:
     """The command line of one sanitized worker."""
     return [tool_path, "--tool", tool, "--error-exitcode", "1",
-            *(["--racecheck-report", "all"] if tool == "racecheck" else []),
-            sys.executable, str(Path(__file__).resolve()), "--worker", "--family", family,
-            "--record", str(record), *(["--specs", ",".join(specs)] if specs else [])]
+            *(["--racecheck-report", "all"] if tool == "racecheck" else []), *worker_cmd(family, specs, record)]
+
+
+def recorded(record: Path) -> dict:
+    """The calls a worker recorded: how many ran and the skipped ones (with their reasons)."""
+    calls = json.loads(record.read_text()) if record.exists() else []
+    return {"ran": sum(r["status"] == "ran" for r in calls), "skipped": [r for r in calls if r["status"] == "skipped"]}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -395,7 +405,6 @@ def main(argv=None) -> int:
     build_s = prebuild(specs)
     summary["build_seconds"] = round(build_s, 1)
     print(f"kernels built or loaded in {build_s:.1f} s")
-    me = [sys.executable, str(Path(__file__).resolve()), "--worker", *(["--specs", ",".join(specs)] if specs else [])]
     jobs = []
     for fam in fams:
         why = families.get(fam).arch_reason(arch)
@@ -405,12 +414,9 @@ def main(argv=None) -> int:
             continue
         record = out / f"{fam}-plain.json"
         t0 = time.perf_counter()
-        plain = subprocess.run([*me, "--family", fam, "--record", str(record)], check=False)
-        calls = json.loads(record.read_text()) if record.exists() else []
+        plain = subprocess.run(worker_cmd(fam, specs, record), check=False)
         summary["families"][fam] = {
-            "plain": {"exit": plain.returncode, "seconds": round(time.perf_counter() - t0, 1),
-                      "ran": sum(r["status"] == "ran" for r in calls),
-                      "skipped": [r for r in calls if r["status"] == "skipped"]},
+            "plain": {"exit": plain.returncode, "seconds": round(time.perf_counter() - t0, 1), **recorded(record)},
             "tools": {}}
         if plain.returncode != 0:
             print(f"{fam}: the calls failed without a sanitizer (exit {plain.returncode}); not sanitized")
@@ -433,10 +439,8 @@ def main(argv=None) -> int:
             text += f"\nsanitize: timed out after {a.timeout:.0f} s\n"
             code = None
         (out / f"{fam}-{tool}.log").write_text(text)
-        calls = json.loads(record.read_text()) if record.exists() else []
         return job, {"exit": code, **parse_log(text), "seconds": round(time.perf_counter() - t0, 1),
-                     "ran": sum(r["status"] == "ran" for r in calls),
-                     "skipped": [r for r in calls if r["status"] == "skipped"], "log": str(out / f"{fam}-{tool}.log")}
+                     **recorded(record), "log": str(out / f"{fam}-{tool}.log")}
 
     failed = False
     with ThreadPoolExecutor(max_workers=a.jobs or max(1, len(jobs))) as pool:

@@ -95,19 +95,40 @@ def _user(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _stat_posix(path: Path) -> os.stat_result | None:
+    """``path``'s stat where POSIX owners exist and it exists, else None."""
+    if not hasattr(os, "geteuid"):
+        return None  # no POSIX owners (Windows)
+    try:
+        return os.stat(path)
+    except OSError:
+        return None  # what does not exist holds nothing yet
+
+
+def _owner_problem(st: os.stat_result) -> str | None:
+    me = os.geteuid()
+    if st.st_uid not in (me, 0):
+        return f"is owned by {_user(st.st_uid)}, not by you ({_user(me)}) or root"
+    return None
+
+
+def owner_problem(path: Path) -> str | None:
+    """The owner part of ``path_problem``: why ``path``'s owner (someone other than the current
+    user or root) could change what it holds, or None."""
+    st = _stat_posix(path)
+    return None if st is None else _owner_problem(st)
+
+
 def path_problem(path: Path) -> str | None:
     """Why another user could change what ``path`` holds (None: only its owner, the current user
     or root, can): its owner is someone else, or it is writable by others, or by a group other
     than its owner's private group."""
-    if not hasattr(os, "geteuid"):
-        return None  # no POSIX owners (Windows)
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None  # what does not exist holds nothing yet
-    me = os.geteuid()
-    if st.st_uid not in (me, 0):
-        return f"is owned by {_user(st.st_uid)}, not by you ({_user(me)}) or root"
+    st = _stat_posix(path)
+    if st is None:
+        return None
+    owner = _owner_problem(st)
+    if owner is not None:
+        return owner
     mode = stat.S_IMODE(st.st_mode)
     if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not _private_group(st)):
         who = "others" if mode & stat.S_IWOTH else "its group"

@@ -380,10 +380,11 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
     out = Path(out)
     cache.check_toolchain(p.inst.target for p in planned)  # before DIR is created
     existed = out.is_dir()
-    problem = cache.path_problem(out) if existed else None
-    if problem and problem.startswith("is owned"):  # its owner could replace what we write: a load would refuse it
-        raise UntrustedPathError(f"refusing to write kernels into {out}: it {problem}, so that user could replace them "
-                         "(and processes loading from it refuse it)\n  fix: choose a directory of your own for --out")
+    problem = cache.owner_problem(out) if existed else None
+    if problem:  # its owner could replace what we write: a load would refuse it
+        raise UntrustedPathError(f"refusing to write kernels into {out}: it {problem}, so that user could replace "
+                                 "them (and processes loading from it refuse it)\n  fix: choose a directory of your "
+                                 "own for --out")
     cache.private_dir(out)
     if existed and os.stat(out).st_mode & 0o022:
         os.chmod(out, os.stat(out).st_mode & 0o7755)
