@@ -305,7 +305,8 @@ class AttentionOp:
             grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                    for t in (q, k, v, *values))
             blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad=grad,
-                                     values=checked, cu_seqlens_k=cu_seqlens_k, dropout=bool(dropout_p))
+                                     values=checked, cu_seqlens_k=cu_seqlens_k, dropout=bool(dropout_p),
+                                     deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
             # the schema's packed-layout arguments come first
             varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
@@ -426,11 +427,9 @@ class AttentionOp:
             self._choices[key] = hit
         return hit
 
-    def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                   grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False) -> dict:
-        """The op's block-sparsity arguments for ``block_mask`` (runtime/blocks.py)."""
-        return blocks.block_args(self, block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad,
-                                 values, cu_seqlens_k, dropout)
+    def block_args(self, block_mask, q, k, packed: bool, *args, **kw) -> dict:
+        """The op's block-sparsity arguments for ``block_mask`` (runtime/blocks.py, ``block_args``)."""
+        return blocks.block_args(self, block_mask, q, k, packed, *args, **kw)
 
     def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
         """Validate the raw op's dropout arguments (runtime/checks.py)."""
