@@ -81,7 +81,7 @@ def test_gradients_seqlen_cross_product(ops, mask, d, dtype):
         g90 = check_grads(ops[mask], q, k, v, dout)
         g80 = grads_of(ops[mask], q, k, v, dout, family="sm80")
         for a, b_ in zip(g90, g80, strict=True):
-            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=0)
+            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=1.6e-2)  # bf16: one ulp at |g| ~ 4 is 0.03
 
 
 @pytest.mark.parametrize("mask", ["dense", "causal"])
@@ -240,7 +240,7 @@ def test_gqa_group_split_and_whole(ops, mask):
         g90 = check_grads(ops[mask], q, k, v, dout)
         g80 = grads_of(ops[mask], q, k, v, dout, family="sm80")
         for a, b_ in zip(g90, g80, strict=True):
-            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=0)
+            torch.testing.assert_close(a.float(), b_.float(), atol=3e-2, rtol=1.6e-2)  # bf16: one ulp at |g| ~ 4 is 0.03
 
 
 # Packed (varlen) batches on the sm90 backward, forced: sequences shorter and longer than a tile,
