@@ -62,8 +62,13 @@ def test_sm90_serves_the_padded_backward(ops):
             for dt in (torch.float16, torch.bfloat16):
                 assert ops[name].family_for("cuda", dt, d, backward=True).family.name == "sm90"
                 assert ops[name].family_for("cuda", dt, d, backward=True, gqa=True).family.name == "sm90"
-                for kw in ({"layout": "packed"}, {"deterministic": True}, {"sparse": True}):
+                for kw in ({"layout": "packed"}, {"sparse": True}):
                     assert ops[name].family_for("cuda", dt, d, backward=True, **kw).family.name == "sm90"
+                # deterministic: served, but deferred to sm80's faster query-major dQ pass
+                choice = ops[name].family_for("cuda", dt, d, backward=True, deterministic=True)
+                assert choice.family.name == "sm80" and "defers" in choice.tried[0][1], choice.why()
+                assert ops[name].family_for("cuda", dt, d, backward=True, deterministic=True,
+                                            family="sm90").family.name == "sm90"
     choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, sparse=True, deterministic=True)
     assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
     assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"

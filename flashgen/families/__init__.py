@@ -181,12 +181,17 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
             raise NotImplementedError(f"family {fam.name} ({origin}) cannot serve this call of spec "
                                       f"'{spec.name}': it {why}")
         return Choice(fam, (), origin)
-    tried = []
+    tried, deferred = [], None
     for fam in _ORDER:
         why = fam.declines(spec, call)
         if why is None:
-            return Choice(fam, tuple(tried), None)
+            why = fam.defers(spec, call)
+            if why is None:
+                return Choice(fam, tuple(tried), None)
+            deferred = deferred or (fam, len(tried))
         tried.append((fam.name, why))
+    if deferred is not None:  # no later family serves the call: the one that deferred runs it
+        return Choice(deferred[0], tuple(tried[:deferred[1]]), None)
     for fam in _ORDER:  # a family that would serve the call but for a feature: name its argument
         if call.features - fam.features and fam.declines(spec, replace(call, features=frozenset())) is None:
             feature = sorted(call.features - fam.features)[0]

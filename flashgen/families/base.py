@@ -135,6 +135,13 @@ class Family:
             return "has no " + ", ".join(_FEATURE_TEXT[f] for f in missing)
         return None
 
+    def defers(self, spec: ir.Spec, call: Call) -> str | None:
+        """Why the automatic choice passes over this family for ``call`` of ``spec`` although it
+        serves it (a measured speed rule: a later family runs the call faster), as a phrase; None
+        when it does not. A forced family still runs the call; with no later family serving it,
+        the deferring one does. This default defers nothing."""
+        return None
+
     def served(self, layouts, sparse) -> tuple[list[str], list[bool]]:
         """Of the requested ``layouts`` ('padded' / 'packed') and ``sparse`` flags, those this
         family has kernels for (packed needs 'varlen', block-sparse needs 'sparse'), in order
