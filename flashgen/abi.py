@@ -44,7 +44,9 @@ class FgKvCache(ctypes.Structure):
                 ("block_table_stride", _i64), ("num_pages", _i64), ("page_size", ctypes.c_int32),
                 ("max_pages", ctypes.c_int32), ("capacity", _i64), ("k_new", ctypes.c_void_p),
                 ("v_new", ctypes.c_void_p), ("seqlen_new", _i64),
-                *[(f"{n}_stride_{d}", _i64) for n in ("kn", "vn") for d in "bhn"]]
+                *[(f"{n}_stride_{d}", _i64) for n in ("kn", "vn") for d in "bhn"],
+                ("num_splits", ctypes.c_int32), ("reserved", ctypes.c_int32), ("o_accum", ctypes.c_void_p),
+                ("lse_accum", ctypes.c_void_p)]
 
 
 class FgWorkQueue(ctypes.Structure):
@@ -91,6 +93,7 @@ class FgBwdArgs(ctypes.Structure):
         *_VARLEN,
         ("q_blocks", FgBlockLists), ("kv_blocks", FgBlockLists),
         *_DECIDED, ("gqa_splits", ctypes.c_int32),
+        ("dq_semaphore", ctypes.c_void_p),
     ]
 
 

@@ -80,17 +80,25 @@ def _additive_bias(spec: ir.Spec) -> ir.Expr | None:
     return None
 
 
-def sdpa_mask(spec: ir.Spec, B: int, H: int, Nq: int, Nk: int, device, dtype, params: dict):
+def sdpa_mask(spec: ir.Spec, B: int, H: int, Nq: int, Nk: int, device, dtype, params: dict, *,
+              decode: bool = False):
     """The materialised attn_mask a user of SDPA would build for ``spec``: bool for a mask alone,
     float (bias, −inf where masked) for an additive score modification; None for no mask;
-    raises NotImplementedError for score modifications SDPA cannot express (e.g. softcap)."""
-    keep = reference.keep_mask(spec, Nq, Nk, device, batch=B, heads=H, **params)
+    raises NotImplementedError for score modifications SDPA cannot express (e.g. softcap).
+    ``decode``: the Nq queries are the last Nq positions of sequences of Nk keys, as
+    ``with_kvcache`` places them (query row i at position Nk − Nq + i, seqlen_q = seqlen_k = Nk)."""
+    env = reference.positions(B, H, Nq, Nk, device)
+    if decode:
+        env |= {"q": env["q"] + (Nk - Nq), "seqlen_q": Nk}
+    keep = None
+    if spec.mask is not None:
+        m = reference.evaluate(spec.mask, spec, env, params, torch.float64)
+        keep = torch.broadcast_to(m, torch.broadcast_shapes(m.shape, (1, 1, Nq, Nk)))
     if spec.score is None:
         return keep
     f = _additive_bias(spec)
     if f is None:
         raise NotImplementedError("score modification not expressible as an SDPA attn_mask")
-    env = reference.positions(B, H, Nq, Nk, device)
     bias = reference.evaluate(f, spec, env, params, torch.float32, check_bounds=False)
     bias = torch.broadcast_to(bias, torch.broadcast_shapes(bias.shape, (1, 1, Nq, Nk)))
     if keep is not None:

@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import bench, check, env, families, reference
+from . import bench_decode as decode_bench
 from . import explain as ex
 from . import flops as flop_count
 from .bench import time_fn
@@ -66,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA layouts (default padded; packed: varlen batches)")
     b.add_argument("--sparse", action="store_true", help="CUDA: also the block-sparse kernels (block_mask=) and "
                    "the block classifier")
+    b.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: the decode kernels of op.with_kvcache too, one per dtype and head dim (default; "
+                   "--no-decode: prefill kernels only). The CPU's decode runs in its forward kernels")
 
     r = sub.add_parser("run", formatter_class=_Help, help="run a spec on random inputs, check against the float64 reference, time it")
     r.add_argument("spec", type=Path, help="a .attn file")
@@ -83,16 +87,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="dropout probability (specs that declare dropout; seed 0, checked with that mask)")
     r.add_argument("--reps", type=int, default=10, help="timed calls (median)")
 
-    be = sub.add_parser("bench", formatter_class=_Help, help="time ours next to torch SDPA (and FlexAttention on CUDA) in one run")
+    be = sub.add_parser("bench", formatter_class=_Help, help="time ours next to torch SDPA (and FlexAttention on "
+                        "CUDA) in one run; with --decode, decode calls (op.with_kvcache) in GB/s next to SDPA and "
+                        "a read-only ceiling")
     be.add_argument("spec", type=Path)
     be.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     be.add_argument("--dtype", choices=DTYPE_ARG, default=None, help="default bf16 on cuda, fp32 on cpu")
-    be.add_argument("--seqlen", nargs="*", type=int, help="default cpu: 1024 4096; cuda: 512 … 16384")
-    be.add_argument("--head-dim", nargs="*", type=int, help="default cpu: 64; cuda: 64 128")
-    be.add_argument("--batch", type=int, help="default cpu: 2; cuda: 16384 // seqlen")
-    be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim")
+    be.add_argument("--seqlen", nargs="*", type=int,
+                    help="default cpu: 1024 4096; cuda: 512 … 16384 (not with --decode)")
+    be.add_argument("--head-dim", nargs="*", type=int, help="default cpu: 64; cuda: 64 128 (--decode on cuda: 128)")
+    be.add_argument("--batch", type=int,
+                    help="default cpu: 2; cuda: 16384 // seqlen (--decode on cuda: 131072 // cache length)")
+    be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim (--decode on cuda: 32)")
     be.add_argument("--peers", nargs="*", help="only these peers (cuda: " + " ".join(bench.PEERS["cuda"]) + "; cpu: "
-                    + " ".join(bench.PEERS["cpu"]) + "; default: all)")
+                    + " ".join(bench.PEERS["cpu"]) + "; --decode: cuda " + " ".join(decode_bench.PEERS["cuda"])
+                    + ", cpu " + " ".join(decode_bench.PEERS["cpu"]) + "; default: all)")
     be.add_argument("--reps", type=int, default=10, help="timed calls per implementation (median)")
     be.add_argument("--backward", action="store_true", help="time forward+backward instead of the forward")
     be.add_argument("--json", type=Path, help="also write the rows as JSON here")
@@ -104,6 +113,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="also time ours given the spec's own block mask (flashgen.block_mask, block 128), built "
                          "once per shape outside the timing as FlexAttention's is: row flashgen-bm next to the "
                          "per-call row flashgen; adds nothing for specs without a mask")
+    be.add_argument("--decode", action="store_true",
+                    help="time decode calls (op.with_kvcache, every sequence holding --cache-len keys) instead of the "
+                         "prefill: GB/s of the attended K and V bytes, next to SDPA on the same cache and a read-only "
+                         "pass over the same bytes (row read-only, the ceiling)")
+    be.add_argument("--cache-len", nargs="+", type=int, help="--decode: cached keys per sequence (default cpu: 1024 "
+                    "4096; cuda: 1024 4096 8192 32768)")
+    be.add_argument("--kv-heads", type=int, help="--decode: KV heads (default: --heads // 4 where 4 divides it, else "
+                    "--heads)")
+    be.add_argument("--sq", type=int, help="--decode: queries per sequence (default 1)")
+    be.add_argument("--page-size", type=int, help="--decode: 0 a contiguous cache (default), else a paged one with "
+                    "pages of this size (1 to 256, dividing every --cache-len) shuffled in the pool")
+    be.add_argument("--num-splits", type=int, help="--decode: with_kvcache's num_splits (default 0: the family "
+                    "chooses; 1 no split)")
 
     tu = sub.add_parser("tune", formatter_class=_Help, help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
     tu.add_argument("spec", type=Path)
@@ -240,7 +262,7 @@ def _build_cache(args, console, torch, fg_compile) -> int:
         t0 = time.perf_counter()
         with console.status(f"building {op.spec.name} for {device} …"):
             insts = op.build(device, dtypes, args.head_dim, layouts=args.layouts,
-                             sparse=(False, True) if args.sparse else (False,))
+                             sparse=(False, True) if args.sparse else (False,), decode=args.decode)
         dt = time.perf_counter() - t0
         for inst in insts:
             entry = env.cache_dir() / inst.name
@@ -258,7 +280,7 @@ def _build_aot(args, console) -> int:
     with console.status(f"building {len(args.specs)} spec(s) into {where} …"):
         if args.out is None:  # --arch without --out: into the cache
             planned = aot_build.plan(args.specs, device=args.device, arches=args.arch or (), dtypes=dtypes,
-                               head_dims=args.head_dim, layouts=args.layouts, sparse=sparse)
+                               head_dims=args.head_dim, layouts=args.layouts, sparse=sparse, decode=args.decode)
             from concurrent.futures import ThreadPoolExecutor
 
             with ThreadPoolExecutor(max_workers=len(planned) or 1) as pool:
@@ -267,7 +289,7 @@ def _build_aot(args, console) -> int:
         else:
             entries = aot_build.build_dir(args.specs, args.out, device=args.device, arches=args.arch or (),
                                     dtypes=dtypes, head_dims=args.head_dim, layouts=args.layouts, sparse=sparse,
-                                    announce=announce)
+                                    decode=args.decode, announce=announce)
             rows = [(e["spec"], e["artifact"], aot.describe(e["spec"], e["target"], e["dtype"], e["head_dim"],
                                                             e["config"])) for e in entries]
     dt = time.perf_counter() - t0
@@ -344,8 +366,25 @@ def _run(args, op, given: dict, device: torch.device) -> int:
 # ---------------------------------------------------------------- bench
 
 
+_DECODE_ONLY = {"cache_len": "--cache-len", "kv_heads": "--kv-heads", "sq": "--sq", "page_size": "--page-size",
+                "num_splits": "--num-splits"}
+
+
 def cmd_bench(args) -> int:
+    if not args.decode:
+        for name, option in _DECODE_ONLY.items():
+            if getattr(args, name) is not None:
+                raise ValueError(f"{option}: applies with --decode only")
+    else:
+        for given, option, why in ((args.backward, "--backward", "decode calls are inference only"),
+                                   (args.block_mask, "--block-mask", "decode calls take no block mask"),
+                                   (args.dropout_p, "--dropout-p", "decode calls apply no dropout"),
+                                   (args.seqlen is not None, "--seqlen", "the cache lengths are --cache-len")):
+            if given:
+                raise ValueError(f"{option}: not with --decode ({why})")
     device = _device(args.device)
+    if args.decode:
+        return _bench_decode(args, device)
     try:
         bench.check_include(args.peers, device, args.dropout_p)
     except ValueError as e:
@@ -361,10 +400,53 @@ def cmd_bench(args) -> int:
         raise ValueError(f"--dropout-p {args.dropout_p}: spec '{op.spec.name}' declares no dropout; add a line "
                          "`dropout` to the spec to enable it")
     sparse = (False, True) if args.block_mask and op.spec.mask is not None else (False,)
-    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None, sparse=sparse)
+    op.build(device, [dtype], sorted({s[3] for s in shapes}) if device.type == "cuda" else None, sparse=sparse,
+             decode=False)  # prefill only (--decode times with_kvcache, built at its first call)
     try:
         rows = bench.run(op, shapes, dtype, device, reps=args.reps, include=set(args.peers) if args.peers else None,
                          backward=args.backward, params=given, dropout_p=args.dropout_p, block_mask=args.block_mask)
+    except IndexError as e:
+        raise _drawn_index_error(op, given, e) from None
+    if args.json:
+        args.json.write_text(json.dumps([r.as_dict() for r in rows], indent=1))
+    return 0
+
+
+def _bench_decode(args, device: torch.device) -> int:
+    """``bench --decode``: flashgen.bench_decode.run on the options' shapes."""
+    try:
+        decode_bench.check_peers(args.peers, device)
+    except ValueError as e:
+        raise ValueError("--peers:" + str(e).removeprefix("include:")) from None
+    for name in ("batch", "heads", "kv_heads", "sq", "reps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: {value} is out of range (expected ≥ 1)")
+    for name in ("cache_len", "head_dim"):
+        if any(n < 1 for n in getattr(args, name) or ()):
+            raise ValueError(f"--{name.replace('_', '-')}: expected positive values, got {getattr(args, name)}")
+    heads, kv_heads = decode_bench.default_heads(device, args.heads, args.kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads: {kv_heads} does not divide {heads} query heads (--heads)")
+    shapes = decode_bench.default_shapes(device, args.head_dim, args.cache_len, args.batch)
+    sq, page_size, splits = args.sq or 1, args.page_size or 0, args.num_splits or 0
+    if sq > min(L for _, L, _ in shapes):
+        raise ValueError(f"--sq: {sq} queries exceed the shortest cache length {min(L for _, L, _ in shapes)}")
+    if not 0 <= page_size <= 256 or any(page_size and L % page_size for _, L, _ in shapes):
+        raise ValueError(f"--page-size: {page_size} must be 0 (contiguous) or 1 to 256 dividing every --cache-len")
+    if splits < 0:
+        raise ValueError(f"--num-splits: {splits} is out of range (expected ≥ 0: 0 chooses, 1 no split)")
+    op = fg_compile(args.spec)
+    dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    print(f"# {op.name} decode (Sq={sq}, " + (f"paged {page_size}" if page_size else "contiguous cache")
+          + f", num_splits {splits}) on {where}, torch {torch.__version__}, {dtype.value}, "
+          f"threads={torch.get_num_threads()}; GB/s: K and V bytes of the attended positions per second")
+    given = parse_params(op.spec, args.param)
+    try:
+        rows = decode_bench.run(op, shapes, dtype, device, heads=heads, kv_heads=kv_heads, seqlen_q=sq,
+                                variants=((page_size, splits),), reps=args.reps,
+                                include=set(args.peers) if args.peers else None, params=given)
     except IndexError as e:
         raise _drawn_index_error(op, given, e) from None
     if args.json:

@@ -311,7 +311,8 @@ def worker_cmd(family: str, specs: list[str] | None, record: Path) -> list[str]:
 def sanitize_cmd(tool_path: str, tool: str, family: str, specs: list[str] | None, record: Path) -> list[str]:
     """The command line of one sanitized worker."""
     return [tool_path, "--tool", tool, "--error-exitcode", "1",
-            *(["--racecheck-report", "all"] if tool == "racecheck" else []), *worker_cmd(family, specs, record)]
+            *(["--racecheck-report", "all"] if tool == "racecheck" else []), "--print-limit", "2000",
+            *worker_cmd(family, specs, record)]
 
 
 def recorded(record: Path) -> dict:

@@ -71,6 +71,14 @@ gcmp = check.compare_grads(op.spec, q, k, v, dout, (qg.grad, kg.grad, vg.grad), 
 assert gcmp.ok, str(gcmp)
 print("forward:", cmp)
 print("backward:", gcmp)
+if cfg.get("decode"):  # a decode step on a cache holding the first N - 1 keys, appending the last
+    kc, vc = (torch.zeros(B, H, N + 3, d, device=device, dtype=dtype) for _ in range(2))
+    kc[:, :, :N - 1], vc[:, :, :N - 1] = k[:, :, :N - 1], v[:, :, :N - 1]
+    lens = torch.full((B,), N - 1, dtype=torch.int32, device=device)
+    with torch.no_grad():
+        got = op.with_kvcache(q[:, :, -1:], kc, vc, cache_seqlens=lens, k=k[:, :, -1:], v=v[:, :, -1:], **params)
+    torch.testing.assert_close(got.float(), out[:, :, -1:].float(), atol=2e-2, rtol=2e-2)
+    print("decode: ok")
 missing = cfg["missing"]
 x = torch.randn(B, H, N, missing["head_dim"], device=device).to(getattr(torch, missing["dtype"]))
 try:
@@ -144,8 +152,8 @@ def test_directory_layout_and_index(cpu_dir):
 def test_fresh_process_with_jit_disabled_compiles_nothing(cpu_dir, tmp_path):
     out, _ = cpu_dir
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cpu", dtype="float32", seqlen=77,
-                       head_dim=40, missing={"dtype": "bfloat16", "head_dim": 40})
-    assert "forward: ok" in stdout and "backward: ok" in stdout
+                       head_dim=40, decode=True, missing={"dtype": "bfloat16", "head_dim": 40})
+    assert "forward: ok" in stdout and "backward: ok" in stdout and "decode: ok" in stdout
     assert "NOT BUILT NotBuiltError" in stdout
     assert "causal: cpu" in stdout and "bf16" in stdout and str(out) in stdout
     assert "flashgen build" in stdout and "--dtype bf16" in stdout
@@ -272,12 +280,170 @@ def test_cuda_plan_needs_no_gpu_and_no_toolkit(monkeypatch):
     text = aot.not_built_message(causal_packed, [], [])
     assert "causal: sm80 sm_90a, bf16, head_dim 64, packed (varlen) layout, not block-sparse, tiles fwd" in text
     assert "causal.attn --out DIR --arch sm_90a --dtype bf16 --head-dim 64 --layouts packed" in text
-    sparse = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True)
+    sparse = aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["fp16"], head_dims=[128], sparse=True, decode=False)
     assert {dict(p.inst.config).get("sparse", 0) or 2 * dict(p.inst.config).get("mask", 0) for p in sparse} == {1, 2}
     with pytest.raises(ValueError, match="sm_70"):
         aot_build.plan([SPEC], arches=["sm_70"])
     with pytest.raises(ValueError, match="fp32 is not supported"):
         aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["fp32"])
+
+
+def decode_insts(planned) -> list[artifact.Instantiation]:
+    return [p.inst for p in planned if p.inst.kinds == ("decode",)]
+
+
+def test_cuda_plan_holds_the_decode_kernels(monkeypatch):
+    """CUDA builds hold op.with_kvcache's decode kernels (sm80's, which serve Hopper too): one per
+    (arch, dtype, head dim) their kernels take; none with decode=False, none on the CPU (its
+    decode runs in the forward library) and none for a forced sm90, which has no decode kernels."""
+    monkeypatch.setattr(aot_build, "_gpus", dict)
+    spec = flashgen.compile(SPEC).spec
+    planned = aot_build.plan([SPEC], arches=["sm_80", "sm_90a"], dtypes=["bf16", "fp16"], head_dims=[64, 128, 72])
+    got = {(i.target.family, i.target.arch, i.dtype.value, i.head_dim): i for i in decode_insts(planned)}
+    want = {("sm80", a, dt.value, d) for a in ("sm_80", "sm_90a") for dt in (ir.DType.BF16, ir.DType.FP16)
+            for d in (64, 128)}  # (not d 72: no decode kernels there, and its decode calls raise)
+    assert set(got) == want
+    for (_, arch, dt, d), inst in got.items():
+        assert inst.variant_id() == SM80.decode_instantiation(spec, arch, ir.DType(dt), d).variant_id()
+    entry = aot_build._entry(next(p for p in planned if p.inst.kinds == ("decode",)), Path("x"), "0" * 64)
+    assert entry["kinds"] == ["decode"] and entry["config"]["decode"] == 1 and "tiles_origin" not in entry
+    assert len(planned) == len(aot_build.plan([SPEC], arches=["sm_80", "sm_90a"], dtypes=["bf16", "fp16"],
+                                              head_dims=[64, 128, 72], decode=False)) + len(want)
+    assert not decode_insts(aot_build.plan([SPEC], arches=["sm_80"], decode=False))
+    assert not decode_insts(aot_build.plan([SPEC], device="cpu"))
+    with flashgen.use_family("sm90"):
+        assert not decode_insts(aot_build.plan([SPEC], arches=["sm_90a"], dtypes=["bf16"], head_dims=[128]))
+    with pytest.raises(TypeError, match="decode"):
+        aot_build.plan([SPEC], arches=["sm_80"], decode="yes")
+    inst = got[("sm80", "sm_80", "bf16", 64)]
+    assert aot.describe_instantiation(inst) == \
+        "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64, 64 keys x 3 stages"
+    assert aot.build_command(inst).endswith("--arch sm_80 --dtype bf16 --head-dim 64 --decode")
+    assert aot._tiles_note(inst) is None  # its tile is the architecture's, never tuned
+
+
+class _FakeLib:
+    """A loaded library, as far as the build and the lookup see one."""
+
+    def __init__(self, inst, path):
+        self.instantiation, self.path = inst, path
+
+
+def fake_cuda(monkeypatch, root: Path, arches: dict[int, str]) -> None:
+    """CUDA builds and loads without a toolkit or a GPU: a build writes a cache entry whose
+    lib.so is a few bytes, a load wraps it, and CUDA device i has architecture arches[i]."""
+
+    def load_cached(inst, announce=None):
+        folder = root / inst.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "lib.so").write_bytes(inst.variant_id().encode())
+        (folder / "manifest.json").write_text(json.dumps({"sha256": cache.sha256_of(folder / "lib.so")}))
+        return _FakeLib(inst, folder / "lib.so")
+
+    monkeypatch.setattr(aot_build, "_gpus", dict)
+    monkeypatch.setattr(artifact, "cuda_version", lambda: "13.0")
+    monkeypatch.setattr(cache, "check_toolchain", lambda targets: None)
+    monkeypatch.setattr(cache, "load_cached", load_cached)
+    monkeypatch.setattr(cache, "LoadedLibrary", _FakeLib)
+    monkeypatch.setattr(artifact, "cuda_arch_of", lambda index: arches[index])
+
+
+def test_decode_kernels_load_from_a_directory_with_jit_disabled(tmp_path, monkeypatch):
+    """A CUDA directory holds the decode kernels in its index; a decode call's library loads from
+    it with FLASHGEN_JIT=0, and one the directory lacks (built with decode=False, or for another
+    architecture) raises NotBuiltError naming the decode variant and the command that adds it."""
+    fake_cuda(monkeypatch, tmp_path / "cache", {0: "sm_80", 1: "sm_90a", 2: "sm_80"})
+    out, bare = tmp_path / "kernels", tmp_path / "prefill-only"
+    aot_build.build_dir([SPEC], out, arches=["sm_80"], dtypes=["bf16"], head_dims=[64], jobs=1)
+    aot_build.build_dir([SPEC], bare, arches=["sm_80"], dtypes=["bf16"], head_dims=[64], decode=False, jobs=1)
+    index = json.loads((out / "index.json").read_text())["entries"]
+    [dec] = [e for e in index if e["kinds"] == ["decode"]]
+    spec = flashgen.compile(SPEC).spec
+    inst = SM80.decode_instantiation(spec, "sm_80", ir.DType.BF16, 64)
+    assert dec["variant"] == inst.variant_id() and dec["target"] == ["sm80", "sm_80", "cuda"]
+    assert (out / dec["artifact"] / "lib.so").is_file()
+    assert not [e for e in json.loads((bare / "index.json").read_text())["entries"] if e["kinds"] == ["decode"]]
+
+    op = flashgen.compile(SPEC)
+    jit_off(monkeypatch, [out], tmp_path / "cache-off")
+    lib = op.decode_library(SM80, torch.device("cuda", 0), ir.DType.BF16, 64)
+    assert lib.path == out / dec["artifact"] / "lib.so" and lib.instantiation.kinds == ("decode",)
+    with pytest.raises(aot.NotBuiltError) as e:  # a GPU of another architecture
+        op.decode_library(SM80, torch.device("cuda", 1), ir.DType.BF16, 64)
+    text = str(e.value)
+    assert "no ahead-of-time kernel for causal: decode kernels (with_kvcache), sm80 sm_90a, bf16, head_dim 64" in text
+    assert "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64" in text  # what it holds
+    assert f"--out {out} --arch sm_90a --dtype bf16 --head-dim 64 --decode" in text
+    jit_off(monkeypatch, [bare], tmp_path / "cache-off")
+    with pytest.raises(aot.NotBuiltError) as e:  # a directory built without them
+        op.decode_library(SM80, torch.device("cuda", 2), ir.DType.BF16, 64)
+    assert "decode kernels (with_kvcache), sm80 sm_80" in str(e.value)
+    assert f"--out {bare} --arch sm_80 --dtype bf16 --head-dim 64 --decode" in str(e.value)
+    assert not (tmp_path / "cache-off").exists()
+
+
+def test_build_command_decode_option(tmp_path, monkeypatch, capsys):
+    """`flashgen build --out DIR --arch ...` writes the decode kernels (and says so); --no-decode
+    leaves them out."""
+    from flashgen import cli
+
+    fake_cuda(monkeypatch, tmp_path / "cache", {})
+    args = [str(SPEC), "--arch", "sm_80", "--dtype", "bf16", "--head-dim", "64"]
+    assert cli.main(["build", *args, "--out", str(tmp_path / "a")]) == 0
+    assert "causal: decode kernels (with_kvcache), sm80 sm_80, bf16, head_dim 64" in capsys.readouterr().out
+    assert cli.main(["build", *args, "--out", str(tmp_path / "b"), "--no-decode"]) == 0
+    assert "decode kernels" not in capsys.readouterr().out
+    kinds = {d: sorted(e["kinds"][0] for e in json.loads((tmp_path / d / "index.json").read_text())["entries"])
+             for d in ("a", "b")}
+    assert kinds == {"a": ["decode", "fwd"], "b": ["fwd"]}
+
+
+def test_op_build_loads_the_decode_kernels(tmp_path, monkeypatch):
+    """op.build(cuda) loads the decode library too (decode=True, the default), so the first
+    decode call finds it; decode=False leaves it to that call. On the CPU there is nothing more
+    to build: its decode calls run in the forward library op.build loaded."""
+    from flashgen.tune import store as tune_store
+
+    fake_cuda(monkeypatch, tmp_path / "cache", {0: "sm_80"})
+    for name, fake in (("is_available", lambda: True), ("current_device", lambda: 0), ("device_count", lambda: 1),
+                       ("get_device_capability", lambda i=None: (8, 0)), ("get_device_name", lambda d=None: "A100")):
+        monkeypatch.setattr(torch.cuda, name, fake)  # a live sm_80 GPU (nothing runs on it)
+    monkeypatch.setattr(tune_store, "entries", lambda index: {})  # nothing tuned on it
+    monkeypatch.setattr(flashgen.tiles, "device_info", lambda index: flashgen.tiles.arch_info("sm_80"))
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    op = flashgen.compile(SPEC)
+    insts = op.build("cuda:0", ["bf16"], [64, 128])
+    dec = [i for i in insts if i.kinds == ("decode",)]
+    assert {i.head_dim for i in dec} == {64, 128} and {i.target for i in dec} == {SM80.target("sm_80")}
+    loads, load_cached = [], cache.load_cached
+    monkeypatch.setattr(cache, "load_cached", lambda inst, announce=None: loads.append(inst) or load_cached(inst))
+    for inst in dec:
+        assert op.decode_library(SM80, torch.device("cuda", 0), ir.DType.BF16, inst.head_dim).instantiation == inst
+    assert loads == []  # recorded by op.build: the decode call loads nothing
+    assert [i.kinds for i in op.build("cuda:0", ["fp16"], [64], decode=False)] == [("fwd", "bwd")]
+    assert [i.kinds for i in loads] == [("fwd", "bwd")]
+    assert [i.kinds for i in op.build("cpu", ["fp32"])] == [("fwd", "bwd")]
+
+
+def test_cpu_decode_runs_from_a_directory_with_jit_disabled(cpu_dir, tmp_path, monkeypatch):
+    """The CPU family's decode calls run in its forward library: a directory built for the CPU
+    serves them with FLASHGEN_JIT=0; a dtype it lacks names the build command."""
+    out, _ = cpu_dir
+    jit_off(monkeypatch, [out], tmp_path / "cache")
+    op = flashgen.compile(SPEC)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 1, 32, generator=g)
+    k_cache, v_cache = (torch.randn(2, 2, 64, 32, generator=g) for _ in range(2))
+    lens = torch.tensor([5, 64], dtype=torch.int32)
+    with torch.no_grad():
+        o = op.with_kvcache(q, k_cache, v_cache, cache_seqlens=lens)
+    with torch.no_grad():
+        ref = torch.cat([op(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n]) for b, n in
+                         enumerate(lens.tolist())])  # one query at the last position: every key
+    torch.testing.assert_close(o, ref)
+    with pytest.raises(aot.NotBuiltError, match="--device cpu --dtype bf16"), torch.no_grad():
+        op.with_kvcache(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), cache_seqlens=lens)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_variant_id_is_what_the_artifact_is():
@@ -315,9 +481,10 @@ def test_cuda_directory_runs_with_jit_disabled(tmp_path):
     fams = {f.name for f in families.for_arch_all("cuda", artifact.cuda_arch_of(None))}
     assert entries and all(e["target"][2] == "cuda" and e["head_dim"] == 64 for e in entries)
     assert {e["target"][0] for e in entries} == fams
+    assert any(e["kinds"] == ["decode"] for e in entries)  # with_kvcache's kernels (decode=True, the default)
     stdout = run_fresh(out, tmp_path / "empty-cache", spec=str(SPEC), device="cuda", dtype="bfloat16", seqlen=300,
-                       head_dim=64, missing={"dtype": "bfloat16", "head_dim": 128})
-    assert "forward: ok" in stdout and "backward: ok" in stdout
+                       head_dim=64, decode=True, missing={"dtype": "bfloat16", "head_dim": 128})
+    assert "forward: ok" in stdout and "backward: ok" in stdout and "decode: ok" in stdout
     assert "NOT BUILT NotBuiltError" in stdout and "head_dim 128" in stdout and "--head-dim 128" in stdout
 
 

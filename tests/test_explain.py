@@ -688,13 +688,16 @@ def test_report_names_the_family_that_serves_the_call(capsys):
     assert (bt.block_m, bt.block_n, bt.warps) == (64, 128, 12) and bt.smem_bytes == sm90.bwd_smem_bytes(64)
     with flashgen.use_family("sm90"):
         assert ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True).family == "sm90"
-    # ALiBi (a score expression and a parameter): its backward runs on sm80, and the note says why
+    # ALiBi (a score expression and a parameter) at d 64: the sm90 backward too; at d 256 its
+    # backward runs on sm80, and the note says why
     ali = ex.explain(SPECS / "alibi.attn", 256, head_dim=64, arch="sm_90a", backward=True)
-    assert any("backward: the sm80 family (sm90 has no backward kernels for score expressions" in n
+    assert any("backward: the sm90 family" in n for n in ali.notes), ali.notes
+    ali = ex.explain(SPECS / "alibi.attn", 256, head_dim=256, arch="sm_90a", backward=True)
+    assert any("backward: the sm80 family (sm90 has no backward kernels at head_dim 256" in n
                for n in ali.notes), ali.notes
     assert ali.tiles["bwd"].block_n != 128 or ali.tiles["bwd"].warps != 12
     with flashgen.use_family("sm90"), pytest.raises(NotImplementedError, match="sm90 .*backward"):
-        ex.explain(SPECS / "alibi.attn", 256, head_dim=64, arch="sm_90a", backward=True)
+        ex.explain(SPECS / "alibi.attn", 256, head_dim=256, arch="sm_90a", backward=True)
     at80 = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_80")
     assert at80.family == "sm80" and "sm90 needs compute capability 9.0" in at80.family_why
     cpu = ex.explain(SPECS / "causal.attn", 256, head_dim=64, device="cpu")

@@ -2,6 +2,8 @@
 call runs where it runs, and forcing one (FLASHGEN_FAMILY, use_family, op.build(family=),
 --family) without ever falling back."""
 
+import itertools
+
 import pytest
 import torch
 from conftest import SPECS
@@ -44,7 +46,7 @@ def test_sm90_declares_what_it_serves(causal):
         assert families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.FP16, d,
                                                           frozenset(feats))).family is sm90
     for d, feats, lacks in ((256, ("backward",), "backward kernels at head_dim 256"),
-                            (128, ("varlen", "backward"), "backward kernels for packed")):
+                            (96, ("sparse", "backward"), "backward kernels at head_dim 96")):
         choice = families.choose(causal.spec, families.Call("cuda", "sm_90a", ir.DType.BF16, d, frozenset(feats)))
         assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90" and lacks in choice.tried[0][1]
     choice = families.choose(causal.spec, families.Call("cuda", "sm_80", ir.DType.BF16, 128))
@@ -59,36 +61,46 @@ def test_sm90_declares_what_it_serves(causal):
 BWD = frozenset({"backward"})
 
 
-@pytest.mark.parametrize("name", ["dense", "causal"])
+EVERY_SPEC = sorted(p.stem for p in SPECS.glob("*.attn"))
+
+
+@pytest.mark.parametrize("name", EVERY_SPEC)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [ir.DType.FP16, ir.DType.BF16])
-def test_sm90_backward_serves_dense_and_causal(name, d, dtype):
-    """Stage (a) of the sm90 backward: dense and causal specs, head dims 64 and 128, fp16/bf16,
-    the padded layout, no GQA, not deterministic. Its instantiations carry the backward unit."""
+def test_sm90_backward_serves_every_spec(name, d, dtype):
+    """The sm90 backward serves every spec (masks, score expressions, parameters, dropout) at head
+    dims 64 and 128, fp16/bf16, in the padded and packed layouts, GQA or not, deterministic or
+    not (deterministic ones: chosen when forced; the automatic choice defers them to sm80). Its
+    instantiations (padded and packed) carry the backward unit."""
     spec = flashgen.compile(SPECS / f"{name}.attn").spec
-    choice = families.choose(spec, families.Call("cuda", "sm_90a", dtype, d, BWD))
-    assert choice.family.name == "sm90", choice.why()
-    inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d)
-    cfg = dict(inst.config)
-    assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
-    assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
-    assert '#include "flashgen/sm90/bwd.cuh"' in inst.sources()[inst.source_name("bwd")]
+    feats = BWD | ({"dropout"} if spec.dropout else set())
+    for gqa, packed, det in itertools.product((False, True), repeat=3):
+        call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa, det)
+        assert families.choose(spec, call, "sm90").family.name == "sm90"
+        choice = families.choose(spec, call)
+        assert choice.family.name == ("sm80" if det else "sm90"), choice.why()
+        if det:
+            assert choice.tried[0][0] == "sm90" and "defers deterministic" in choice.tried[0][1], choice.why()
+    for packed, sparse in itertools.product((False, True), repeat=2):
+        inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed, sparse=sparse)
+        cfg = dict(inst.config)
+        assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
+        assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
+        text = inst.sources()[inst.source_name("bwd")]
+        assert '#include "flashgen/sm90/bwd.cuh"' in text
+        flag = lambda x: "true" if x else "false"  # noqa: E731
+        assert f"FgBwdTile, {flag(packed)}, {flag(sparse)}>(*args)" in text
+        # the backward's q lists are at its own tiles: 128 keys x 64-row query tiles
+        assert families.get("sm90").block_tiles(lambda: cfg, (128, 128))[2:4] == (128, 64)
 
 
 @pytest.mark.parametrize(("spec", "d", "feats", "kw", "lacks"), [
     ("causal", 256, (), {}, "head_dim 256"),
     ("causal", 96, (), {}, "head_dim 96"),
-    ("dense", 128, ("varlen",), {}, "packed (varlen)"),
-    ("causal", 128, ("sparse",), {}, "block lists"),
-    ("causal", 64, (), {"gqa": True}, "GQA"),
-    ("dense", 128, (), {"deterministic": True}, "deterministic"),
-    ("dropout", 128, ("dropout",), {}, "dropout"),
-    ("dropout", 128, (), {}, "dropout"),
-    ("sliding_window", 128, (), {}, "masks other than causal"),
-    ("document", 64, (), {}, "masks other than causal"),
-    ("softcap", 128, (), {}, "score expressions"),
-    ("alibi", 128, (), {}, "score expressions"),
-    ("bias", 128, (), {}, "score expressions"),
+    ("causal", 128, ("sparse",), {"deterministic": True}, "block lists"),
+    ("alibi", 64, ("sparse",), {"gqa": True, "deterministic": True}, "block lists"),
+    ("dropout", 256, ("dropout",), {}, "head_dim 256"),
+    ("sliding_window", 128, ("sparse", "varlen"), {"deterministic": True}, "block lists"),
 ])
 def test_sm90_backward_declines_the_rest(spec, d, feats, kw, lacks):
     """Every other backward call runs on sm80, and the choice names the feature sm90 lacks; a
@@ -117,8 +129,12 @@ def test_sm90_backward_choice_through_the_op(causal):
         mp.setattr(artifact, "cuda_arch_of", lambda index: "sm_90a")
         pick = lambda **kw: causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, backward=True,  # noqa: E731
                                                  **kw).family.name
-        assert pick() == "sm90"
-        assert pick(gqa=True) == "sm80" and pick(deterministic=True) == "sm80"
+        assert pick() == "sm90" and pick(gqa=True) == "sm90"
+        # deterministic reaches the Call: served by sm90 when forced, deferred to sm80 otherwise
+        assert pick(deterministic=True) == "sm80" and pick(gqa=True, deterministic=True) == "sm80"
+        assert pick(deterministic=True, family="sm90") == "sm90"
+        assert causal.choose_family(dev, ir.DType.BF16, 128, False, True, False, backward=True,
+                                    deterministic=True).family.name == "sm80"  # block lists
         # the forward ignores both
         assert causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, gqa=True,
                                     deterministic=True).family.name == "sm90"
@@ -204,6 +220,10 @@ def test_family_for_says_which_and_why(causal):
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "dropout"}))
     assert families.choose(causal.spec, call).family.name == "sm90"
     call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"varlen", "backward"}))
+    assert families.choose(causal.spec, call).family.name == "sm90"
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"sparse", "backward"}))
+    assert families.choose(causal.spec, call).family.name == "sm90"
+    call = families.Call("cuda", "sm_90a", ir.DType.BF16, 64, frozenset({"sparse", "backward"}), deterministic=True)
     assert families.choose(causal.spec, call).family.name == "sm80"
 
 
@@ -380,18 +400,20 @@ def test_messages_name_what_forced_the_family(causal, monkeypatch, capsys):
         causal(q.double(), q, q)
 
 
-def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
-    """sm80's per-call decision (families/sm80.py): FgBwdArgs.gqa_splits from the rule, with the key
-    tile of the library's backward kernel and the multiprocessor count; 1 when deterministic
-    (the CUDA launcher only reads and checks it)."""
+@pytest.mark.parametrize("name", ["sm80", "sm90"])
+def test_families_fill_the_gqa_split_of_the_backward_args(causal, name):
+    """Each CUDA family's per-call decision for its backward (families/sm80.py, sm90.py):
+    FgBwdArgs.gqa_splits from sm80's rule, with the key tile of the library's backward kernel
+    (sm90: its 128 keys) and the multiprocessor count; 1 when deterministic (the CUDA launchers
+    only read and check it)."""
     from flashgen.abi import FgBwdArgs
+    from flashgen.families import sm90 as sm90_mod
     from flashgen.families.sm80 import gqa_splits
 
-    sm80 = families.get("sm80")
-    inst = sm80.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
-    block_n = flashgen.tiles.from_config(dict(inst.config))[1].block_n
-    fields = sm80.launch_fields(causal.spec)
-    assert not fields.fills_fwd
+    fam = families.get(name)
+    inst = fam.instantiation(causal.spec, "sm_90a", ir.DType.BF16, 128)
+    block_n = flashgen.tiles.from_config(dict(inst.config))[1].block_n if name == "sm80" else sm90_mod.BWD_BLOCK_N
+    fields = fam.launch_fields(causal.spec)
     for batch, hq, hkv, nk, sms, det in ((1, 8, 1, 256, 132, 0), (1, 8, 2, 4096, 132, 0), (2, 6, 2, 1000, 108, 0),
                                          (1, 8, 1, 256, 132, 1), (1, 4, 4, 128, 132, 0)):
         args = FgBwdArgs()
@@ -402,3 +424,5 @@ def test_sm80_fills_the_gqa_split_of_the_backward_args(causal):
         assert args.gqa_splits == want >= 1 and (hq // hkv) % want == 0
     # 8 heads on one kv head, 2 key tiles of 128 on 132 SMs: the whole group is split 8 ways.
     assert gqa_splits(2, 1, 1, 8, 132) == 8 and gqa_splits(40, 2, 1, 4, 132) == 1
+    if name == "sm80":
+        assert not fields.fills_fwd

@@ -3,6 +3,7 @@ process (outputs poisoned with NaN before every launch). Every case forces the f
 flashgen.use_family, so a call sm90 cannot serve raises instead of silently running elsewhere;
 the whole module skips on devices that are not compute capability 9.0."""
 
+import functools
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ from variant_cases import EQUAL_SEQLENS_ONLY, EXAMPLES, run_case
 
 import flashgen
 from flashgen import check, philox
+from flashgen.lang import ir
 
 pytestmark = pytest.mark.gpu
 
@@ -394,9 +396,13 @@ def test_opcheck_and_compile(ops):
 
 
 def test_training_step_pairs_sm90_forward_with_sm80_backward(ops):
+    # d 256: the sm90 forward, and sm80's backward (the sm90 backward serves d 64 and 128)
     gen = torch.Generator(device="cuda").manual_seed(10)
-    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 128, torch.bfloat16, False, gen))
+    q, k, v = (t.requires_grad_() for t in make(2, 4, 2, 500, 500, 256, torch.bfloat16, False, gen))
     dout = torch.randn_like(q)
+    choose = functools.partial(ops["causal"].choose_family, q.device, ir.DType.BF16, 256, False, False, False,
+                               gqa=True)
+    assert (choose().family.name, choose(backward=True).family.name) == ("sm90", "sm80")
     out = ops["causal"](q, k, v)
     out.backward(dout)
     gc = check.compare_grads(ops["causal"].spec, q.detach(), k.detach(), v.detach(), dout,

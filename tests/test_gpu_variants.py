@@ -17,7 +17,7 @@ EXTRA_HEAD_DIMS = {"alibi": [32], "gemma": [256], "softcap": [256], "bias": [32]
 @pytest.fixture(scope="module", autouse=True)
 def _built():
     def one(name):
-        op(name).build("cuda", None, [64, 128] + EXTRA_HEAD_DIMS.get(name, []))
+        op(name).build("cuda", None, [64, 128] + EXTRA_HEAD_DIMS.get(name, []), decode=False)
 
     with ThreadPoolExecutor(len(EXAMPLES)) as pool:
         list(pool.map(one, EXAMPLES))

@@ -1,5 +1,5 @@
-"""Compile-only check of rendered CUDA (no GPU needed): one forward and one backward
-instantiation per spec from generated/, for sm_80 and sm_90a. Skips only where nvcc is absent;
+"""Compile-only check of rendered CUDA (no GPU needed): forward, backward and decode
+instantiations from generated/, for sm_80 and sm_90a. Skips only where nvcc is absent;
 a missing header fails."""
 
 import shutil
@@ -16,7 +16,8 @@ CASES = [("dense", "cuda_fwd_bf16_hd128.cu", "90a"), ("causal", "cuda_fwd_fp16_h
          ("alibi", "cuda_bwd_bf16_hd128.cu", "90a"),  # a score mod with a parameter gradient (atomics)
          ("gemma", "cuda_fwd_bf16_hd64.cu", "90a"),  # mask and score mod with scalar parameters
          ("dropout", "cuda_bwd_bf16_hd128.cu", "90a"),  # a variant with kHasDropout (not applied on CUDA yet)
-         ("dense", "cuda_fwd_bf16_hd128.cu", "80"), ("causal", "cuda_bwd_bf16_hd128.cu", "80")]
+         ("dense", "cuda_fwd_bf16_hd128.cu", "80"), ("causal", "cuda_bwd_bf16_hd128.cu", "80"),
+         ("gemma", "cuda_decode_bf16_hd128.cu", "90a")]  # the sm80 decode kernels (more in test_decode_cuda.py)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")

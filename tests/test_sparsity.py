@@ -392,7 +392,8 @@ def _cuda_sparse_built():
     jobs = {(c[0], c[6], "padded") for c in GPU_CASES} | {("document", 128, "padded"), ("dropout", 64, "padded"),
                                                             ("causal", 128, "packed"), ("dense", 64, "packed")}
     with ThreadPoolExecutor(len(jobs)) as pool:
-        list(pool.map(lambda j: op(j[0]).build("cuda", ["bf16"], [j[1]], layouts=(j[2],), sparse=(True,)), jobs))
+        list(pool.map(lambda j: op(j[0]).build("cuda", ["bf16"], [j[1]], layouts=(j[2],), sparse=(True,),
+                                               decode=False), jobs))
 
 
 @pytest.mark.gpu

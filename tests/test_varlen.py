@@ -419,7 +419,7 @@ def _cuda_built():
     jobs = [(n, "bf16", [64, 128]) for n in [*EXAMPLES, "causal", "dense", "dropout"]]
     jobs += [(n, "fp16", [64]) for n in [*FP16_NAMES, "dropout"]]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        list(pool.map(lambda j: op(j[0]).build("cuda", [j[1]], j[2], layouts=("packed",)), jobs))
+        list(pool.map(lambda j: op(j[0]).build("cuda", [j[1]], j[2], layouts=("packed",), decode=False), jobs))
 
 
 @pytest.mark.gpu
@@ -489,7 +489,7 @@ def _cuda_head_dims_built():
         pytest.skip("the CUDA family does not take packed batches in this version (ops.VARLEN_BACKENDS)")
     jobs = [(d, "packed") for d in CUDA_HEAD_DIMS] + [(d, "padded") for d in (72, 160)]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        list(pool.map(lambda j: op("causal").build("cuda", ["bf16"], [j[0]], layouts=(j[1],)), jobs))
+        list(pool.map(lambda j: op("causal").build("cuda", ["bf16"], [j[0]], layouts=(j[1],), decode=False), jobs))
 
 
 @pytest.mark.gpu

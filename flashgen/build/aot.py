@@ -16,6 +16,8 @@ CUDA builds made on a machine with a GPU of the target architecture use that GPU
 untuned default, and the spec's entries of the tuning file are copied to
 ``DIR/tuning/<gpu>.json``, which flashgen.tune reads before the cache's, so calls choose the tiles
 the directory holds. Without such a GPU (``--arch``) nvcc cross-compiles the table/derived tiles.
+CUDA builds hold the decode kernels of ``op.with_kvcache`` too (one instantiation per dtype and
+head dim, config ``decode``, kinds ``["decode"]``) unless built with ``--no-decode``.
 
 Lookup (``find``, called by flashgen/runtime/loader.py before the cache): an index is read once per
 process and used only when its torch, Python, ABI and flashgen versions are the running
@@ -237,6 +239,9 @@ def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_di
     backend, arch = target[0], target[1]
     if config.get("mask"):
         return f"{spec_name}: block classifier (block_mask / per-call block lists), {backend} {arch}"
+    if config.get("decode"):
+        return (f"{spec_name}: decode kernels (with_kvcache), {backend} {arch}, {dtype}, head_dim {head_dim}, "
+                f"{config.get('decode_block_n')} keys x {config.get('decode_stages')} stages")
     if head_dim is None:
         return (f"{spec_name}: {backend} {arch}, {dtype}, any head_dim (the {backend} kernels take the head dim "
                 f"and the layout at run time)")
@@ -265,6 +270,8 @@ def build_command(inst: artifact.Instantiation, out: str | Path = "DIR") -> str:
         cmd += ["--arch", inst.target.arch, "--dtype", inst.dtype.value]
         if inst.head_dim is not None:
             cmd += ["--head-dim", str(inst.head_dim)]
+        if cfg.get("decode"):  # (the default; named so that the command says what it adds)
+            cmd += ["--decode"]
         if cfg.get("varlen"):
             cmd += ["--layouts", "packed"]
         if cfg.get("sparse") or cfg.get("mask"):
@@ -276,8 +283,8 @@ def _tiles_note(inst: artifact.Instantiation) -> str | None:
     """Why a CUDA variant's tiles may not come from a plain ``--arch`` build, or None: its tile
     keys compared with its own family's untuned defaults (an sm90 kernel with sm90's)."""
     cfg = dict(inst.config)
-    if inst.target.backend != "cuda" or inst.head_dim is None or cfg.get("mask"):
-        return None
+    if inst.target.backend != "cuda" or inst.head_dim is None or cfg.get("mask") or cfg.get("decode"):
+        return None  # (the classifier has no tiles; the decode tile is the architecture's, never tuned)
     fam = _family(inst.target.family)
     if fam is None or not fam.tuned:
         return None

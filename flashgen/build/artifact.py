@@ -78,7 +78,9 @@ def cuda_arch_of(device_index: int) -> str:
 
 
 # Translation units per instantiation. A CUDA "mask" instantiation (config ("mask", 1)) has only
-# the block classifier (cuda_mask.cu.jinja, flashgen.block_mask).
+# the block classifier (cuda_mask.cu.jinja, flashgen.block_mask); a "decode" one (config
+# ("decode", 1), the sm80 family's op.with_kvcache kernels) only the decode unit
+# (cuda_decode.cu.jinja).
 KINDS = ("fwd", "bwd")
 
 
@@ -99,11 +101,14 @@ class Instantiation:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """The translation units: ('mask',) for the classifier, ('fwd',) / ('bwd',) for the
-        autotuner's one-pass candidates (config fwd_only / bwd_only), else both."""
+        """The translation units: ('mask',) for the classifier, ('decode',) for decode kernels,
+        ('fwd',) / ('bwd',) for the autotuner's one-pass candidates (config fwd_only /
+        bwd_only), else both."""
         cfg = dict(self.config)
         if cfg.get("mask"):
             return ("mask",)
+        if cfg.get("decode"):
+            return ("decode",)
         if cfg.get("fwd_only"):
             return ("fwd",)
         if cfg.get("bwd_only"):

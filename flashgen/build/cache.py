@@ -167,8 +167,9 @@ class LoadedLibrary:
             raise OSError(f"{path}: ABI version {abi()} != {ABI_VERSION}")
         has = lambda k: getattr(self.lib, inst.symbol(k)) if k in inst.kinds else None  # noqa: E731
         self.fwd, self.bwd, self.classify = has("fwd"), has("bwd"), has("mask")
+        self.decode = has("decode")  # a decode instantiation's entry (takes an FgFwdArgs)
         self.errors = {}
-        for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd), ("mask", self.classify)):
+        for kind, fn in (("fwd", self.fwd), ("bwd", self.bwd), ("mask", self.classify), ("decode", self.decode)):
             if fn is None:
                 continue
             fn.restype = ctypes.c_int

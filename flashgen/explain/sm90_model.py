@@ -2,8 +2,8 @@
 or three consumer warpgroups × the family's key tile, flashgen/families/sm90.py: the tuned winner
 on a live device where one is stored, else the family default) and shared memory; everything
 else — the mask geometry, the peaks, the backward where it runs on sm80 — is the sm80 model's.
-Where the sm90 backward serves the call (dense and causal specs at head dims 64 and 128:
-``sm90.backward_reason``), its tile (128 keys in two consumer warpgroups × 64-row query tiles,
+Where the sm90 backward serves the call (every spec at head dims 64 and 128 in the padded
+layout, not deterministic: ``sm90.backward_reason``), its tile (128 keys in two consumer warpgroups × 64-row query tiles,
 templates/include/flashgen/sm90/bwd.cuh) replaces sm80's."""
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ _FEATURE_ARG = {"dropout": ("dropout_p", "dropout is"), "varlen": ("cu_seqlens_q
 _forced: list[str | None] = []
 _origins: list[str] = []  # what forced each of _forced (flashgen.use_family, --family)
 
-__all__ = ["FAMILIES", "FEATURES", "PREFILL_FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete", "for_arch",
-           "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
+__all__ = ["FAMILIES", "FEATURES", "PREFILL_FEATURES", "Call", "Choice", "Family", "LaunchFields", "choose", "complete",
+           "decode_instantiation", "for_arch", "for_arch_all", "forced", "get", "of", "use_family", "with_feature"]
 
 
 def get(name: str, what: str = "family") -> Family:
@@ -54,7 +54,7 @@ def complete(fam: Family) -> bool:
     prefill call its dtypes and head dims allow, so it is what a device falls back to (sm80,
     cpu); a partial family (sm90, forward only) serves what it declares and leaves the rest to
     the next family. Decoding ('decode', ``op.with_kvcache``) is not part of it: a family
-    without decode kernels (sm80 in this version) declines those calls, naming with_kvcache."""
+    without decode kernels (sm90 in this version) declines those calls, naming with_kvcache."""
     return fam.features >= frozenset(PREFILL_FEATURES)
 
 
@@ -181,17 +181,35 @@ def choose(spec: ir.Spec, call: Call, family: str | None = None) -> Choice:
             raise NotImplementedError(f"family {fam.name} ({origin}) cannot serve this call of spec "
                                       f"'{spec.name}': it {why}")
         return Choice(fam, (), origin)
-    tried = []
+    tried, deferred = [], None
     for fam in _ORDER:
         why = fam.declines(spec, call)
         if why is None:
-            return Choice(fam, tuple(tried), None)
+            why = fam.defers(spec, call)
+            if why is None:
+                return Choice(fam, tuple(tried), None)
+            deferred = deferred or (fam, len(tried))
         tried.append((fam.name, why))
+    if deferred is not None:  # no later family serves the call: the one that deferred runs it
+        return Choice(deferred[0], tuple(tried[:deferred[1]]), None)
     for fam in _ORDER:  # a family that would serve the call but for a feature: name its argument
-        if call.features and fam.declines(spec, replace(call, features=frozenset())) is None:
+        if call.features - fam.features and fam.declines(spec, replace(call, features=frozenset())) is None:
             feature = sorted(call.features - fam.features)[0]
             arg, what = _FEATURE_ARG[feature]
             raise NotImplementedError(f"{arg}: {what} not implemented for {call.device.upper()} in this version "
                                       f"(family {fam.name}; they run on: {', '.join(with_feature(feature)) or 'none'})")
     raise NotImplementedError(f"no kernel family serves this call of spec '{spec.name}' ("
                               + "; ".join(f"{n} {w}" for n, w in tried) + ")")
+
+
+def decode_instantiation(spec: ir.Spec, fams: tuple[Family, ...], arch: str | None, dtype: ir.DType,
+                         head_dim: int):
+    """The artifact a build adds for decode calls (op.with_kvcache) of ``spec`` at (arch, dtype,
+    head_dim): the decode instantiation of the first of ``fams`` (``for_arch_all``'s families of
+    the target, as a call chooses among them) that serves such calls, or None when none serves
+    them there (sm90 alone, a head dim sm80's decode kernels lack) or when the forward's library
+    serves them (cpu: nothing more to build)."""
+    for fam in fams:
+        if fam.declines(spec, Call(fam.device, arch, dtype, head_dim, frozenset({"decode"}))) is None:
+            return fam.decode_instantiation(spec, arch, dtype, head_dim)
+    return None

@@ -31,12 +31,22 @@ class LaunchFields:
     nothing."""
 
     fills_fwd = False
+    # The family's backward orders its deterministic dQ adds by semaphores (FgBwdArgs.dq_semaphore,
+    # allocated by the runtime only then).
+    orders_dq = False
 
     def fwd(self, args, values) -> None:
         pass
 
     def bwd(self, args, values, config) -> None:
         pass
+
+    def kv_splits(self, args, inst, requested: int) -> int:
+        """A decode call's split-KV count (FgKvCache.num_splits, args.h) for the filled ``args``
+        (sizes, capacity, ``num_sms``) on the decode library of instantiation ``inst``;
+        ``requested`` is the call's num_splits (0 chooses, 1 disables). This default does not
+        split."""
+        return 1
 
     def fwd_packed(self, args, packed, config):
         """A forward call on a packed batch (``packed``: its validated layout, runtime/checks.py
@@ -125,6 +135,13 @@ class Family:
             return "has no " + ", ".join(_FEATURE_TEXT[f] for f in missing)
         return None
 
+    def defers(self, spec: ir.Spec, call: Call) -> str | None:
+        """Why the automatic choice passes over this family for ``call`` of ``spec`` although it
+        serves it (a measured speed rule: a later family runs the call faster), as a phrase; None
+        when it does not. A forced family still runs the call; with no later family serving it,
+        the deferring one does. This default defers nothing."""
+        return None
+
     def served(self, layouts, sparse) -> tuple[list[str], list[bool]]:
         """Of the requested ``layouts`` ('padded' / 'packed') and ``sparse`` flags, those this
         family has kernels for (packed needs 'varlen', block-sparse needs 'sparse'), in order
@@ -175,6 +192,13 @@ class Family:
         """The tiles named by an instantiation's ``config``, as a short text for messages ('tiles
         fwd ... bwd ...'); '' when the config names none."""
         return ""
+
+    def decode_instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType,
+                             head_dim: int) -> artifact.Instantiation | None:
+        """The artifact of this family's decode kernels (op.with_kvcache) for (arch, dtype,
+        head_dim), when they are a library of their own (sm80: config ("decode", 1)); None when
+        the forward's library serves decode calls (the CPU family)."""
+        return None
 
     def classifier(self, spec: ir.Spec, arch: str) -> artifact.Instantiation:
         """The block classifier of ``spec`` for ``arch`` (families with ``block_classifier``)."""

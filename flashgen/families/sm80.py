@@ -1,9 +1,14 @@
 """The ``sm80`` family: FlashAttention-2 forward and backward on mma.sync tensor cores
 (templates/include/flashgen/cuda), for sm_80 and newer; Ampere and Ada's family, and the
 fallback for what a newer family does not serve. Its tiles are flashgen/tiles.py's; per call it
-decides the backward's GQA split (``gqa_splits``), which the launcher reads from FgBwdArgs."""
+decides the backward's GQA split (``gqa_splits``), which the launcher reads from FgBwdArgs, and a
+decode call's split-KV count (``decode_splits``, FgKvCache.num_splits). Its decode kernels
+(templates/include/flashgen/cuda/decode.cuh, op.with_kvcache) are instantiations of their own
+(config ("decode", 1), ``decode_instantiation``), so a prefill build never compiles them."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .. import tiles as tile_rules
 from ..build import artifact
@@ -18,7 +23,7 @@ class Sm80Family(Family):
     device = "cuda"
     dtypes = (ir.DType.FP16, ir.DType.BF16)
     head_dims = tuple(range(8, HEAD_DIM_MAX + 1, 8))
-    features = frozenset(FEATURES) - {"decode"}  # no decode (with_kvcache) kernels yet
+    features = frozenset(FEATURES)  # decode: at DECODE_HEAD_DIMS only (``declines``)
     split_layouts = True
     dq_lists = True
     block_classifier = True
@@ -27,6 +32,19 @@ class Sm80Family(Family):
 
     def __init__(self) -> None:
         self.tuning = Sm80Tuning(self)  # the autotuner's candidates (flashgen/families/sm80_tuning.py)
+
+    def declines(self, spec: ir.Spec, call) -> str | None:
+        why = super().declines(spec, replace(call, features=call.features - {"decode"}))
+        if why or "decode" not in call.features:
+            return why
+        if call.head_dim not in DECODE_HEAD_DIMS:
+            return (f"has no decode kernels (with_kvcache) at head_dim {call.head_dim} (it takes multiples of 16 "
+                    "up to 256)")
+        return None
+
+    def decode_instantiation(self, spec: ir.Spec, arch: str, dtype: ir.DType, head_dim: int) -> artifact.Instantiation:
+        return artifact.Instantiation(spec, self.target(arch), dtype, head_dim,
+                                      tuple(sorted(decode_tile(arch, head_dim).items())))
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
@@ -94,9 +112,74 @@ def gqa_splits(num_n_tiles: int, heads_kv: int, batch: int, group: int, sms: int
     return splits
 
 
+# ------------------------------------------------------------------ decode (with_kvcache)
+
+# Head dims of the decode kernels (cuda/decode.cuh: mma k-steps of 16 over d, no padding).
+DECODE_HEAD_DIMS = tuple(range(16, 257, 16))
+MAX_DECODE_SPLITS = 128  # what decode_splits chooses or accepts at most
+_ROWS = 16  # query rows per decode CTA (one m16 tile of the GQA group's group x Sq rows)
+
+
+def decode_smem(head_dim: int, block_n: int, stages: int) -> int:
+    """Dynamic shared memory of a decode CTA (bytes; cuda/decode.cuh DecodeKernel::kSmem, which
+    static_asserts that it equals this figure, rendered into the unit): Q (16 rows) and
+    ``stages`` K/V tiles of ``block_n`` rows at a pitch of d + 8 elements (2 bytes), or the
+    warps' fp32 merge buffer after the loop, whichever is larger."""
+    pitch = head_dim + 8
+    pipe = _ROWS * pitch * 2 + stages * 2 * block_n * pitch * 2
+    warps = block_n // 16
+    merge = warps * _ROWS * (head_dim + 4) * 4 + 3 * warps * _ROWS * 4
+    return max(pipe, merge)
+
+
+def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
+    """The decode instantiation's config: ``decode_block_n`` keys per stage (16 per warp: 64 or
+    32), ``decode_stages`` (3 or 2), ``decode_smem``. The first of 64 x 3, 64 x 2, 32 x 3,
+    32 x 2 that lets two CTAs share a multiprocessor's shared memory on ``arch`` (a memory-bound
+    kernel wants bytes in flight), else the first that fits one CTA."""
+    optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
+    options = [(n, st) for n in (64, 32) for st in (3, 2)]
+    fits = [o for o in options if 2 * (decode_smem(head_dim, *o) + 1024) <= optin + 1024] or \
+        [o for o in options if decode_smem(head_dim, *o) <= optin] or [options[-1]]
+    n, st = fits[0]
+    return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": decode_smem(head_dim, n, st)}
+
+
+def decode_ctas_per_sm(arch: str, config: dict) -> int:
+    """Decode CTAs that fit one multiprocessor's shared memory (1 to 2: registers bound the rest)."""
+    optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
+    return max(1, min(2, (optin + 1024) // (config["decode_smem"] + 1024)))
+
+
+def decode_splits(batch: int, heads_kv: int, m_tiles: int, capacity: int, block_n: int, sms: int, per_sm: int,
+                  requested: int = 0) -> int:
+    """The split-KV count of a decode call, from host-known shapes only (never the device-side
+    lengths): at most one split per ``block_n`` keys of the ``capacity`` and MAX_DECODE_SPLITS.
+    ``requested`` >= 1 (num_splits=n): n within those bounds (1: no split, out written
+    directly). 0 chooses: with ``batch`` x ``heads_kv`` x ``m_tiles`` CTAs per split and
+    ``sms`` x ``per_sm`` CTA slots per wave, the smallest count whose last wave is at least 85%
+    as full as the best count's (FlashAttention's rule); 1 when the CTAs already fill the GPU.
+    The kernel then cuts each sequence's own key range into that many pieces on the device."""
+    limit = max(1, min(MAX_DECODE_SPLITS, -(-capacity // block_n)))
+    if requested >= 1:
+        return min(requested, limit)
+    ctas = batch * heads_kv * m_tiles
+    slots = max(1, sms) * max(1, per_sm)
+    if ctas <= 0 or ctas >= slots:
+        return 1
+
+    def eff(s: int) -> float:
+        n = ctas * s
+        return n / (-(-n // slots) * slots)
+
+    best = max(eff(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if eff(s) >= 0.85 * best)
+
+
 class GqaSplit(LaunchFields):
-    """sm80's per-call decision: FgBwdArgs.gqa_splits (1 for a deterministic call), from the
-    key tile of the library's backward kernel (its config) and ``args.num_sms``."""
+    """sm80's per-call decisions: FgBwdArgs.gqa_splits (1 for a deterministic call), from the
+    key tile of the library's backward kernel (its config) and ``args.num_sms``; and a decode
+    call's FgKvCache.num_splits (``kv_splits``)."""
 
     def __init__(self) -> None:
         self.block_n: dict[tuple, int] = {}  # config -> the backward main kernel's key tile
@@ -111,6 +194,15 @@ class GqaSplit(LaunchFields):
             return
         args.gqa_splits = gqa_splits(-(-args.seqlen_k // block_n), hkv, args.batch, args.heads_q // hkv,
                                      args.num_sms)
+
+
+    def kv_splits(self, args, inst, requested: int) -> int:
+        cfg = dict(inst.config)
+        hkv = args.heads_kv
+        group = args.heads_q // hkv if hkv > 0 else 0
+        m_tiles = -(-group * args.seqlen_q // _ROWS)
+        return decode_splits(args.batch, hkv, m_tiles, args.kv_cache.capacity, cfg["decode_block_n"], args.num_sms,
+                             decode_ctas_per_sm(inst.target.arch, cfg), requested)
 
 
 TILE_KEYS = tile_rules.TILE_KEYS

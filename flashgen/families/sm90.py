@@ -4,10 +4,14 @@ of 64 query rows with wgmma for S = QKᵀ and O += PV (FlashAttention-3's anatom
 2024), on sm_90a only. It serves the forward for every spec (mask and score hooks, tile classes,
 dropout with the sm80 family's Philox stream, block lists: ``block_mask=`` and the lists the block
 classifier makes per call) in the padded and the packed (varlen) layout at every head dim up to
-256. Its backward (sm90/bwd.cuh) serves dense and causal specs at head dims 64 and 128 in the padded
-layout (``backward_reason``); every other backward runs on ``sm80`` (a backward recomputes from q,
-k, v, out and LSE, which both families define alike, so an sm90 forward pairs with the sm80
-backward)."""
+256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
+GQA/MQA too, block lists too, at head dims 64 and 128 in the padded and the packed layout
+(``backward_reason``);
+deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not,
+though the automatic choice defers deterministic backwards to sm80 (``defers``: measured faster);
+every other backward (other head dims; block lists with ``deterministic=True``) runs on ``sm80``
+(a backward recomputes from q, k, v, out and LSE, which both families define alike, so an sm90
+forward pairs with the sm80 backward)."""
 
 from __future__ import annotations
 
@@ -309,10 +313,11 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
     return cfg
 
 
-# The backward (stage a of its issue: templates/include/flashgen/sm90/bwd.cuh): key/value-
-# stationary CTAs of 128 keys (two consumer warpgroups of 64) walking query tiles of
-# BWD_BLOCK_M[head_dim] rows through a BWD_STAGES-deep TMA ring. It serves dense and causal
-# specs at these head dims; every other backward call runs on sm80 (``backward_reason``).
+# The backward (templates/include/flashgen/sm90/bwd.cuh): key/value-stationary CTAs of 128 keys
+# (two consumer warpgroups of 64) walking the query tiles of BWD_BLOCK_M[head_dim] rows of the
+# query heads of their kv head through a BWD_STAGES-deep TMA ring. It serves every spec at these
+# head dims in the padded and packed layouts; every other backward call runs on sm80
+# (``backward_reason``).
 BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
 BWD_STAGES = 2
 BWD_BLOCK_N = 128  # keys per CTA
@@ -320,41 +325,27 @@ BWD_BLOCK_N = 128  # keys per CTA
 
 def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES) -> int:
     """Dynamic shared memory of one sm90 backward CTA in bytes (sm90/bwd.cuh's layout): K and V
-    of the key tile, the Q and dO rings, two dS buffers, the LSE and D rings, the mbarriers and
-    1024 bytes of alignment slack."""
+    of the key tile, the Q and dO rings, two dS buffers, the LSE and D rings, the mbarriers
+    (3 + 2 · stages) and 1024 bytes of alignment slack."""
     bm, panels = BWD_BLOCK_M[head_dim], head_dim // 64
     kv = 2 * panels * BWD_BLOCK_N * 128
     q_do = 2 * stages * panels * bm * 128
     ds = 2 * (BWD_BLOCK_N // 64) * bm * 128
-    return kv + q_do + ds + 2 * stages * bm * 4 + 8 * (2 + 2 * stages) + 1024
+    return kv + q_do + ds + 2 * stages * bm * 4 + 8 * (3 + 2 * stages) + 1024
 BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
 
 
 def backward_reason(spec: ir.Spec, call) -> str | None:
     """Why the sm90 backward does not serve ``call`` (a families.Call of a backward pass that
     the family otherwise serves) of ``spec``, as a phrase naming the feature; None when it does:
-    a dense or causal spec (no score expression, no parameters, no dropout) at head dim 64 or
-    128 in the padded layout, without block lists, GQA or the deterministic mode."""
-    kind = spec.mask_kind
-    if kind not in (ir.MaskKind.NONE, ir.MaskKind.CAUSAL):
-        return "has no backward kernels for masks other than causal (its backward serves dense and causal specs)"
-    if spec.score is not None:
-        return "has no backward kernels for score expressions (its backward serves dense and causal specs)"
-    if spec.params:
-        return "has no backward kernels for spec parameters (its backward serves dense and causal specs)"
-    if spec.dropout or "dropout" in call.features:
-        return "has no backward kernels with dropout"
+    every spec (masks, score expressions, parameters and their gradients, dropout) at head dim 64
+    or 128 in the padded and the packed (varlen) layout, dense or with block lists, GQA/MQA
+    included, deterministic or not (except with block lists)."""
     if call.head_dim not in BWD_BLOCK_M:
         return (f"has no backward kernels at head_dim {call.head_dim} (its backward takes "
                 f"{', '.join(map(str, BWD_BLOCK_M))})")
-    if "varlen" in call.features:
-        return "has no backward kernels for packed (varlen) batches"
-    if "sparse" in call.features:
-        return "has no backward kernels for block lists (block-sparse)"
-    if call.gqa:
-        return "has no backward kernels for GQA/MQA (heads_q != heads_kv)"
-    if call.deterministic:
-        return "has no deterministic backward kernels (deterministic=True)"
+    if "sparse" in call.features and call.deterministic:
+        return "has no deterministic backward kernels for block lists (block-sparse with deterministic=True)"
     return None
 
 
@@ -402,6 +393,15 @@ class Sm90Family(Family):
         why = super().declines(spec, replace(call, features=call.features - {"backward"}))
         return why or backward_reason(spec, call)
 
+    def defers(self, spec: ir.Spec, call) -> str | None:
+        # Measured on the H200 (bf16, d 128, B 4, H 16, N 4K, forward+backward TFLOP/s): causal 155
+        # here against sm80's 213 deterministic, document 17 (no block lists: the semaphores order
+        # every query tile) against 65; docs/perf-notes.md. Forced (use_family) it still runs.
+        if "backward" in call.features and call.deterministic:
+            return ("defers deterministic backwards to sm80 (its query-major dQ pass ran 1.4-3.8x faster "
+                    "than this family's semaphore-ordered dQ adds on the H200)")
+        return None
+
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
             return "needs a CUDA architecture"
@@ -443,11 +443,14 @@ class Sm90Family(Family):
         return DynamicSchedule(spec)
 
     def block_tiles(self, config, block_size: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
-        # The forward's 128-query tiles by its key tile; no backward of its own (a grad call's
-        # backward lists are made for the backward's family: op.block_args), so its slots repeat
-        # the forward's.
+        # The forward's 128-query tiles by its key tile; the backward's q lists per key tile of
+        # BWD_BLOCK_N keys by query tiles of its bwd90_block_m rows where the instantiation
+        # carries the sm90 backward (else the forward's, never used: a grad call's backward
+        # lists are made for the backward's family, op.block_args); no dq lists (dq_lists).
         cfg = dict(config())
         bm, bn = 64 * cfg.get("fwd_consumers", 2), cfg.get("fwd_block_n", 128)
+        if "bwd90_block_m" in cfg:
+            return bm, bn, BWD_BLOCK_N, cfg["bwd90_block_m"], 128, bn
         return bm, bn, bn, 128, 128, bn
 
 
@@ -467,9 +470,21 @@ class DynamicSchedule(LaunchFields):
     (the static schedule) with FLASHGEN_SM90_SCHEDULE=static, for a layout first seen during a
     graph capture (building a table copies it from the host) or past the kernel's int32 ranks."""
 
+    orders_dq = True  # the sm90 backward's deterministic mode (sm90/bwd.cuh)
+
     def __init__(self, spec: ir.Spec) -> None:
         self.spec = spec
         self.key = spec.fingerprint()
+
+    def bwd(self, args, values, config) -> None:
+        # The sm90 backward's GQA split (FgBwdArgs.gqa_splits): sm80's rule over its 128-key
+        # tiles; the backward splits a group only when its key tiles leave multiprocessors idle.
+        hkv = args.heads_kv
+        if args.deterministic or hkv <= 0:
+            args.gqa_splits = 1
+            return
+        args.gqa_splits = sm80.gqa_splits(-(-args.seqlen_k // BWD_BLOCK_N), hkv, args.batch, args.heads_q // hkv,
+                                          args.num_sms)
 
     def fwd_packed(self, args, packed, config):
         device = packed.cu_seqlens_q.device

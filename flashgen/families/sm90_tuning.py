@@ -20,10 +20,10 @@ KINDS = ("fwd",)
 
 
 def check_kind(kind: str) -> None:
-    """ValueError naming ``kind`` unless it is 'fwd' (the sm90 family has no backward: calls run
-    the sm80 backward, tuned as sm80's)."""
+    """ValueError naming ``kind`` unless it is 'fwd' (the sm90 backward has one fixed tile; the
+    backward calls it does not serve run on sm80, tuned as sm80's)."""
     if kind not in KINDS:
-        raise ValueError(f"kind: the sm90 family tunes only its forward ('fwd'; its backward runs on sm80), "
+        raise ValueError(f"kind: the sm90 family tunes only its forward ('fwd'; its backward has one fixed tile), "
                          f"got {kind!r}")
 
 

@@ -96,14 +96,16 @@ _RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":",
 
 def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> None:
     """Compile the backend's specs for ``device`` ahead of the first model call, all at once (in
-    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts too).
+    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts too; no
+    decode kernels: the model's attention calls are prefill calls, cached keys included).
 
     Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
     from concurrent.futures import ThreadPoolExecutor
 
     layouts = ("padded", "packed")
     with ThreadPoolExecutor(len(SPECS)) as pool:
-        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts), SPECS))
+        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts, decode=False),
+                      SPECS))
 
 
 def register(name: str = "fgen") -> str:

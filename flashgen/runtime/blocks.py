@@ -12,9 +12,11 @@ from .launch import classify
 
 
 def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-               grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False) -> dict:
+               grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False,
+               deterministic: bool = False) -> dict:
     """The op's block-sparsity arguments for ``block_mask``: its lists for the forward's
-    tiles (and, with ``grad``, the backward's), plus their tile sizes. Checks the mask's
+    tiles (and, with ``grad``, the backward's, for the family the backward of a call with
+    this GQA shape and ``deterministic`` runs on), plus their tile sizes. Checks the mask's
     shape and device against the call first, and that a mask made from a spec's mask
     (flashgen.block_mask) was made from this spec with the call's parameters and layout
     (ValueError naming block_mask)."""
@@ -41,8 +43,9 @@ def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, m
 
     fr, fc, br, bc, dr, dc = tiles_of(fam)
     bfam = fam
-    if grad:  # the backward's lists are for the backward's family (sm90 has none: sm80's)
-        bfam = op.choose_family(q.device, dtype, d, packed, True, dropout, backward=True).family
+    if grad:  # the backward's lists are for the backward's family (its tiles; dq lists only with dq_lists)
+        bfam = op.choose_family(q.device, dtype, d, packed, True, dropout, backward=True,
+                                gqa=q.shape[1] != k.shape[1], deterministic=deterministic).family
         if bfam is not fam:
             br, bc, dr, dc = tiles_of(bfam)[2:]
     used = ((bq, fr), (bk, fc)) + (((bk, br), (bq, bc), (bq, dr), (bk, dc)) if grad or bfam is fam else ())
@@ -86,5 +89,5 @@ def auto_blocks(op, fam: families.Family, kind: str, q, k, values, packed: Packe
         return Blocks(lists_of(classify(mask_lib, block, *ext, Nq, Nk, fr, fc, q.device, **cu)), None,
                       None, meta)
     qst = classify(mask_lib, block, *ext, Nq, Nk, bc, br, q.device, **cu).transpose(-1, -2)
-    dq = classify(mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)
-    return Blocks(None, lists_of(qst), lists_of(dq), meta)
+    dq = lists_of(classify(mask_lib, block, *ext, Nq, Nk, dr, dc, q.device, **cu)) if fam.dq_lists else None
+    return Blocks(None, lists_of(qst), dq, meta)

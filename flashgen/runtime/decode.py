@@ -89,8 +89,10 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
             (left-padded batches).
         scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
         return_lse: also return the log-sum-exp, fp32 [B, Hq, Sq], natural log.
-        num_splits: split-KV count, an int ≥ 0: 0 chooses, 1 disables splitting. The cpu family
-            does not split (any value gives the same result).
+        num_splits: split-KV count, an int ≥ 0: 0 chooses (sm80: from the batch, kv heads, Sq,
+            group, capacity and the device's multiprocessors, never from device-side lengths),
+            1 disables splitting, n > 1 asks for n (at most one split per key tile of the
+            capacity, 32 or 64 keys, and 128). The cpu family does not split (any value gives the same result).
         validate: check the device-side values on the host first (cache_seqlens, cache_leftpad,
             block_table: one device-to-host copy), raising ValueError naming the argument.
             Without it nothing syncs the host, and values out of range never make the kernels
@@ -109,7 +111,8 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
             dtypes, devices, page size, block_table's dtype; with ``validate=True`` the values).
         NotImplementedError: autograd (an input requires grad with grad mode on: decoding is
             inference only), ``dropout_p`` (no dropout), or a kernel family without decode
-            kernels (sm80 and sm90 in this version), naming what it lacks.
+            kernels for the call (sm90; sm80 at head dims that are not multiples of 16),
+            naming what it lacks.
         KernelError: the kernel reported a failure.
     """
     for name in ("dropout_p", "dropout_seed"):
@@ -274,9 +277,12 @@ def check_values(call: KvCall) -> None:
 
 
 def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
-                   fam) -> tuple[torch.Tensor, torch.Tensor]:
+                   fam, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one decode launch of a validated call (appending k / v into the cache first),
-    on ``fam``; no host synchronisation."""
+    on ``fam``; no host synchronisation. A family with decode kernels of their own (sm80) gets
+    its split count from its launch fields (``kv_splits``: ``num_splits`` 0 chooses, 1 disables)
+    and, when it splits, the fp32 workspaces of the partial outputs and LSEs, allocated here per
+    call (args.h, FgKvCache)."""
     B, Hq, Sq, d = call.batch, call.heads_q, call.seqlen_q, call.head_dim
     fill = float("nan") if launch.poison_outputs else None
     out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
@@ -285,9 +291,13 @@ def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, va
         lse.fill_(fill)
     if B == 0 or (out.numel() == 0 and not call.seqlen_new):
         return out, lse
-    lib = op.library(fam, q.device, IR_DTYPE[q.dtype], d, False, False, call.capacity)
+    lib = op.decode_library(fam, q.device, IR_DTYPE[q.dtype], d, call.capacity)
     block = op.params_block(values)
     paged = call.block_table is not None
+    own = lib.decode is not None  # the family's decode kernels (16-byte copies: aligned q, k, v)
+    if own:
+        q = launch.aligned(q)
+        k, v = (launch.aligned(t) if t is not None else None for t in (k, v))
 
     def strides(t):
         s = t.stride()
@@ -305,9 +315,23 @@ def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, va
     args.kv_cache = FgKvCache(
         call.cache_seqlens.data_ptr(), ptr(call.cache_leftpad), ptr(call.block_table),
         call.block_table.stride(0) if paged else 0, call.num_pages, call.page_size, call.max_pages, call.capacity,
-        ptr(k), ptr(v), call.seqlen_new, *kn, *vn)
-    op.launch_fields(lib).fwd(args, values)
-    launch.check_status(lib, "fwd", launch.call_entry(lib.fwd, args, q))
+        ptr(k), ptr(v), call.seqlen_new, *kn, *vn, 1)
+    fields = op.launch_fields(lib)
+    fields.fwd(args, values)
+    if own:
+        args.num_sms = launch.num_sms(q)
+        splits = fields.kv_splits(args, lib.instantiation, int(num_splits))
+        args.kv_cache.num_splits = splits
+        if splits > 1:  # kept alive until the launches are enqueued (the allocator is stream-ordered)
+            o_accum = q.new_empty((splits, B, Hq, Sq, d), dtype=torch.float32)
+            lse_accum = q.new_empty((splits, B, Hq, Sq), dtype=torch.float32)
+            if fill is not None:
+                o_accum.fill_(fill)
+                lse_accum.fill_(fill)
+            args.kv_cache.o_accum, args.kv_cache.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
+        launch.check_status(lib, "decode", launch.call_entry(lib.decode, args, q))
+    else:
+        launch.check_status(lib, "fwd", launch.call_entry(lib.fwd, args, q))
     if call.seqlen_new:
         torch.autograd.graph.increment_version(k_cache)
         torch.autograd.graph.increment_version(v_cache)
@@ -343,6 +367,6 @@ def implementation_for(op):
         scale = op.scale_for(scale, call.head_dim)
         values = op.check_params(q, k_cache, {p.name: x for p, x in zip(spec.params, values, strict=True)},
                                  call.sizes())
-        return launch_kvcache(op, call, q, k_cache, v_cache, k, v, scale, values, fam)
+        return launch_kvcache(op, call, q, k_cache, v_cache, k, v, scale, values, fam, num_splits)
 
     return implementation

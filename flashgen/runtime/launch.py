@@ -112,6 +112,16 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format) if _misaligned(t) else t
 
 
+def num_sms(t: torch.Tensor) -> int:
+    """The multiprocessor count of t's CUDA device (0 for a CPU tensor), cached."""
+    return _num_sms(t.get_device()) if t.is_cuda else 0
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """``_aligned`` for the other runtime modules (runtime/decode.py)."""
+    return _aligned(t)
+
+
 _sms: dict[int, int] = {}
 
 
@@ -298,9 +308,8 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
     rows_q, rows_k = row_shape(B, Hq, Nq, packed, "q"), row_shape(B, Hkv, Nk, packed, "k")
     dq_accum = torch.zeros((*rows_q, d), **f32)
     softmax_d = torch.empty(rows_q, **f32)
-    gqa = Hq != Hkv
-    dk_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
-    dv_accum = torch.zeros((*rows_k, d), **f32) if gqa else None
+    # dk_accum / dv_accum: only for a CUDA backward that splits the GQA group (below).
+    dk_accum = dv_accum = None
     dlse = dlse.float().contiguous() if dlse is not None else None
     if lib is None:
         fam = family or op.choose_family(q.device, IR_DTYPE[q.dtype], d, packed is not None, blocks is not None,
@@ -316,7 +325,7 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
     args = FgBwdArgs(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr(),
         dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-        dq_accum.data_ptr(), softmax_d.data_ptr(), ptr(dk_accum), ptr(dv_accum),
+        dq_accum.data_ptr(), softmax_d.data_ptr(), None, None,
         B, Hq, Hkv, Nq, Nk, d,
         *(x for t in (q, k, v, out, dout, dq, dk, dv) for x in _strides(t, packed)),
         scale, 0, int(deterministic), None, ctypes.addressof(block) if block is not None else None,
@@ -328,7 +337,17 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
         args.q_blocks, args.kv_blocks = blocks.bwd()
     if q.is_cuda:
         args.num_sms = _num_sms(q.get_device())
-    op.launch_fields(lib).bwd(args, values, lib.instantiation.config)
+    fields = op.launch_fields(lib)
+    # A family whose deterministic mode orders each query tile's dQ adds (sm90) takes one
+    # semaphore per query row (args.h).
+    dq_semaphore = torch.zeros(rows_q, dtype=torch.int32, device=q.device) \
+        if deterministic and q.is_cuda and fields.orders_dq else None
+    args.dq_semaphore = ptr(dq_semaphore)
+    fields.bwd(args, values, lib.instantiation.config)
+    if q.is_cuda and Hq != Hkv and args.gqa_splits > 1:
+        # The shares of a split group add dK, dV into fp32 workspaces (the launch zeroes them).
+        dk_accum, dv_accum = (torch.empty((*rows_k, d), **f32) for _ in range(2))
+        args.dk_accum, args.dv_accum = dk_accum.data_ptr(), dv_accum.data_ptr()
     check_status(lib, "bwd", _launch(lib.bwd, args, q))
     return dq, dk, dv, pgrads
 

@@ -114,7 +114,9 @@ def register(op, qualname: str):
                                  packed.sizes(q.shape[1]) if packed is not None else None)
         if dropout:
             op.check_dropout(q, *dropout)
-        if blocks is None:
+        # A deterministic backward that orders dQ by semaphores walks every query tile (its
+        # kernels take no block lists): the element mask alone, no automatic lists.
+        if blocks is None and not (kind == "bwd" and deterministic and fam.launch_fields(spec).orders_dq):
             blocks = op.auto_blocks(fam, kind, q, k, values, packed)
         return fam, packed, blocks, scale, values
 

@@ -54,22 +54,16 @@ from .library import register, register_kvcache
 # dropout_p > 0 raises NotImplementedError naming dropout_p.
 DROPOUT_BACKENDS = families.with_feature("dropout")
 
-
 # The kernel families whose kernels take packed (varlen) batches (cu_seqlens_q, ...); on the
 # others the op raises NotImplementedError naming cu_seqlens_q.
 VARLEN_BACKENDS = families.with_feature("varlen")
 
-
 _registry: dict[str, AttentionOp] = {}
-
-
 _registry_lock = threading.Lock()
-
 
 # The tuning store's generation: part of every library key, bumped by ``invalidate_libraries``
 # (flashgen.tune calls it when it reads or records results), so a new winner is picked up.
 _generation = [0]
-
 
 # The first-use tuner (FLASHGEN_AUTOTUNE=1): flashgen.tune plugs ``ensure_tuned`` in here, called
 # as first_use_tuner(op, device, dtype, head_dim, seqlen, family=fam) before a library is chosen.
@@ -311,7 +305,8 @@ class AttentionOp:
             grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                    for t in (q, k, v, *values))
             blocks = self.block_args(block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad=grad,
-                                     values=checked, cu_seqlens_k=cu_seqlens_k, dropout=bool(dropout_p))
+                                     values=checked, cu_seqlens_k=cu_seqlens_k, dropout=bool(dropout_p),
+                                     deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
             # the schema's packed-layout arguments come first
             varlen = {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                       "max_seqlen_q": max_seqlen_q if packed else None, "max_seqlen_k": max_seqlen_k if packed else None}
@@ -391,12 +386,13 @@ class AttentionOp:
 
     def family_for(self, device: torch.device | str = "cpu", dtype=None, head_dim: int = 128, *,
                    layout: str = "padded", sparse: bool = False, dropout: bool = False,
-                   family: str | None = None, backward: bool = False) -> families.Choice:
+                   family: str | None = None, backward: bool = False, gqa: bool = False,
+                   deterministic: bool = False) -> families.Choice:
         """The kernel family a call on ``device`` with ``dtype`` (default the family's first the
         spec allows) and ``head_dim`` runs on, and why (``Choice.why()``): ``family`` or a forced
         one (FLASHGEN_FAMILY, ``flashgen.use_family``), else the first family that serves the
-        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0);
-        ``backward``: the family of the call's backward pass (each pass chooses its own).
+        call (layout 'padded' or 'packed', ``sparse`` block lists, ``dropout`` p > 0); ``backward``:
+        its backward pass's (each pass chooses its own), ``gqa`` heads_q != heads_kv, ``deterministic``.
 
         Raises ValueError for an unknown layout or family, NotImplementedError when the forced
         family, or every family, cannot serve the call (naming what it lacks)."""
@@ -407,7 +403,8 @@ class AttentionOp:
             raise ValueError("device: CUDA is not available in this torch build or machine (a CUDA call's family "
                              "depends on the device's architecture)")
         dt = as_dtype(dtype, "dtype") if dtype is not None else (self.dtypes(device.type) or (ir.DType.BF16,))[0]
-        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward)
+        return self.choose_family(device, dt, head_dim, layout == "packed", sparse, dropout, family, backward, gqa=gqa,
+                                  deterministic=deterministic)
 
     def choose_family(self, device: torch.device, dtype: ir.DType, head_dim: int, packed: bool, sparse: bool,
                 dropout: bool, family: str | None = None, backward: bool = False,
@@ -430,11 +427,9 @@ class AttentionOp:
             self._choices[key] = hit
         return hit
 
-    def block_args(self, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                   grad: bool, values=(), cu_seqlens_k=None, dropout: bool = False) -> dict:
-        """The op's block-sparsity arguments for ``block_mask`` (runtime/blocks.py)."""
-        return blocks.block_args(self, block_mask, q, k, packed, cu_seqlens_q, max_seqlen_q, max_seqlen_k, grad,
-                                 values, cu_seqlens_k, dropout)
+    def block_args(self, block_mask, q, k, packed: bool, *args, **kw) -> dict:
+        """The op's block-sparsity arguments for ``block_mask`` (runtime/blocks.py, ``block_args``)."""
+        return blocks.block_args(self, block_mask, q, k, packed, *args, **kw)
 
     def check_dropout(self, q: torch.Tensor, dropout_p: float, state: torch.Tensor | None) -> None:
         """Validate the raw op's dropout arguments (runtime/checks.py)."""
@@ -562,7 +557,7 @@ class AttentionOp:
     def build(self, device: torch.device | str = "cpu", dtypes: Iterable | None = None,
               head_dims: Iterable[int] | None = None, *, jobs: int | None = None,
               layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] = (False,),
-              family: str | None = None) -> list[artifact.Instantiation]:
+              family: str | None = None, decode: bool = True) -> list[artifact.Instantiation]:
         """Compile (or load from the cache) the instantiations for ``device`` ahead of first use.
 
         Args:
@@ -581,6 +576,8 @@ class AttentionOp:
                 a call on ``device`` may run on (families.for_arch_all: on sm_90a the sm90
                 forward for what it serves of the request, then sm80). Calls then run on it
                 while it is forced, or while it is the first family that serves them.
+            decode: also the decode kernels (``with_kvcache``) where they are a library of their own
+                (sm80, per dtype and head dim; cpu's decode runs in its forward library).
 
         Returns the instantiations, now loaded in this process.
 
@@ -613,9 +610,9 @@ class AttentionOp:
                     lay_p, sp_p = part.served(lays, sps)
                     if hd_p and dt_p and lay_p and sp_p:
                         insts += self.build(device, dt_p, hd_p, jobs=jobs, layouts=lay_p, sparse=sp_p,
-                                            family=part.name)
+                                            family=part.name, decode=False)
                 return insts + self.build(device, dtypes, head_dims, jobs=jobs, layouts=layouts, sparse=sparse,
-                                          family=fams[-1].name)
+                                          family=fams[-1].name, decode=decode)
             fam = fams[0]
         name = fam.name
         dts = [as_dtype(d) for d in dtypes] if dtypes is not None else list(self.dtypes(fam))
@@ -654,12 +651,16 @@ class AttentionOp:
                         for n in lens[dt][hd] if not sp else [None]:
                             todo.setdefault(self.instantiation(device, dt, hd, pk, sp, n, family=fam), []).append(
                                 (dt, hd, pk, sp, n))
-        insts = list(todo)
+        dec = {(dt, hd): families.decode_instantiation(self.spec, (fam,), arch, dt, hd)
+               for dt in dts for hd in hds if decode and not fam.runtime_head_dim}
+        insts = list(todo) + [i for i in dec.values() if i is not None]
         with ThreadPoolExecutor(max_workers=jobs or len(insts) or 1) as pool:
             libs = list(pool.map(lambda i: loader.load(i, announce=announce), insts))
         for inst, lib in zip(insts, libs, strict=True):
-            for dt, hd, pk, sp, n in todo[inst]:
+            for dt, hd, pk, sp, n in todo.get(inst, ()):
                 self._remember(fam, device, dt, hd, pk, sp, n, lib)
+        for dt, hd in (k for k, i in dec.items() if i is not None):  # loaded now: recorded under their key
+            self.decode_library(fam, device, dt, hd)
         return insts
 
     def mask_library(self, fam: families.Family, device: torch.device) -> cache.LoadedLibrary:
@@ -723,6 +724,24 @@ class AttentionOp:
             first_use_tuner(self, device, dtype, head_dim, seqlen, family=fam)  # tuning compiles: never with JIT off
             key = self._library_key(fam, device, dtype, head_dim, packed, sparse, seqlen)
         inst = self.instantiation(device, dtype, head_dim, packed, sparse, seqlen, family=fam)
+        lib = loader.load(inst, announce=announce)
+        with self._libs_lock:
+            self._libraries[key] = lib
+        return lib
+
+    def decode_library(self, fam: families.Family, device: torch.device, dtype: ir.DType, head_dim: int,
+                       seqlen: int | None = None) -> cache.LoadedLibrary:
+        """The loaded library of a decode call (``with_kvcache``) on ``fam``: the family's own
+        decode instantiation where it has one (sm80: ``decode_instantiation``, entry ``decode``),
+        else the forward's library (``library``, tiles for ``seqlen``); ``build(decode=True)`` loads it."""
+        key = ("decode", fam.name, device.index, dtype, head_dim, env.library_selection(), _generation[0])
+        lib = self._libraries.get(key)
+        if lib is not None:
+            return lib
+        target = fam.device_target(_index(device) if device.type == "cuda" else None)
+        inst = fam.decode_instantiation(self.spec, target.arch, dtype, head_dim)
+        if inst is None:
+            return self.library(fam, device, dtype, head_dim, False, False, seqlen)
         lib = loader.load(inst, announce=announce)
         with self._libs_lock:
             self._libraries[key] = lib

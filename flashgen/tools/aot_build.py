@@ -92,7 +92,7 @@ def _as_op(spec):
 
 def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: Iterable | None = None,
          head_dims: Iterable[int] | None = None, layouts: Iterable[str] = ("padded",),
-         sparse: Iterable[bool] | bool = (False,)) -> list[Planned]:
+         sparse: Iterable[bool] | bool = (False,), decode: bool = True) -> list[Planned]:
     """The instantiations ``build_dir`` compiles (see there for the arguments); computes no
     cache key and compiles nothing. Raises SpecError for a bad spec, ValueError / TypeError for
     bad arguments (naming them)."""
@@ -108,6 +108,8 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
     sparse = (sparse,) if isinstance(sparse, bool) else tuple(sparse)
     if not all(isinstance(x, bool) for x in sparse):
         raise TypeError(f"sparse: expected bools, got {sparse!r}")
+    if not isinstance(decode, bool):
+        raise TypeError(f"decode: expected a bool, got {decode!r}")
     want_dts = [as_dtype(d) for d in dtypes] if dtypes is not None else None
     want_hds = list(head_dims) if head_dims is not None else None
     out: dict[artifact.Instantiation, Planned] = {}
@@ -193,6 +195,12 @@ def plan(specs: Iterable, *, device=None, arches: Iterable[str] = (), dtypes: It
                                             (ch.fwd_origin, ch.bwd_origin), ch.tuned_seqlen))
             if True in sps:  # the block classifier (one per spec and arch, as ops.mask_library)
                 add(Planned(op, fam.classifier(spec, arch), index))
+            if decode:  # op.with_kvcache's library of its own (sm80), where a family of the target serves it
+                for dt in dts:
+                    for hd in hds:
+                        inst = families.decode_instantiation(spec, fams, arch, dt, hd)
+                        if inst is not None:
+                            add(Planned(op, inst))
     return list(out.values())
 
 
@@ -329,7 +337,8 @@ def _copy_tuning(out: Path, planned: list[Planned]) -> list[Path]:
 def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable[str] = (),
               dtypes: Iterable | None = None, head_dims: Iterable[int] | None = None,
               layouts: Iterable[str] = ("padded",), sparse: Iterable[bool] | bool = (False,),
-              jobs: int | None = None, announce: Callable[[str], None] | None = None) -> list[dict]:
+              decode: bool = True, jobs: int | None = None,
+              announce: Callable[[str], None] | None = None) -> list[dict]:
     """Compile the kernels of ``specs`` into the ahead-of-time directory ``out`` and add them to
     its ``index.json`` (an existing directory keeps its other entries; a variant built again
     replaces its entry).
@@ -347,6 +356,10 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
         sparse: False and/or True: dense and/or block-sparse CUDA kernels; True adds the block
             classifier. Specs whose mask makes CUDA calls build block lists per call
             (``AttentionOp.auto_sparse``) always get the block-sparse kernels and the classifier.
+        decode: True (default): also the decode kernels (``op.with_kvcache``) of each CUDA
+            (dtype, head dim) a family of the target has them for (sm80's, one unit each, which
+            serve Hopper too); False leaves them out (a prefill-only directory). The CPU's decode
+            calls run in its forward library: nothing more to build there.
         jobs: instantiations compiled at once (default: one per CPU core, at most all).
         announce: called with a message before each compile (a cache miss).
 
@@ -363,7 +376,7 @@ def build_dir(specs: Iterable, out: str | Path, *, device=None, arches: Iterable
             is written into it).
     """
     planned = plan(specs, device=device, arches=arches, dtypes=dtypes, head_dims=head_dims, layouts=layouts,
-                   sparse=sparse)
+                   sparse=sparse, decode=decode)
     out = Path(out)
     cache.check_toolchain(p.inst.target for p in planned)  # before DIR is created
     existed = out.is_dir()

@@ -1,7 +1,7 @@
 """Golden renders: ``flashgen generate specs/*.attn`` writes every spec's rendered translation
-units (the CPU family's per dtype, sm80's and sm90's at head dims 64 and 128 or the spec's own) into
-``generated/<spec>/``, so a template change shows up as a reviewable diff; tests/test_codegen.py
-fails when they are stale.
+units (the CPU family's per dtype, sm80's and sm90's at head dims 64 and 128 or the spec's own,
+and sm80's decode units at those of them its decode kernels take) into ``generated/<spec>/``, so a
+template change shows up as a reviewable diff; tests/test_codegen.py fails when they are stale.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import families
+from ..families import sm80
 from ..lang import frontend
 from ..runtime.checks import spec_dtypes
 
@@ -23,6 +24,8 @@ def generated_files(spec_path: Path) -> dict[str, str]:
     for dt in spec_dtypes(spec, cuda):
         for hd in spec.head_dims or (64, 128):
             files.update(cuda.instantiation(spec, "any", dt, hd).sources())
+            if hd in sm80.DECODE_HEAD_DIMS:
+                files.update(cuda.decode_instantiation(spec, "any", dt, hd).sources())
     hopper = families.get("sm90")  # its units are named like sm80's: prefixed with the family here
     for dt in spec_dtypes(spec, hopper):
         for hd in [d for d in (spec.head_dims or (64, 128)) if d in hopper.head_dims]:

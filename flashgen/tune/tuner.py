@@ -156,9 +156,9 @@ def tuning_families(op, index: int, dtype: ir.DType, head_dim: int, kinds=None,
                 continue
             raise ValueError(f"kinds: no family tunes the {k} pass here ({e})") from None
         if fam.tuning is None or k not in fam.tuning.kinds:
-            # A partial family's untuned pass (sm90's backward, which serves dense and causal MHA
-            # calls): the device's complete family runs that pass's other calls (GQA, deterministic,
-            # packed, block lists) and tunes it.
+            # A partial family's untuned pass (sm90's backward, which serves padded calls at head
+            # dims 64 and 128): the device's complete family runs that pass's other calls
+            # (deterministic, packed, block lists, other head dims) and tunes it.
             full = families.for_arch("cuda", arch)
             if full is not fam and full.tuning is not None and k in full.tuning.kinds:
                 out[k] = full

@@ -2,7 +2,7 @@
 // spec:        bias (specs/bias.attn:3)
 // fingerprint: e7c5e36251bc
 // family:      sm90 fwd, dtype fp16, head_dim 128
-// config:      fwd_block_n=128, fwd_only=1, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
+// config:      bwd90_block_m=64, bwd90_stages=2, fwd_block_n=128, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 

@@ -55,7 +55,7 @@ struct Variant_causal {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_causal_bwd_fp16_hd64(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_causal, __half, 64, FgBwdTile>(*args);
+  return flashgen::sm90::launch_bwd<Variant_causal, __half, 64, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_causal_bwd_fp16_hd64_error(void) { return flashgen::cuda::last_error_string(); }

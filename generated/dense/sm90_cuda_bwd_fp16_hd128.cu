@@ -55,7 +55,7 @@ struct Variant_dense {
 using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
 
 extern "C" int fg_dense_bwd_fp16_hd128(const FgBwdArgs* args) {
-  return flashgen::sm90::launch_bwd<Variant_dense, __half, 128, FgBwdTile>(*args);
+  return flashgen::sm90::launch_bwd<Variant_dense, __half, 128, FgBwdTile, false, false>(*args);
 }
 
 extern "C" const char* fg_dense_bwd_fp16_hd128_error(void) { return flashgen::cuda::last_error_string(); }

@@ -6,7 +6,7 @@
 #pragma once
 #include <stdint.h>
 
-#define FG_ABI_VERSION 9
+#define FG_ABI_VERSION 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -126,6 +126,11 @@ typedef struct FgClassifyArgs {
 // gets out and lse NaN (every index is clamped: nothing is read or written out of bounds).
 // Without block lists, dropout or packed batches (FG_ERR_BAD_SHAPE otherwise). Families without
 // decode kernels refuse seqlens set with FG_ERR_BAD_SHAPE.
+// Split-KV (the CUDA decode kernels, cuda/decode.cuh; the CPU family ignores these fields):
+// num_splits >= 1 is the host's per-call split count (1: out and lse written directly); above 1,
+// o_accum (fp32 [num_splits, batch, heads_q, seqlen_q, head_dim] contiguous) and lse_accum (fp32
+// [num_splits, batch, heads_q, seqlen_q] contiguous) are workspaces the host allocates per call,
+// which the kernels fully write before reading (no zeroing needed).
 typedef struct FgKvCache {
   const int32_t* seqlens;      // int32 [batch], inputs' device; null: no KV cache
   const int32_t* leftpad;      // nullable int32 [batch]
@@ -139,6 +144,10 @@ typedef struct FgKvCache {
   int64_t seqlen_new;
   int64_t kn_stride_b, kn_stride_h, kn_stride_n;
   int64_t vn_stride_b, vn_stride_h, vn_stride_n;
+  int32_t num_splits;          // split-KV count (CUDA); see above
+  int32_t reserved;            // 0
+  float* o_accum;              // num_splits > 1: the partial outputs' workspace
+  float* lse_accum;            // num_splits > 1: the partial LSEs' workspace
 } FgKvCache;
 
 // Dynamic tile scheduling (the sm90 forward on packed batches), the last field of FgFwdArgs.
@@ -253,6 +262,11 @@ typedef struct FgBwdArgs {
   // FG_ERR_BAD_SHAPE. Taken only on the non-deterministic path with the dk/dv workspaces (cuda/
   // bwd.cuh); otherwise one CTA serves the whole group. CPU: unused.
   int32_t gqa_splits;
+  // CUDA, the sm90 backward's deterministic mode: int32 zeros, one per query row in lse's layout
+  // ([batch, heads_q, seqlen_q], packed [heads_q, total_q]), allocated per call; the entry of a
+  // query tile's first row orders the key tiles' dQ adds (sm90/bwd.cuh). Null when not
+  // deterministic; sm80 and the CPU ignore it.
+  int32_t* dq_semaphore;
 } FgBwdArgs;
 
 // Status codes returned by entry points (0 = launched / done).

@@ -435,6 +435,31 @@ __global__ void __launch_bounds__(Kernel::kThreads, 2)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
+// dk, dv in the input dtype from the fp32 workspaces dk_accum, dv_accum of a split GQA group
+// (they already hold scale * dS^T Q and P^T dO): one bwd_convert_kernel launch each, on [nb,
+// heads_kv, rows_k] rows. Shared by this family's launcher and the sm90 backward's.
+template <class Element, int kHeadDim>
+int convert_kv_workspaces(const FgBwdArgs& a, int64_t nb, int64_t rows_k, bool packed, int64_t grid_cap,
+                          cudaStream_t stream) {
+  for (int which = 0; which < 2; ++which) {
+    BwdConvertParams<Element> cp;
+    cp.src = which == 0 ? a.dk_accum : a.dv_accum;
+    cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
+    cp.rows = nb * a.heads_kv * rows_k;
+    cp.heads = int(a.heads_kv);
+    cp.seqlen = int(rows_k);
+    detail::set_strides(cp.sb, cp.sh, cp.sn, which == 0 ? a.dk_stride_b : a.dv_stride_b,
+                        which == 0 ? a.dk_stride_h : a.dv_stride_h, which == 0 ? a.dk_stride_n : a.dv_stride_n,
+                        packed);
+    cp.mul = 1.f;
+    const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
+    bwd_convert_kernel<Element, kHeadDim><<<detail::grid_for(blocks, grid_cap), 256, 0, stream>>>(cp);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "dk/dv convert launch", err);
+  }
+  return FG_OK;
+}
+
 // The backward with the tiles the generated translation unit names (flashgen/tiles.py chose them).
 template <class Variant, class Element, int kHeadDim, class Tile, class DqTileT,
           bool kPacked = false, bool kSparse = false>
@@ -677,25 +702,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
   }
 
   // 4. dk, dv from the workspaces when the GQA group was split.
-  if (splits > 1) {
-    for (int which = 0; which < 2; ++which) {
-      BwdConvertParams<Element> cp;
-      cp.src = which == 0 ? a.dk_accum : a.dv_accum;
-      cp.dst = static_cast<Element*>(which == 0 ? a.dk : a.dv);
-      cp.rows = nb * a.heads_kv * rows_k;
-      cp.heads = Hkv;
-      cp.seqlen = int(rows_k);
-      detail::set_strides(cp.sb, cp.sh, cp.sn, which == 0 ? a.dk_stride_b : a.dv_stride_b,
-                          which == 0 ? a.dk_stride_h : a.dv_stride_h,
-                          which == 0 ? a.dk_stride_n : a.dv_stride_n, packed);
-      cp.mul = 1.f;  // dk_accum already holds scale * dS^T Q
-      const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
-      bwd_convert_kernel<Element, kHeadDim>
-          <<<detail::grid_for(blocks, kElemGrid), 256, 0, stream>>>(cp);
-      err = cudaGetLastError();
-      if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "dk/dv convert launch", err);
-    }
-  }
+  if (splits > 1) return convert_kv_workspaces<Element, kHeadDim>(a, nb, rows_k, packed, kElemGrid, stream);
   return FG_OK;
 }
 

@@ -1,9 +1,10 @@
 // flashgen sm90 backward: the Hopper family's attention backward (FlashAttention-3's anatomy,
 // Shah et al. 2024, arXiv 2407.08608, Sec. 3 and App. B), specialised by a generated Variant
-// (flashgen/variant.h). Stage (a) of the family's backward: the padded layout, head dims 64 and
-// 128, fp16/bf16, heads_q == heads_kv, no dropout, no block lists, no parameter gradients, the
-// non-deterministic mode (flashgen/families/sm90.py declares exactly these calls; the others run
-// on the sm80 family).
+// (flashgen/variant.h): every spec (mask and score hooks, parameters and their gradients,
+// dropout regenerated from the forward's Philox stream), GQA/MQA, head dims
+// 64 and 128, fp16/bf16, padded or packed, dense or block lists, deterministic or not
+// (flashgen/families/sm90.py declares exactly these calls; block lists with the deterministic
+// mode and other head dims run on the sm80 family).
 //
 //   template <class Variant, class Element /* __half | __nv_bfloat16 */, int kHeadDim /* 64 | 128 */,
 //             class Tile /* Sm90BwdTile */>
@@ -12,10 +13,14 @@
 // ---------------------------------------------------------------------------------------------
 // Launch sequence (all on args.stream):
 //  1. the sm80 family's bwd_preprocess_kernel (cuda/bwd.cuh): D = rowsum(dO ∘ O) − dlse in fp32
-//     into softmax_d, dq_accum zero-filled;
-//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, head, batch): dK, dV of its keys
-//     written directly, dQ partials added to dq_accum with fp32 atomics;
-//  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype.
+//     into softmax_d, dq_accum (and with a GQA split dk_accum, dv_accum) zero-filled;
+//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, GQA split, kv head, batch), walking
+//     the query tiles of every query head of its share of the kv head's group: dK, dV of its
+//     keys summed over those heads in registers and written directly (or, with the group split
+//     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
+//     with fp32 atomics;
+//  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype (and dk, dv
+//     from their workspaces when the group was split).
 //
 // CTA: three warpgroups (384 threads), one CTA per multiprocessor.
 //   warpgroup 0, the producer: warp 0 loads K and V of the key tile once (TMA, then zero-fills
@@ -38,10 +43,11 @@
 //     between the consumer warpgroups orders its writes before the dQ GEMM's reads and the
 //     GEMM's reads before the next-but-one step's writes.
 //   Epilogue: dK · scale and dV in the input dtype, from registers (rows past seqlen_k skipped).
-// The walk: the query tiles m in [m_first, m_last] that can see the key tile (Variant::kv_lo /
-// kv_hi per tile, a warp-parallel scan that producer and consumers compute alike), from the
-// first visible one (causal: the tile of the key tile's first query) on. A key tile no query
-// sees writes dK = dV = 0.
+// The walk: for each query head of the share in order, the query tiles m in [m_first, m_last]
+// that can see the key tile (Variant::kv_lo / kv_hi per tile, a warp-parallel scan that producer
+// and consumers compute alike; the sm80 mainloop's next_step), from the first visible pair on.
+// A key tile no query sees writes dK = dV = 0. Score hooks, masks, parameter gradients and
+// dropout act in the sm80 mainloop's probs_grads on the S^T / dP^T fragments.
 // Rows past seqlen_q arrive as zeros (TMA) with LSE = -inf, so P = dS = 0 there; such tiles take
 // the masked path (q_hi - q_lo < kBlockM) and their dQ rows are not added.
 #pragma once
@@ -80,6 +86,15 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                : "memory");
 #endif
 }
+// The deterministic mode's semaphore: an acquire load and a release store at GPU scope.
+__device__ __forceinline__ int ld_acquire_gpu(const int32_t* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_gpu(int32_t* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
 }  // namespace ptx
 
 // kBlockM query rows per step (64 at d 64 and 128; 128 at d 64 builds but ptxas spills there:
@@ -104,9 +119,13 @@ template <class Element, class VParams>
 struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   CUtensorMap tq, tk, tv, tdo;  // TMA descriptors (sm90/tma.cuh)
   cuda::BwdParams<Element, VParams> base;  // everything the sm80 backward's Params hold
+  // The deterministic mode (args.dq_semaphore; null otherwise): int32 per query row, laid out
+  // as lse, zeros at launch (the host allocates them per call); the entry of a query tile's first row counts the
+  // key tiles that have added their dQ partials to that tile.
+  int32_t* sem;
 };
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 struct Sm90Bwd {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "the sm90 backward (stage a) takes head_dim 64 and 128");
   static constexpr int kD = kHeadDim;
@@ -131,7 +150,7 @@ struct Sm90Bwd {
   static constexpr int kOffL = kOffS + 2 * kSBytes;
   static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
-  static constexpr int kNumBars = 2 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S]
+  static constexpr int kNumBars = 3 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail
   static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
   // A consumer's dQ block (64 x 64): rows [kDqRows wg, + 64) and columns [kDqCols wg, + 64) of
@@ -146,7 +165,7 @@ struct Sm90Bwd {
   // queries per step): its key ranges and P^T / dS^T (probs_grads) on the C-fragment layout
   // that each consumer warp's wgmma accumulators share.
   using Base = cuda::BwdMainloop<Variant, Element, kHeadDim, cuda::BwdTile<kBlockM, 8, 1, kBlockM / 32>, true,
-                                 false, false>;
+                                 kPacked, kSparse>;
   static_assert(Base::kBlockN == kBlockN && Base::kBlockM == kBlockM, "tiles");
   using BaseParams = cuda::BwdParams<Element, typename Variant::Params>;
   using Params = Sm90BwdParams<Element, typename Variant::Params>;
@@ -161,37 +180,68 @@ struct Sm90Bwd {
     __device__ uint32_t kv_ready() const { return base + 8; }
     __device__ uint32_t full(int s) const { return base + 16 + 8 * s; }
     __device__ uint32_t empty(int s) const { return base + 16 + 8 * (kStages + s); }
+    // kPacked: the TMA copy of a sequence's last, partial query tile lands here first (the
+    // producer then zeroes the rows past the sequence before it releases the stage).
+    __device__ uint32_t q_tail() const { return base + 16 + 16 * kStages; }
   };
 
-  // The work item of this CTA: key tile fastest, then head, then batch.
+  // Packed batches: the Params of sequence sp as if it were a padded batch of its own lengths
+  // (the per-row buffers and the outputs moved to its first rows; the tensor maps see the whole
+  // packed tensor, so TMA rows are offset by sp.q0 / sp.k0 instead).
+  static __device__ __forceinline__ BaseParams localize(const BaseParams& p, const cuda::SeqSpan& sp) {
+    BaseParams lp = p;
+    lp.seqlen_q = sp.len_q;
+    lp.seqlen_k = sp.len_k;
+    lp.num_m_tiles = (sp.len_q + kBlockM - 1) / kBlockM;
+    lp.dk += cuda::wide(sp.k0) * p.dk_sn;
+    lp.dv += cuda::wide(sp.k0) * p.dv_sn;
+    lp.lse += sp.q0;
+    lp.dsum += sp.q0;
+    if (p.dq_accum) lp.dq_accum += cuda::wide(sp.q0) * kHeadDim;
+    if (p.dk_accum) lp.dk_accum += cuda::wide(sp.k0) * kHeadDim;
+    if (p.dv_accum) lp.dv_accum += cuda::wide(sp.k0) * kHeadDim;
+    return lp;
+  }
+
+  // The work item of this CTA: key tile fastest, then the GQA split, then kv head, then batch.
+  // Its query heads: h0, h0 + 1, ..., h0 + n_heads - 1 (the split's share of the kv head's group).
   struct Item {
-    int b, h, n_tile, kv0;
+    int b, hkv, h0, n_heads, n_tile, kv0;
   };
   static __device__ __forceinline__ Item item(const BaseParams& p) {
     Item it;
-    const int64_t w = blockIdx.x;
+    int64_t w = blockIdx.x;
     it.n_tile = int(w % p.num_n_tiles);
-    const int64_t bh = w / p.num_n_tiles;
-    it.h = int(bh % p.heads_q);
-    it.b = int(bh / p.heads_q);
+    w /= p.num_n_tiles;
+    const int split = int(w % p.num_splits);
+    w /= p.num_splits;
+    it.hkv = int(w % p.heads_kv);
+    it.b = int(w / p.heads_kv);
+    it.n_heads = p.heads_per_split;
+    it.h0 = it.hkv * p.group + split * it.n_heads;
     it.kv0 = it.n_tile * kBlockN;
     return it;
   }
 
-  // The query tiles that see key tile kv0 (every warp computes it alike): [m_first, m_last]
-  // (m_first > m_last: none) and the union [vis_lo, vis_hi) of their key ranges.
+  // The (query head, query tile) pairs that see key tile kv0 (every warp computes it alike; a
+  // mask may depend on the head, so with one every head of the share is scanned): the span
+  // [m_first, m_last] of tiles some head needs (m_first > m_last: none) and the union [vis_lo,
+  // vis_hi) of their key ranges.
   struct Walk {
     int m_first, m_last, vis_lo, vis_hi;
   };
-  static __device__ __forceinline__ Walk scan(const BaseParams& p, int b, int h, int kv0, int lane) {
+  static __device__ __forceinline__ Walk scan(const BaseParams& p, const Item& it, int lane) {
+    const int scan_heads = Variant::kHasMask ? it.n_heads : 1;
     int m_first = INT_MAX, m_last = -1, vis_lo = INT_MAX, vis_hi = 0;
     for (int m = lane; m < p.num_m_tiles; m += 32) {
-      const Range r = Base::kv_range(p, b, h, m);
-      if (Base::sees(r, kv0)) {
-        m_first = imin(m_first, m);
-        m_last = imax(m_last, m);
-        vis_lo = imin(vis_lo, r.begin);
-        vis_hi = imax(vis_hi, r.end);
+      for (int gi = 0; gi < scan_heads; ++gi) {
+        const Range r = Base::kv_range(p, it.b, it.h0 + gi, m);
+        if (Base::sees(r, it.kv0)) {
+          m_first = imin(m_first, m);
+          m_last = imax(m_last, m);
+          vis_lo = imin(vis_lo, r.begin);
+          vis_hi = imax(vis_hi, r.end);
+        }
       }
     }
     Walk w;
@@ -201,22 +251,46 @@ struct Sm90Bwd {
     w.vis_hi = __reduce_max_sync(0xffffffffu, vis_hi);
     return w;
   }
-  // The next query tile after m that sees the key tile (> m_last: the walk is over).
-  static __device__ __forceinline__ int next_m(const BaseParams& p, const Walk& w, int b, int h, int kv0, int m) {
-    do {
-      ++m;
-    } while (m <= w.m_last && !Base::sees(Base::kv_range(p, b, h, m), kv0));
-    return m;
+  // The walk's steps (producer and consumers step alike): (gi, m) from the first visible pair
+  // of (0, m_first) on, then the sm80 mainloop's next_step (heads of the share in order, for
+  // each the tiles of [m_first, m_last] that see the key tile); kSparse: the listed pairs of the
+  // key tile's q lists in list order (next_listed; partial: the list calls the tile partial);
+  // gi == n_heads: over.
+  struct Step {
+    int gi, m, idx;
+    bool partial;
+  };
+  static __device__ __forceinline__ Step first_step(const BaseParams& p, const Item& it, const Walk& w) {
+    Step st{0, w.m_first, -1, false};
+    if constexpr (kSparse) {
+      if (w.m_first <= w.m_last) {
+        Base::next_listed(p, it.b, it.h0, it.n_heads, it.n_tile, it.kv0, st.gi, st.idx, st.m, st.partial);
+      } else {
+        st.gi = it.n_heads;
+      }
+    } else if constexpr (Variant::kHasMask) {
+      if (!Base::sees(Base::kv_range(p, it.b, it.h0, st.m), it.kv0)) {
+        Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, st.gi, st.m);
+      }
+    }
+    return st;
+  }
+  static __device__ __forceinline__ void next_step(const BaseParams& p, const Item& it, const Walk& w, Step& st) {
+    if constexpr (kSparse) {
+      Base::next_listed(p, it.b, it.h0, it.n_heads, it.n_tile, it.kv0, st.gi, st.idx, st.m, st.partial);
+    } else {
+      Base::next_step(p, it.b, it.h0, it.n_heads, w.m_first, w.m_last, it.kv0, st.gi, st.m);
+    }
   }
 
   // ---------------------------------------------------------------------------------------------
   // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp loads LSE / D and
   // zero-fills).
-  static __device__ __forceinline__ void produce(const Params& P, unsigned char* smem, uint32_t s0,
-                                                 const Bars& bar, int lane) {
-    const BaseParams& p = P.base;
+  static __device__ __forceinline__ void produce(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
+                                                 unsigned char* smem, uint32_t s0, const Bars& bar, int lane) {
     const Item it = item(p);
-    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
+    const Walk w = scan(p, it, lane);
     if (w.m_first > w.m_last) return;
     if (lane == 0) {
       ptx::prefetch_tmap(&P.tq);
@@ -224,14 +298,15 @@ struct Sm90Bwd {
       ptx::mbar_arrive_expect_tx(bar.full_kv(), 2 * kKBytes);
 #pragma unroll
       for (int pn = 0; pn < kPanels; ++pn) {
-        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
-        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, it.kv0, it.h, it.b);
+        ptx::tma_load_4d(s0 + kOffK + pn * kKPanel, &P.tk, bar.full_kv(), pn * 64, sp.k0 + it.kv0, it.hkv, tb);
+        ptx::tma_load_4d(s0 + kOffV + pn * kKPanel, &P.tv, bar.full_kv(), pn * 64, sp.k0 + it.kv0, it.hkv, tb);
       }
     }
     // Rows of the tile inside the tensor but outside every visible key range: zeros (masked
-    // there, but dQ = dS K would take 0 x NaN from them).
+    // there, but dQ = dS K would take 0 x NaN from them). Packed: the rows past the sequence's
+    // keys are the next sequence's, zeroed too.
     ptx::mbar_wait(bar.full_kv(), 0);
-    const int in_hi = imin(it.kv0 + kBlockN, p.seqlen_k);
+    const int in_hi = kPacked ? it.kv0 + kBlockN : imin(it.kv0 + kBlockN, p.seqlen_k);
     if (w.vis_lo > it.kv0 || w.vis_hi < in_hi) {
       const uint4 zero = make_uint4(0, 0, 0, 0);
       for (int r = lane / 8; r < kBlockN; r += 4) {
@@ -251,23 +326,54 @@ struct Sm90Bwd {
     __syncwarp();
     if (lane == 0) ptx::mbar_arrive(bar.kv_ready());
 
-    const int64_t row0 = Base::q_rows(p, it.b, it.h);
     float* sL = reinterpret_cast<float*>(smem + kOffL);
     float* sD = reinterpret_cast<float*>(smem + kOffDs);
     uint32_t cnt = 0;
-    for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+    [[maybe_unused]] uint32_t tails = 0;
+    for (Step st = first_step(p, it, w); st.gi < it.n_heads; next_step(p, it, w, st), ++cnt) {
+      const int h = it.h0 + st.gi, m = st.m;
+      const int64_t row0 = Base::q_rows(p, it.b, h);
       const int stage = int(cnt % kStages);
       const uint32_t phase = (cnt / kStages) & 1;
       if (cnt >= kStages) ptx::mbar_wait(bar.empty(stage), phase ^ 1);
       const int q_lo = m * kBlockM;
+      // Packed: a partial last tile's rows past the sequence are the next sequence's queries;
+      // its copy completes on q_tail, the warp zeroes those rows of Q and dO (P = dS = 0 there
+      // by selection, but dV += P^T dO and dK += dS^T Q would take 0 x NaN from them), then
+      // arrives on the stage's full barrier in the copy's place.
+      const bool tail = kPacked && q_lo + kBlockM > p.seqlen_q;
+      const uint32_t copy_bar = tail ? bar.q_tail() : bar.full(stage);
       if (lane == 0) {
-        ptx::mbar_arrive_expect_tx(bar.full(stage), 2 * kQBytes);
+        ptx::mbar_arrive_expect_tx(copy_bar, 2 * kQBytes);
 #pragma unroll
         for (int pn = 0; pn < kPanels; ++pn) {
-          ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, bar.full(stage), pn * 64, q_lo,
-                           it.h, it.b);
-          ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, bar.full(stage), pn * 64, q_lo,
-                           it.h, it.b);
+          ptx::tma_load_4d(s0 + kOffQ + stage * kQBytes + pn * kQPanel, &P.tq, copy_bar, pn * 64, sp.q0 + q_lo,
+                           h, tb);
+          ptx::tma_load_4d(s0 + kOffDO + stage * kQBytes + pn * kQPanel, &P.tdo, copy_bar, pn * 64, sp.q0 + q_lo,
+                           h, tb);
+        }
+      }
+      if constexpr (kPacked) {
+        if (tail) {
+          ptx::mbar_wait(bar.q_tail(), tails & 1);
+          ++tails;
+          const uint4 zero = make_uint4(0, 0, 0, 0);
+          // Rows [seqlen_q - q_lo, kBlockM) of every 64-column panel of Q and dO: 8 16-byte
+          // chunks per 128-byte row (the swizzle permutes chunks within a row only).
+          for (int c = lane; c < (kBlockM - (p.seqlen_q - q_lo)) * 8; c += 32) {
+            const int r = p.seqlen_q - q_lo + c / 8;
+#pragma unroll
+            for (int pn = 0; pn < 2 * kPanels; ++pn) {
+              const uint32_t a = s0 + (pn < kPanels ? kOffQ : kOffDO) + stage * kQBytes + (pn % kPanels) * kQPanel +
+                                 r * 128 + (c % 8) * 16;
+              asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(zero.x), "r"(zero.y),
+                           "r"(zero.z), "r"(zero.w)
+                           : "memory");
+            }
+          }
+          ptx::fence_proxy_async();
+          __syncwarp();
+          if (lane == 0) ptx::mbar_arrive(bar.full(stage));
         }
       }
       for (int r = lane; r < kBlockM; r += 32) {
@@ -310,11 +416,10 @@ struct Sm90Bwd {
   }
 
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
-  static __device__ __forceinline__ void consume(const Params& P, unsigned char* smem, uint32_t s0,
-                                                 const Bars& bar, int wg, int warp_in_wg, int lane) {
-    const BaseParams& p = P.base;
+  static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, unsigned char* smem,
+                                                 uint32_t s0, const Bars& bar, int wg, int warp_in_wg, int lane) {
     const Item it = item(p);
-    const Walk w = scan(p, it.b, it.h, it.kv0, lane);
+    const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int g = lane >> 2, t = lane & 3;
     float dk[kD / 8][4], dv[kD / 8][4];
@@ -330,9 +435,10 @@ struct Sm90Bwd {
       const int kv_row0 = it.kv0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
       const float* sLall = reinterpret_cast<const float*>(smem + kOffL);
       const float* sDall = reinterpret_cast<const float*>(smem + kOffDs);
-      float* dqa = p.dq_accum + Base::q_rows(p, it.b, it.h) * kHeadDim;
       uint32_t cnt = 0;
-      for (int m = w.m_first; m <= w.m_last; m = next_m(p, w, it.b, it.h, it.kv0, m), ++cnt) {
+      for (Step sw = first_step(p, it, w); sw.gi < it.n_heads; next_step(p, it, w, sw), ++cnt) {
+        const int h = it.h0 + sw.gi, m = sw.m;
+        float* dqa = p.dq_accum + Base::q_rows(p, it.b, h) * kHeadDim;
         const int stage = int(cnt % kStages);
         const uint32_t phase = (cnt / kStages) & 1;
         const int q_lo = m * kBlockM;
@@ -341,10 +447,13 @@ struct Sm90Bwd {
         bool need_mask;
         {
           const int q_hi = imin(q_lo + kBlockM, Nq);
-          const Range r = Base::kv_range(p, it.b, it.h, m);
-          need_mask = it.kv0 < r.begin || it.kv0 + kBlockN > r.end || q_hi - q_lo < kBlockM ||
-                      (Variant::kHasMask &&
-                       !Variant::tile_full(p.vp, it.b, it.h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
+          const Range r = Base::kv_range(p, it.b, h, m);
+          // kSparse: the lists' partial tiles take the mask; their full ones skip keep() when
+          // full_kept.
+          need_mask = (kSparse && sw.partial) || it.kv0 < r.begin || it.kv0 + kBlockN > r.end ||
+                      q_hi - q_lo < kBlockM ||
+                      (Variant::kHasMask && !(kSparse && p.blk.full_kept) &&
+                       !Variant::tile_full(p.vp, it.b, h, q_lo, q_hi, it.kv0, it.kv0 + kBlockN, Nq, Nk));
         }
         ptx::mbar_wait(bar.full(stage), phase);
 
@@ -375,11 +484,23 @@ struct Sm90Bwd {
         // P^T and dS^T (the sm80 family's element-wise step on the same fragment layout).
         const float* sL = sLall + stage * kBlockM;
         const float* sD = sDall + stage * kBlockM;
-        if (need_mask) {
-          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0,
-                                                  Base::kv_range(p, it.b, it.h, m), 0, lane);
+        // With parameter gradients (a tensor parameter that requires grad), the variant's
+        // param_grad on every in-bounds kept element (warp-aggregated fp32 atomics).
+        if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
+          if constexpr (Variant::kHasParamGrad) {
+            if (need_mask) {
+              Base::template probs_grads<true, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                     Base::kv_range(p, it.b, h, m), 0, lane);
+            } else {
+              Base::template probs_grads<false, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
+                                                      lane);
+            }
+          }
+        } else if (need_mask) {
+          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                  Base::kv_range(p, it.b, h, m), 0, lane);
         } else {
-          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, it.h, q_lo, kv_row0, Range{0, 0}, 0,
+          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
                                                    lane);
         }
         uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
@@ -451,15 +572,44 @@ struct Sm90Bwd {
         if (lane == 0) ptx::mbar_arrive(bar.empty(stage));  // Q, dO, LSE, D of the stage are read
 
         // dQ partials into dq_accum (the convert kernel scales them).
+        auto add_dq = [&]() {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int q = q_lo + kDqRows * wg + 16 * warp_in_wg + g + 8 * half;
-          if (q < Nq) {
-            float* row_p = dqa + cuda::wide(q) * kHeadDim + kDqCols * wg + 2 * t;
+          for (int half = 0; half < 2; ++half) {
+            const int q = q_lo + kDqRows * wg + 16 * warp_in_wg + g + 8 * half;
+            if (q < Nq) {
+              float* row_p = dqa + cuda::wide(q) * kHeadDim + kDqCols * wg + 2 * t;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              cuda::bwd_detail::atomic_add2(row_p + 8 * j, dq[j][2 * half], dq[j][2 * half + 1]);
+              for (int j = 0; j < 8; ++j) {
+                cuda::bwd_detail::atomic_add2(row_p + 8 * j, dq[j][2 * half], dq[j][2 * half + 1]);
+              }
             }
+          }
+        };
+        if (P.sem == nullptr) {
+          add_dq();
+        } else {
+          // Deterministic: the key tiles that see query tile (h, m) add in ascending order, each
+          // once the tile's semaphore counts the ones before it (its rank among the tiles that
+          // intersect the tile's key range; FlashAttention-3's ordered dQ). Inside the CTA the
+          // warpgroups' adds are disjoint (d 128) or ordered by a named barrier (d 64, where
+          // both add to the whole tile); the count is released after all of them.
+          int32_t* sem = P.sem + q0 + Base::q_rows(p, it.b, h) + q_lo;
+          const int rank = it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN;
+          if (wg == 0 && warp_in_wg == 0 && lane == 0) {
+            while (ptx::ld_acquire_gpu(sem) != rank) __nanosleep(32);
+          }
+          ptx::bar_sync<2, 256>();
+          if constexpr (kDqKeySplit) {
+            if (wg == 0) add_dq();
+            ptx::bar_sync<2, 256>();
+            if (wg == 1) add_dq();
+          } else {
+            add_dq();
+          }
+          ptx::bar_sync<2, 256>();
+          if (wg == 0 && warp_in_wg == 0 && lane == 0) {
+            __threadfence();
+            ptx::st_release_gpu(sem, rank + 1);
           }
         }
       }
@@ -470,8 +620,28 @@ struct Sm90Bwd {
     const int ln = ptx::opaque(lane);
     const Item ie = item(p);
     const int gg = ln >> 2, tt = ln & 3;
-    Element* dk_g = p.dk + cuda::wide(ie.b) * p.dk_sb + cuda::wide(ie.h) * p.dk_sh;
-    Element* dv_g = p.dv + cuda::wide(ie.b) * p.dv_sb + cuda::wide(ie.h) * p.dv_sh;
+    if (p.num_splits > 1) {
+      // A GQA split: this CTA's heads' dK (scaled), dV added into the fp32 workspaces (the
+      // convert kernel writes dk, dv).
+      float* dka = p.dk_accum + Base::k_rows(p, ie.b, ie.hkv) * kHeadDim;
+      float* dva = p.dv_accum + Base::k_rows(p, ie.b, ie.hkv) * kHeadDim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int kv = ie.kv0 + 64 * wg + 16 * warp_in_wg + gg + 8 * half;
+        if (kv < Nk) {
+          float* rk = dka + cuda::wide(kv) * kHeadDim + 2 * tt;
+          float* rv = dva + cuda::wide(kv) * kHeadDim + 2 * tt;
+#pragma unroll
+          for (int j = 0; j < kD / 8; ++j) {
+            cuda::bwd_detail::atomic_add2(rk + 8 * j, dk[j][2 * half] * p.scale, dk[j][2 * half + 1] * p.scale);
+            cuda::bwd_detail::atomic_add2(rv + 8 * j, dv[j][2 * half], dv[j][2 * half + 1]);
+          }
+        }
+      }
+      return;
+    }
+    Element* dk_g = p.dk + cuda::wide(ie.b) * p.dk_sb + cuda::wide(ie.hkv) * p.dk_sh;
+    Element* dv_g = p.dv + cuda::wide(ie.b) * p.dv_sb + cuda::wide(ie.hkv) * p.dv_sh;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int kv = ie.kv0 + 64 * wg + 16 * warp_in_wg + gg + 8 * half;
@@ -502,15 +672,30 @@ struct Sm90Bwd {
         ptx::mbar_init(bar.full(s), 2);  // the TMA's expect-tx arrival and the LSE / D arrival
         ptx::mbar_init(bar.empty(s), kConsumerWarps);
       }
+      ptx::mbar_init(bar.q_tail(), 1);
       ptx::fence_barrier_init();
     }
     __syncthreads();
+    if constexpr (kPacked) {
+      // Key tiles are counted up to max_seqlen_k: one past its sequence's keys has nothing to
+      // do (its keys' dK, dV come from the CTAs that hold them).
+      const Item it = item(P.base);
+      const cuda::SeqSpan sp = cuda::seq_span(P.base.cu_q, P.base.cu_k, it.b, P.base.seqlen_q, P.base.seqlen_k);
+      if (it.kv0 >= sp.len_k) return;
+      dispatch(P, localize(P.base, sp), sp, smem, s0, bar, wg, warp, lane);
+    } else {
+      dispatch(P, P.base, cuda::SeqSpan{0, 0, P.base.seqlen_q, P.base.seqlen_k}, smem, s0, bar, wg, warp, lane);
+    }
+  }
+  static __device__ __forceinline__ void dispatch(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
+                                                  unsigned char* smem, uint32_t s0, const Bars& bar, int wg, int warp,
+                                                  int lane) {
     if (wg == 0) {
       ptx::reg_dealloc<Tile::kProducerRegs>();
-      if (warp == 0) produce(P, smem, s0, bar, lane);
+      if (warp == 0) produce(P, p, sp, smem, s0, bar, lane);
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
-      consume(P, smem, s0, bar, wg - 1, warp % 4, lane);
+      consume(P, p, sp.q0, smem, s0, bar, wg - 1, warp % 4, lane);
     }
   }
 };
@@ -525,35 +710,46 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
-template <class Variant, class Element, int kHeadDim, class Tile>
+template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 int launch_bwd(const FgBwdArgs& a) {
-  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile>;
+  using K = Sm90Bwd<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
   using P = typename K::Params;
   static_assert(K::kSmem <= 227 * 1024, "the sm90 backward's tiles exceed shared memory");
-  static_assert(!Variant::kHasDropout && !Variant::kHasParamGrad,
-                "the sm90 backward (stage a) takes no dropout and no parameter gradients");
   cuda::detail::reference_hooks<Variant>();
   cuda::detail::clear_error();
-  int st = cuda::detail::check_sizes(a, kHeadDim, false, true);
+  // Packed (varlen) batches (args.h): per-sequence rows from cu_seqlens (seqlen_q / seqlen_k
+  // are the longest sequence's), batch strides unused, the fp32 per-row buffers [H, total]; the
+  // tensor maps and the element-wise kernels see one batch of total rows.
+  int st = cuda::detail::check_sizes(a, kHeadDim, kPacked, true);
   if (st != FG_OK) return st;
-  if (a.cu_seqlens_q || a.cu_seqlens_k || a.q_blocks.data || a.kv_blocks.data || a.deterministic ||
-      a.heads_q != a.heads_kv || a.dropout_state) {
+  // Block sparsity: each key tile's q list at the kernel's tiles (the dq lists of the sm80
+  // family's separate dq pass, args.kv_blocks, are not used here). The deterministic mode's
+  // order assumes the closed-form walk: the family routes sparse deterministic calls to sm80.
+  st = cuda::detail::check_tile_lists(a.q_blocks, kSparse, "q_blocks", a.seqlen_k, a.seqlen_q, K::kBlockN,
+                                      K::kBlockM);
+  if (st != FG_OK) return st;
+  const bool det = a.deterministic != 0;
+  if (kSparse && det) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE,
-                              "the sm90 backward takes padded, dense-list, non-deterministic calls with "
-                              "heads_q == heads_kv and no dropout (the family routes the others to sm80)");
+                              "the sm90 backward's deterministic mode takes no block lists (the family routes "
+                              "them to sm80)");
   }
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
-  const bool has_q = a.seqlen_q > 0, has_k = a.seqlen_k > 0;
+  const bool has_q = a.seqlen_q > 0 && (!kPacked || a.total_q > 0);
+  const bool has_k = a.seqlen_k > 0 && (!kPacked || a.total_k > 0);
+  if (!has_q && !has_k) return FG_OK;
+  const int64_t nb = kPacked ? 1 : a.batch;
+  const int64_t rows_q = kPacked ? a.total_q : a.seqlen_q, rows_k = kPacked ? a.total_k : a.seqlen_k;
   if ((has_q && (!a.q || !a.out || !a.dout || !a.lse || !a.dq || !a.softmax_d || !a.dq_accum)) ||
       (has_k && (!a.k || !a.v || !a.dk || !a.dv))) {
     return cuda::detail::fail(FG_ERR_BAD_SHAPE, "null pointer among q/k/v/out/dout/lse/dq/dk/dv/softmax_d/dq_accum");
   }
   constexpr int64_t kE16 = 16 / int64_t(sizeof(Element));
   auto bad_q = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_q && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_q, a.seqlen_q, kE16);
+    return has_q && cuda::detail::bad_tensor(ptr, sb, sh, sn, nb, a.heads_q, rows_q, kE16);
   };
   auto bad_k = [&](const void* ptr, int64_t sb, int64_t sh, int64_t sn) {
-    return has_k && cuda::detail::bad_tensor(ptr, sb, sh, sn, a.batch, a.heads_kv, a.seqlen_k, kE16);
+    return has_k && cuda::detail::bad_tensor(ptr, sb, sh, sn, nb, a.heads_kv, rows_k, kE16);
   };
   const char* bad = nullptr;
   if (bad_q(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n)) bad = "q";
@@ -581,6 +777,26 @@ int launch_bwd(const FgBwdArgs& a) {
   const cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
   const int64_t kElemGrid = int64_t(num_sms) * 16;
   constexpr bool kBf16 = std::is_same<Element, __nv_bfloat16>::value;
+  // GQA: one CTA walks the query heads of its kv head's group, or (args.gqa_splits > 1, the
+  // family's per-call decision when the key tiles alone leave multiprocessors idle) a share of
+  // them, adding dK, dV into the fp32 workspaces dk_accum / dv_accum.
+  const int group = int(a.heads_q / a.heads_kv);
+  if (a.gqa_splits < 1 || group % a.gqa_splits != 0) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE,
+                              "gqa_splits %d: must be >= 1 and divide the GQA group (heads_q / heads_kv = %d)",
+                              (int)a.gqa_splits, group);
+  }
+  int splits = 1;
+  if (det && has_q && has_k && (!a.dq_semaphore || cuda::detail::misaligned4(a.dq_semaphore))) {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE, "deterministic: dq_semaphore must be a 4-byte aligned int32 buffer "
+                              "of one entry per query row");
+  }
+  if (!det && has_q && has_k && group > 1 && a.gqa_splits > 1) {
+    if (!a.dk_accum || !a.dv_accum || cuda::detail::misaligned(a.dk_accum) || cuda::detail::misaligned(a.dv_accum)) {
+      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "gqa_splits > 1 needs 16-byte aligned dk_accum and dv_accum");
+    }
+    splits = int(a.gqa_splits);
+  }
 
   // 1. D = rowsum(dout ∘ out) - dlse; dq_accum zeroed.
   if (has_q) {
@@ -588,14 +804,19 @@ int launch_bwd(const FgBwdArgs& a) {
     memset(&pp, 0, sizeof(pp));
     pp.o = static_cast<const Element*>(a.out);
     pp.dout = static_cast<const Element*>(a.dout);
-    cuda::detail::set_strides(pp.o_sb, pp.o_sh, pp.o_sn, a.o_stride_b, a.o_stride_h, a.o_stride_n, false);
-    cuda::detail::set_strides(pp.do_sb, pp.do_sh, pp.do_sn, a.do_stride_b, a.do_stride_h, a.do_stride_n, false);
+    cuda::detail::set_strides(pp.o_sb, pp.o_sh, pp.o_sn, a.o_stride_b, a.o_stride_h, a.o_stride_n, kPacked);
+    cuda::detail::set_strides(pp.do_sb, pp.do_sh, pp.do_sn, a.do_stride_b, a.do_stride_h, a.do_stride_n, kPacked);
     pp.dsum = a.softmax_d;
     pp.dlse = a.dlse;
     pp.dq_accum = a.dq_accum;
-    pp.rows = a.batch * a.heads_q * a.seqlen_q;
+    pp.rows = nb * a.heads_q * rows_q;
     pp.heads_q = int(a.heads_q);
-    pp.seqlen_q = int(a.seqlen_q);
+    pp.seqlen_q = int(rows_q);
+    if (splits > 1) {
+      pp.zero_a = a.dk_accum;
+      pp.zero_b = a.dv_accum;
+      pp.zero_count = nb * a.heads_kv * rows_k * kHeadDim;
+    }
     constexpr int kTpr = kHeadDim / 8;  // 8 or 16 threads per row
     const int64_t blocks = (pp.rows + 256 / kTpr - 1) / (256 / kTpr);
     cuda::bwd_preprocess_kernel<Element, kHeadDim>
@@ -614,30 +835,38 @@ int launch_bwd(const FgBwdArgs& a) {
     b.dk = static_cast<Element*>(a.dk);
     b.dv = static_cast<Element*>(a.dv);
     b.dq_accum = a.dq_accum;
-    cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, false);
-    cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, false);
+    b.dk_accum = a.dk_accum;
+    b.dv_accum = a.dv_accum;
+    p.sem = det && has_q ? a.dq_semaphore : nullptr;
+    cuda::detail::set_strides(b.dk_sb, b.dk_sh, b.dk_sn, a.dk_stride_b, a.dk_stride_h, a.dk_stride_n, kPacked);
+    cuda::detail::set_strides(b.dv_sb, b.dv_sh, b.dv_sn, a.dv_stride_b, a.dv_stride_h, a.dv_stride_n, kPacked);
+    b.cu_q = a.cu_seqlens_q;
+    b.cu_k = a.cu_seqlens_k;
+    b.total_q = a.total_q;
+    b.total_k = a.total_k;
     b.heads_q = int(a.heads_q);
     b.heads_kv = int(a.heads_kv);
-    b.group = 1;
-    b.num_splits = 1;
-    b.heads_per_split = 1;
+    b.group = group;
+    b.num_splits = splits;
+    b.heads_per_split = group / splits;
     b.seqlen_q = int(a.seqlen_q);
     b.seqlen_k = int(a.seqlen_k);
     b.num_m_tiles = int((a.seqlen_q + K::kBlockM - 1) / K::kBlockM);
     b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
-    b.total_work = int64_t(b.num_n_tiles) * a.heads_q * a.batch;
+    b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
-    st = detail::make_tmap(&p.tk, a.k, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.k_stride_b,
+    const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
+    st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st == FG_OK) {
-      st = detail::make_tmap(&p.tv, a.v, kBf16, a.batch, a.heads_kv, a.seqlen_k, kHeadDim, a.v_stride_b,
+      st = detail::make_tmap(&p.tv, a.v, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.v_stride_b,
                              a.v_stride_h, a.v_stride_n, K::kBlockN, "v");
     }
     if (st == FG_OK && has_q) {
-      st = detail::make_tmap(&p.tq, a.q, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.q_stride_b,
+      st = detail::make_tmap(&p.tq, a.q, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.q_stride_b,
                              a.q_stride_h, a.q_stride_n, K::kBlockM, "q");
       if (st == FG_OK) {
-        st = detail::make_tmap(&p.tdo, a.dout, kBf16, a.batch, a.heads_q, a.seqlen_q, kHeadDim, a.do_stride_b,
+        st = detail::make_tmap(&p.tdo, a.dout, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.do_stride_b,
                                a.do_stride_h, a.do_stride_n, K::kBlockM, "dout");
       }
     }
@@ -647,8 +876,8 @@ int launch_bwd(const FgBwdArgs& a) {
     st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 backward kernel");
     if (st != FG_OK) return st;
     if (b.total_work > 2147483647LL) {
-      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x heads x batch) exceeds "
-                                "2^31 - 1", (long long)b.total_work);
+      return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x splits x kv heads x "
+                                "batch) exceeds 2^31 - 1", (long long)b.total_work);
     }
     kernel<<<unsigned(b.total_work), K::kThreads, K::kSmem, stream>>>(p);
     err = cudaGetLastError();
@@ -660,10 +889,10 @@ int launch_bwd(const FgBwdArgs& a) {
     cuda::BwdConvertParams<Element> cp;
     cp.src = a.dq_accum;
     cp.dst = static_cast<Element*>(a.dq);
-    cp.rows = a.batch * a.heads_q * a.seqlen_q;
+    cp.rows = nb * a.heads_q * rows_q;
     cp.heads = int(a.heads_q);
-    cp.seqlen = int(a.seqlen_q);
-    cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n, false);
+    cp.seqlen = int(rows_q);
+    cuda::detail::set_strides(cp.sb, cp.sh, cp.sn, a.dq_stride_b, a.dq_stride_h, a.dq_stride_n, kPacked);
     cp.mul = a.scale;
     const int64_t blocks = (cp.rows * (kHeadDim / 8) + 255) / 256;
     cuda::bwd_convert_kernel<Element, kHeadDim>
@@ -671,6 +900,9 @@ int launch_bwd(const FgBwdArgs& a) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "dq convert launch", err);
   }
+
+  // 4. dk, dv from the workspaces when the GQA group was split (the sm80 family's convert).
+  if (splits > 1) return cuda::convert_kv_workspaces<Element, kHeadDim>(a, nb, rows_k, kPacked, kElemGrid, stream);
   return FG_OK;
 }
 

@@ -1,0 +1,763 @@
+// flashgen CUDA decode kernels (the sm80 family; op.with_kvcache, args.h FgKvCache): split-KV
+// attention of a few query rows per sequence against a contiguous or paged KV cache
+// (flash-decoding), on mma.sync m16n8k16 tensor cores. Runs on sm_80 and newer (sm_90a too).
+//
+// Semantics (args.h, FgKvCache; the same as the CPU family's cpu/kvcache.h and fwd_kvcache):
+// sequence b holds n = seqlens[b] cached keys in slots [pad, n) (pad = leftpad[b] or 0); k_new /
+// v_new are written into slots [n, n + seqlen_new) first; its length is L = n + seqlen_new - pad,
+// key j is slot pad + j, query row i is position L - Sq + i, and every hook sees seqlen_q =
+// seqlen_k = L and those absolute positions: the result is the last Sq rows of the prefill call
+// on the whole sequence. Rows at negative positions get out 0 and lse -inf.
+//
+// Three kernels, launched in this order on the caller's stream (no host synchronisation; a
+// fixed-shape decode step is CUDA-graph capturable):
+//
+//  1. decode_append_kernel (only with k_new): one CTA per sequence checks the sequence (below)
+//     and, when it is valid, copies its seqlen_new new rows of every kv head into the cache
+//     (16-byte vectors; a paged slot goes through block_table). Because it finishes before the
+//     attention kernel starts (stream order), the attention sees the appended keys, as the CPU
+//     family's append-then-attend order does.
+//
+//  2. decode_kernel: one CTA (2 or 4 warps) per (sequence b, kv head hk, row tile mt, split s), a
+//     flat 1-D grid with mt fastest (the row tiles of one split read the same keys back to
+//     back, from L2). The M side of the tensor-core tiles is the GQA group's query rows: row
+//     R = r * Sq + i (r the head within the group, i the query) of the group's group * Sq rows,
+//     16 rows per row tile (padded: rows past group * Sq are zero-filled and never written), so
+//     the group size and Sq are runtime values and one kernel serves every GQA ratio. Q of the
+//     tile stays in shared memory. The keys the tile may see are the union of the rows'
+//     closed-form ranges [Variant::kv_lo, Variant::kv_hi) (one row each, evaluated in the
+//     kernel from the device-side L): a sliding window reads only the window. That range is cut
+//     into num_splits pieces of whole kBlockN-key tiles, piece s to split s (the split count is
+//     the host's, the cut the device's, from the real lengths). The split's key tiles stream
+//     through shared memory in a kStages-deep cp.async ring (one __syncthreads per tile); within
+//     a tile each warp owns 16 keys: S = Q K^T (16 rows x 16 keys, K via ldmatrix), the mask
+//     (row bounds for row-exact masks, else Variant::keep per element) and score hooks, an
+//     online softmax per warp (running max and sum, O rescaled), then O += P V (P from the S
+//     accumulators, V via ldmatrix.trans). At the end the warps' (m, l, O) are merged
+//     through shared memory. With one split the CTA writes out (input dtype) and lse directly;
+//     with several it writes its fp32 partial (O normalised by its own sum, and its LSE) into
+//     the workspace: o_accum [splits, B, Hq, Sq, d], lse_accum [splits, B, Hq, Sq].
+//     Paged caches: each key row's slot is mapped through block_table as it is copied (page
+//     size a runtime value, 1..256); page indices are clamped into [0, num_pages) wherever they
+//     are used, so no value reads out of bounds.
+//
+//  3. decode_combine_kernel (num_splits > 1): one warp per query row merges the splits by their
+//     LSEs: M = max lse_s; w_s = exp(lse_s - M); out = sum w_s O_s / sum w_s; lse = M + log sum
+//     w_s. A split with lse -inf weighs 0 and its O is never read (no NaN from it); every split
+//     -inf: out 0, lse -inf; any split NaN: out and lse NaN.
+//
+// Why not the forward's mainloop step (fwd_mainloop.cuh): there each warp owns 16 or 32 query
+// rows of a 64-128-row tile and every warp walks every key; a decode tile has 16 rows in all,
+// so here the warps share the rows and split each key tile between them (16 keys each), and
+// their softmax states are merged once at the end. The building blocks are shared
+// (mainloop.cuh: lane offsets, row bounds of row-exact masks; ptx.cuh).
+//
+// Bad device values: a sequence is invalid when pad < 0, pad > n, n + seqlen_new > capacity,
+// or (paged) a page index of one of the slots [pad, n + seqlen_new) lies outside
+// [0, num_pages). The append kernel checks everything and writes nothing for an invalid
+// sequence. An attention CTA checks the sizes, and its share of the sequence's pages (the page
+// range cut into num_splits pieces, piece s checked by split s); a CTA that finds its sequence
+// invalid writes NaN (direct: out and lse; split: its partial), so the combine's NaN rule makes
+// every row of the sequence NaN, never a plausible wrong number. A CTA reads keys only after the
+// size checks pass (every slot it reads is then inside [0, capacity)), and through clamped page
+// indices.
+//
+// Non-finite values (DESIGN.md): a NaN or +inf score at a kept key makes the row's out and lse
+// NaN; a -inf score counts as masked; NaN/inf in V at a kept key reaches the row. Keys outside
+// the split's range (and past L) are zero-filled in shared memory, so they never reach a row;
+// within a loaded tile a key masked for some rows multiplies their P of exactly 0.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <atomic>
+#include <type_traits>
+
+#include "flashgen/args.h"
+#include "flashgen/cuda/host.cuh"
+#include "flashgen/cuda/mainloop.cuh"
+#include "flashgen/cuda/ptx.cuh"
+#include "flashgen/cuda/status.cuh"
+#include "flashgen/variant.h"
+
+namespace flashgen {
+namespace cuda {
+
+// The decode kernel's tile, chosen per instantiation by the family (flashgen/families/sm80.py,
+// decode_tile): kBlockN keys per shared-memory stage, 16 per warp (64: 4 warps; 32: 2 warps, for
+// d = 256 or small shared memories), kStages stages; kSmem is the host's figure for the dynamic
+// shared memory, checked against the kernel's own below.
+template <int kBlockN_, int kStages_, int kSmem_>
+struct DecodeTile {
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kSmem = kSmem_;
+  static constexpr int kWarps = kBlockN / 16;
+  static constexpr int kThreads = kWarps * 32;
+  static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "16 keys per warp, 2 to 8 warps");
+  static_assert(kStages >= 2 && kStages <= 4, "2 to 4 pipeline stages");
+};
+
+template <class Element, class VParams>
+struct DecodeParams {
+  const Element* q;
+  const Element* k;
+  const Element* v;
+  Element* o;
+  float* lse;
+  float* o_accum;  // splits > 1: fp32 [splits, B, Hq, Sq, d]
+  float* lse_accum;  // splits > 1: fp32 [splits, B, Hq, Sq]
+  const int* seqlens;
+  const int* leftpad;  // nullable
+  const int* table;    // nullable: contiguous cache
+  const Element* k_new;  // nullable (append kernel)
+  const Element* v_new;
+  int64_t table_stride, num_pages;
+  int64_t q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, o_sb, o_sh, o_sn;
+  int64_t kn_sb, kn_sh, kn_sn, vn_sb, vn_sh, vn_sn;
+  int64_t rows_all;  // B * Hq * Sq
+  int batch, heads_q, heads_kv, group, sq, page_size, capacity, seqlen_new, splits, m_tiles;
+  float scale, scale_log2;
+  VParams vp;
+};
+
+namespace detail {
+
+// Sequence b's sizes: valid (pad, n and the append inside the capacity), its first slot and
+// length. Page indices are checked separately (decode_pages_bad).
+struct DecodeSeq {
+  bool ok;
+  int pad, n, len;
+};
+
+template <class P>
+__device__ __forceinline__ DecodeSeq decode_seq(const P& p, int b) {
+  const int64_t n = p.seqlens[b];
+  const int64_t pad = p.leftpad ? p.leftpad[b] : 0;
+  const int64_t end = n + p.seqlen_new;
+  const bool ok = pad >= 0 && pad <= n && end <= p.capacity;
+  DecodeSeq s;
+  s.ok = ok;
+  s.pad = ok ? int(pad) : 0;
+  s.n = ok ? int(n) : 0;
+  s.len = ok ? int(end - pad) : 0;
+  return s;
+}
+
+// True (in every thread of the CTA) when a page index among pieces `piece` of `pieces` of the
+// pages that hold slots [pad, pad + len) of sequence b lies outside the pool. A CTA-wide call.
+template <class P>
+__device__ __forceinline__ bool decode_pages_bad(const P& p, int b, const DecodeSeq& s, int piece,
+                                                 int pieces, int tid, int nthreads) {
+  bool bad = false;
+  if (p.table && s.ok && s.len > 0) {
+    const int ps = p.page_size;
+    const int first = s.pad / ps, last = (s.pad + s.len - 1) / ps;
+    const int count = last - first + 1;
+    const int share = (count + pieces - 1) / pieces;
+    const int lo = first + piece * share;
+    const int hi = imin(last + 1, lo + share);
+    const int* row = p.table + int64_t(b) * p.table_stride;
+    for (int pg = lo + tid; pg < hi; pg += nthreads) {
+      const int idx = row[pg];
+      bad |= idx < 0 || int64_t(idx) >= p.num_pages;
+    }
+  }
+  return __syncthreads_or(bad) != 0;
+}
+
+// Element offset of slot `slot` of sequence b, kv head hk, in a cache with strides (sb, sh, sn):
+// contiguous: b's rows; paged: the slot's page (clamped into the pool) and row within it.
+template <class P>
+__device__ __forceinline__ int64_t decode_slot(const P& p, int b, int hk, int slot, int64_t sb,
+                                               int64_t sh, int64_t sn) {
+  if (p.table) {
+    const int ps = p.page_size;
+    int64_t pg = p.table[int64_t(b) * p.table_stride + slot / ps];
+    pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
+    return pg * sb + int64_t(hk) * sh + int64_t(slot % ps) * sn;
+  }
+  return int64_t(b) * sb + int64_t(hk) * sh + int64_t(slot) * sn;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+__device__ __forceinline__ int warp_min_i(int x) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) x = imin(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+__device__ __forceinline__ int warp_max_i(int x) {
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) x = imax(x, __shfl_xor_sync(0xffffffffu, x, off));
+  return x;
+}
+
+}  // namespace detail
+
+// ------------------------------------------------------------------ 1. append
+
+template <class Element, int kHeadDim, class P>
+__global__ void __launch_bounds__(128) decode_append_kernel(const P p) {
+  constexpr int kChunks = kHeadDim / 8;  // 16-byte vectors per row
+  const int b = blockIdx.x, tid = threadIdx.x;
+  const detail::DecodeSeq s = detail::decode_seq(p, b);
+  if (!s.ok) return;  // uniform over the CTA
+  if (detail::decode_pages_bad(p, b, s, 0, 1, tid, blockDim.x)) return;
+  Element* K = const_cast<Element*>(p.k);
+  Element* V = const_cast<Element*>(p.v);
+  const int64_t total = int64_t(p.heads_kv) * p.seqlen_new * kChunks;
+  for (int64_t c = tid; c < total; c += blockDim.x) {
+    const int cc = int(c % kChunks);
+    const int j = int(c / kChunks % p.seqlen_new);
+    const int hk = int(c / (int64_t(kChunks) * p.seqlen_new));
+    const int slot = s.n + j;
+    const int64_t ko = detail::decode_slot(p, b, hk, slot, p.k_sb, p.k_sh, p.k_sn) + cc * 8;
+    const int64_t vo = detail::decode_slot(p, b, hk, slot, p.v_sb, p.v_sh, p.v_sn) + cc * 8;
+    const Element* kn = p.k_new + int64_t(b) * p.kn_sb + int64_t(hk) * p.kn_sh + int64_t(j) * p.kn_sn;
+    const Element* vn = p.v_new + int64_t(b) * p.vn_sb + int64_t(hk) * p.vn_sh + int64_t(j) * p.vn_sn;
+    *reinterpret_cast<uint4*>(K + ko) = *reinterpret_cast<const uint4*>(kn + cc * 8);
+    *reinterpret_cast<uint4*>(V + vo) = *reinterpret_cast<const uint4*>(vn + cc * 8);
+  }
+}
+
+// ------------------------------------------------------------------ 2. attention
+
+template <class Variant, class Element, int kHeadDim, class Tile>
+struct DecodeKernel {
+  using Params = DecodeParams<Element, typename Variant::Params>;
+  static_assert(kHeadDim % 16 == 0 && kHeadDim >= 16 && kHeadDim <= 256,
+                "decode kernels take head dims that are multiples of 16 up to 256");
+  static constexpr int kD = kHeadDim;
+  static constexpr int kPitch = kD + 8;  // padded rows (mainloop.cuh, HeadDim)
+  static constexpr int kBlockN = Tile::kBlockN;
+  static constexpr int kStages = Tile::kStages;
+  static constexpr int kThreads = Tile::kThreads;
+  static constexpr int kWarps = Tile::kWarps;
+  static constexpr int kRows = 16;  // query rows per CTA (one m16 atom)
+  static constexpr int kE = int(sizeof(Element));
+  static constexpr int kDBlocks = kD / 8;
+  static constexpr int kChunksPerRow = kD / 8;  // 16-byte chunks
+  // Copies: chunk c of pass i is thread tid's c = tid + i * kThreads, row c / kChunksPerRow.
+  // Where a pass covers whole rows (d 16, 32, 64, 128, 256), a thread keeps one column chunk and
+  // steps kRowStep rows per pass; otherwise (d 48, 80, 96, ...) rows and chunks come from c.
+  static constexpr bool kWholeRows = kThreads % kChunksPerRow == 0;
+  static constexpr int kRowStep = kWholeRows ? kThreads / kChunksPerRow : 1;
+  static __device__ __forceinline__ void chunk_of(int tid, int i, int& r, int& cc) {
+    if constexpr (kWholeRows) {
+      r = tid / kChunksPerRow + i * kRowStep;
+      cc = tid % kChunksPerRow;
+    } else {
+      const int c = tid + i * kThreads;
+      r = c / kChunksPerRow;
+      cc = c % kChunksPerRow;
+    }
+  }
+  static constexpr int kQBytes = kRows * kPitch * kE;
+  static constexpr int kStageBytes = 2 * kBlockN * kPitch * kE;  // K and V of one tile
+  static constexpr int kPipeBytes = kQBytes + kStages * kStageBytes;
+  // The warps' merge after the loop reuses the pipeline's memory: O [warps][16][kD + 4] fp32,
+  // then m, l [warps][16] and the rows' NaN flags [warps][16].
+  static constexpr int kOPitch = kD + 4;
+  static constexpr int kMergeBytes = kWarps * kRows * kOPitch * 4 + 3 * kWarps * kRows * 4;
+  static constexpr int kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static_assert(kSmem == Tile::kSmem, "the family's shared-memory figure (sm80.py decode_tile) is "
+                                      "the kernel's");
+  static constexpr float kLog2e = 1.4426950408889634f;
+  static constexpr float kLn2 = 0.6931471805599453f;
+
+  // Key rows [kv0, kv0 + kBlockN) of the split (rows at or past kv_end zero-filled) into a stage.
+  static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const Params& p, int b,
+                                                 int hk, int pad, int kv0, int kv_end, int tid) {
+#pragma unroll
+    for (int i = 0; i < (kBlockN * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
+      int r, cc;
+      chunk_of(tid, i, r, cc);
+      if ((kBlockN * kChunksPerRow) % kThreads != 0 && r >= kBlockN) break;
+      const int j = kv0 + r;
+      const bool ok = j < kv_end;
+      int64_t ko = 0, vo = 0;
+      if (ok) {
+        if (p.table) {
+          const int slot = pad + j, ps = p.page_size;
+          int64_t pg = p.table[int64_t(b) * p.table_stride + slot / ps];
+          pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
+          const int64_t row = slot % ps;
+          ko = pg * p.k_sb + int64_t(hk) * p.k_sh + row * p.k_sn;
+          vo = pg * p.v_sb + int64_t(hk) * p.v_sh + row * p.v_sn;
+        } else {
+          const int64_t slot = pad + j;
+          ko = int64_t(b) * p.k_sb + int64_t(hk) * p.k_sh + slot * p.k_sn;
+          vo = int64_t(b) * p.v_sb + int64_t(hk) * p.v_sh + slot * p.v_sn;
+        }
+      }
+      const uint32_t dst = (r * kPitch + cc * 8) * kE;
+      ptx::cp_async_16(sK + dst, ok ? p.k + ko + cc * 8 : p.k, ok);
+      ptx::cp_async_16(sV + dst, ok ? p.v + vo + cc * 8 : p.v, ok);
+    }
+  }
+
+  // The query row R of the group (R = r * Sq + i): its head and query index.
+  static __device__ __forceinline__ void row_of(const Params& p, int hk, int R, int& h, int& i) {
+    h = hk * p.group + R / p.sq;
+    i = R % p.sq;
+  }
+
+  // Writes row `row` of the tile (its final out and lse, or the split's partial). o: the row's
+  // kD values (normalised), lse natural log. Threads of one row write disjoint 4-column chunks.
+  static __device__ __forceinline__ void write_row(const Params& p, int b, int hk, int split,
+                                                   int R, const float* o, float lse, int chunk0,
+                                                   int chunk_step) {
+    int h, i;
+    row_of(p, hk, R, h, i);
+    const int64_t row = (int64_t(b) * p.heads_q + h) * p.sq + i;
+    if (p.splits > 1) {
+      float* dst = p.o_accum + (int64_t(split) * p.rows_all + row) * kD;
+      for (int c = chunk0; c < kD / 4; c += chunk_step)
+        *reinterpret_cast<float4*>(dst + 4 * c) = make_float4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
+      if (chunk0 == 0) p.lse_accum[int64_t(split) * p.rows_all + row] = lse;
+    } else {
+      Element* dst = p.o + int64_t(b) * p.o_sb + int64_t(h) * p.o_sh + int64_t(i) * p.o_sn;
+      for (int c = chunk0; c < kD / 4; c += chunk_step) {
+        uint2 v;
+        v.x = ptx::pack2<Element>(o[4 * c], o[4 * c + 1]);
+        v.y = ptx::pack2<Element>(o[4 * c + 2], o[4 * c + 3]);
+        *reinterpret_cast<uint2*>(dst + 4 * c) = v;
+      }
+      if (chunk0 == 0) p.lse[row] = lse;
+    }
+  }
+
+  static __device__ void run(const Params& p, char* smem) {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane >> 2, t4 = lane & 3;
+    int64_t w = blockIdx.x;
+    const int mt = int(w % p.m_tiles);
+    w /= p.m_tiles;
+    const int split = int(w % p.splits);
+    w /= p.splits;
+    const int hk = int(w % p.heads_kv);
+    const int b = int(w / p.heads_kv);
+    const int rows_total = p.group * p.sq;
+    const int row0 = mt * kRows;
+
+    const detail::DecodeSeq s = detail::decode_seq(p, b);
+    const bool bad_seq =
+        !s.ok || detail::decode_pages_bad(p, b, s, split, p.splits, tid, kThreads);  // uniform
+    float* sO = reinterpret_cast<float*>(smem);
+    if (bad_seq) {  // every row of this tile NaN
+      for (int e = tid; e < kRows * kD; e += kThreads) sO[e] = __int_as_float(0x7fffffff);
+      __syncthreads();
+      for (int e = tid; e < kRows * (kD / 4); e += kThreads) {
+        const int r = e / (kD / 4);
+        if (row0 + r < rows_total)
+          write_row(p, b, hk, split, row0 + r, sO + r * kD, __int_as_float(0x7fffffff), e % (kD / 4),
+                    kD / 4);
+      }
+      return;
+    }
+    const int L = s.len;
+
+    // This thread's two rows (g, g + 8 of the tile): head, position, key bounds. Rows past the
+    // group's rows or at negative positions see no key.
+    int rh[2], rpos[2], rlo[2], rhi[2];
+    bool rok[2];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int R = row0 + g + 8 * u;
+      int h = 0, i = 0;
+      if (R < rows_total) row_of(p, hk, R, h, i);
+      rh[u] = h;
+      rpos[u] = L - p.sq + i;
+      rok[u] = R < rows_total && rpos[u] >= 0;
+      rlo[u] = L, rhi[u] = 0;
+      if (rok[u]) row_bounds<Variant>(p.vp, b, h, rpos[u], 0, L, L, L, rlo[u], rhi[u]);
+      if (rlo[u] >= rhi[u]) rlo[u] = L, rhi[u] = 0;
+    }
+    // The tile's keys: the union of its rows' ranges (every warp computes the same, lanes g
+    // hold rows g and g + 8), cut into the splits' pieces of whole tiles.
+    const int lo = detail::warp_min_i(imin(rlo[0], rlo[1]));
+    const int hi = detail::warp_max_i(imax(rhi[0], rhi[1]));
+    int kv_begin = 0, kv_end = 0;
+    if (lo < hi) {
+      const int ntiles = (hi - lo + kBlockN - 1) / kBlockN;
+      const int per = (ntiles + p.splits - 1) / p.splits;
+      kv_begin = imin(hi, lo + split * per * kBlockN);
+      kv_end = imin(hi, kv_begin + per * kBlockN);
+    }
+    const int n_tiles = (kv_end - kv_begin + kBlockN - 1) / kBlockN;
+
+    // Q of the tile into shared memory (rows past the group's zero-filled).
+    const uint32_t sQ = ptx::smem_addr(smem);
+    const uint32_t sKV = sQ + kQBytes;
+    {
+#pragma unroll
+      for (int i = 0; i < (kRows * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
+        int r, cc;
+        chunk_of(tid, i, r, cc);
+        if (r < kRows) {
+          const int R = row0 + r;
+          const bool ok = R < rows_total;
+          int h = 0, qi = 0;
+          if (ok) row_of(p, hk, R, h, qi);
+          const Element* src =
+              p.q + int64_t(b) * p.q_sb + int64_t(h) * p.q_sh + int64_t(qi) * p.q_sn + cc * 8;
+          ptx::cp_async_16(sQ + (r * kPitch + cc * 8) * kE, ok ? src : p.q, ok);
+        }
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n_tiles)
+        load_kv(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, p, b, hk, s.pad,
+                kv_begin + st * kBlockN, kv_end, tid);
+      ptx::cp_async_commit();
+    }
+
+    float o[kDBlocks][4];
+#pragma unroll
+    for (int dn = 0; dn < kDBlocks; ++dn)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[dn][e] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    bool nonfinite[2] = {false, false};
+    const uint32_t a_off = lane_off_a(lane, kPitch, kE);
+    const uint32_t b_off = lane_off_b(lane, kPitch, kE);
+
+    for (int it = 0; it < n_tiles; ++it) {
+      ptx::cp_async_wait<kStages - 2>();
+      __syncthreads();
+      {
+        const int nt = it + kStages - 1;
+        if (nt < n_tiles) {
+          const uint32_t st = sKV + (nt % kStages) * kStageBytes;
+          load_kv(st, st + kStageBytes / 2, p, b, hk, s.pad, kv_begin + nt * kBlockN, kv_end, tid);
+        }
+        ptx::cp_async_commit();
+      }
+      const uint32_t sK = sKV + (it % kStages) * kStageBytes + warp * 16 * kPitch * kE;
+      const uint32_t sV = sK + kStageBytes / 2;
+      const int kv0 = kv_begin + it * kBlockN + warp * 16;  // this warp's first key
+
+      // S = Q K^T over the warp's 16 keys.
+      float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) {
+        uint32_t a[4], bk[4];
+        ptx::ldmatrix_x4(a, sQ + kk * 16 * kE + a_off);
+        ptx::ldmatrix_x4(bk, sK + kk * 16 * kE + b_off);
+        ptx::mma_16816<Element>(sc[0], a, bk[0], bk[1]);
+        ptx::mma_16816<Element>(sc[1], a, bk[2], bk[3]);
+      }
+
+      // Mask and score hooks (log2 units; masked: -inf), then the online softmax per row.
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        float tmax = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kv = kv0 + j * 8 + 2 * t4 + e;
+            bool vis = kv < kv_end;
+            if constexpr (kRowBounds<Variant>) {
+              vis = vis && kv >= rlo[u] && kv < rhi[u];
+            } else {
+              vis = vis && rok[u] && kv >= rlo[u] && kv < rhi[u] &&
+                    Variant::keep(p.vp, b, rh[u], rpos[u], kv, L, L);
+            }
+            float x;
+            if constexpr (Variant::kHasScoreMod) {
+              x = vis ? Variant::score(p.vp, sc[j][2 * u + e] * p.scale, b, rh[u], rpos[u], kv, L, L) * kLog2e
+                      : -INFINITY;
+            } else {
+              x = vis ? sc[j][2 * u + e] * p.scale_log2 : -INFINITY;
+            }
+            if (x != x || x == INFINITY) {  // NaN or +inf at a kept key: the row is NaN
+              nonfinite[u] = true;
+              x = -INFINITY;
+            }
+            sc[j][2 * u + e] = x;
+            tmax = fmaxf(tmax, x);
+          }
+        }
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 1));
+        tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, 2));
+        const float m_new = fmaxf(m[u], tmax);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        const float alpha = ptx::exp2_approx(m[u] - m_use);  // m = -inf: 0 (O and l are 0 then)
+        m[u] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pr = ptx::exp2_approx(sc[j][2 * u + e] - m_use);
+            sc[j][2 * u + e] = pr;
+            sum += pr;
+          }
+        }
+        l[u] = l[u] * alpha + sum;
+#pragma unroll
+        for (int dn = 0; dn < kDBlocks; ++dn) {
+          o[dn][2 * u] *= alpha;
+          o[dn][2 * u + 1] *= alpha;
+        }
+      }
+
+      // O += P V.
+      uint32_t a[4];
+      a[0] = ptx::pack2<Element>(sc[0][0], sc[0][1]);
+      a[1] = ptx::pack2<Element>(sc[0][2], sc[0][3]);
+      a[2] = ptx::pack2<Element>(sc[1][0], sc[1][1]);
+      a[3] = ptx::pack2<Element>(sc[1][2], sc[1][3]);
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t bv[4];
+        ptx::ldmatrix_x4_trans(bv, sV + dp * 16 * kE + a_off);
+        ptx::mma_16816<Element>(o[2 * dp], a, bv[0], bv[1]);
+        ptx::mma_16816<Element>(o[2 * dp + 1], a, bv[2], bv[3]);
+      }
+    }
+    ptx::cp_async_wait<0>();
+    __syncthreads();  // the ring is free: the warps' merge reuses it
+
+    // Merge the warps' (m, l, O) of each row.
+    float* mO = reinterpret_cast<float*>(smem);
+    float* mM = mO + kWarps * kRows * kOPitch;
+    float* mL = mM + kWarps * kRows;
+    int* mBad = reinterpret_cast<int*>(mL + kWarps * kRows);
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      l[u] += __shfl_xor_sync(0xffffffffu, l[u], 1);
+      l[u] += __shfl_xor_sync(0xffffffffu, l[u], 2);
+      int nf = int(nonfinite[u]);  // the quad's lanes hold the row's other keys
+      nf |= __shfl_xor_sync(0xffffffffu, nf, 1);
+      nf |= __shfl_xor_sync(0xffffffffu, nf, 2);
+      const int r = g + 8 * u;
+      float* row = mO + (warp * kRows + r) * kOPitch;
+#pragma unroll
+      for (int dn = 0; dn < kDBlocks; ++dn)
+        *reinterpret_cast<float2*>(row + dn * 8 + 2 * t4) = make_float2(o[dn][2 * u], o[dn][2 * u + 1]);
+      if (t4 == 0) {
+        mM[warp * kRows + r] = m[u];
+        mL[warp * kRows + r] = l[u];
+      }
+      if (t4 == 0) mBad[warp * kRows + r] = nf;
+    }
+    __syncthreads();
+
+    // kPerRow threads per row, each 4-column chunks c = t8, t8 + kPerRow, ...
+    constexpr int kPerRow = kThreads / kRows;
+    const int r = tid / kPerRow, t8 = tid % kPerRow;
+    if (row0 + r >= rows_total) return;
+    float mx = -INFINITY;
+    bool nan_row = false;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) {
+      mx = fmaxf(mx, mM[ww * kRows + r]);
+      nan_row |= mBad[ww * kRows + r] != 0;
+    }
+    float fac[kWarps], lsum = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) {
+      fac[ww] = mx == -INFINITY ? 0.f : ptx::exp2_approx(mM[ww * kRows + r] - mx);
+      lsum += fac[ww] * mL[ww * kRows + r];
+    }
+    const bool empty = mx == -INFINITY || !(lsum > 0.f);
+    const float inv = empty ? 0.f : 1.f / lsum;
+    const float nanf_ = __int_as_float(0x7fffffff);
+    float* out = mO + r * kOPitch;  // warp 0's row, overwritten in place with the result
+    for (int c = t8; c < kD / 4; c += kPerRow) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float acc = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < kWarps; ++ww)
+          if (fac[ww] != 0.f) acc += fac[ww] * mO[(ww * kRows + r) * kOPitch + 4 * c + e];
+        out[4 * c + e] = nan_row ? nanf_ : acc * inv;
+      }
+    }
+    const float lse = nan_row ? nanf_ : (empty ? -INFINITY : (mx + ptx::log2_approx(lsum)) * kLn2);
+    write_row(p, b, hk, split, row0 + r, out, lse, t8, kPerRow);
+  }
+};
+
+template <class Variant, class Element, int kHeadDim, class Tile>
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kSmem <= 80 * 1024 ? 2 : 1)
+    decode_kernel(const DecodeParams<Element, typename Variant::Params> p) {
+  extern __shared__ __align__(16) char smem[];
+  DecodeKernel<Variant, Element, kHeadDim, Tile>::run(p, smem);
+}
+
+// ------------------------------------------------------------------ 3. combine
+
+template <class Element, int kHeadDim, class P>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const P p) {
+  constexpr int kD = kHeadDim;
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  if (row >= p.rows_all) return;
+  const int S = p.splits;
+  float mx = -INFINITY;
+  bool nan_row = false;
+  for (int sp = lane; sp < S; sp += 32) {
+    const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
+    nan_row |= x != x;
+    mx = fmaxf(mx, x);
+  }
+  mx = detail::warp_max(mx);
+  nan_row = __any_sync(0xffffffffu, nan_row);
+  float wsum = 0.f;
+  for (int sp = lane; sp < S; sp += 32) {
+    const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
+    wsum += mx == -INFINITY ? 0.f : __expf(x - mx);
+  }
+#pragma unroll
+  for (int off = 16; off >= 1; off /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+  const bool empty = mx == -INFINITY || !(wsum > 0.f);
+  const float inv = empty ? 0.f : 1.f / wsum;
+  const float nanf_ = __int_as_float(0x7fffffff);
+  const int64_t i = row % p.sq, h = row / p.sq % p.heads_q, b = row / (int64_t(p.sq) * p.heads_q);
+  Element* dst = p.o + b * p.o_sb + h * p.o_sh + i * p.o_sn;
+  for (int c = lane; c < kD / 4; c += 32) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (!empty && !nan_row) {
+      for (int sp = 0; sp < S; ++sp) {
+        const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
+        if (x == -INFINITY) continue;  // weighs 0: its O is never read
+        const float wgt = __expf(x - mx);
+        const float4 v = *reinterpret_cast<const float4*>(p.o_accum + (int64_t(sp) * p.rows_all + row) * kD + 4 * c);
+        acc.x += wgt * v.x, acc.y += wgt * v.y, acc.z += wgt * v.z, acc.w += wgt * v.w;
+      }
+    }
+    const float f = nan_row ? nanf_ : inv;  // NaN * anything: the row's NaN
+    uint2 v;
+    v.x = ptx::pack2<Element>(acc.x * f, acc.y * f);
+    v.y = ptx::pack2<Element>(acc.z * f, acc.w * f);
+    *reinterpret_cast<uint2*>(dst + 4 * c) = v;
+  }
+  if (lane == 0) p.lse[row] = nan_row ? nanf_ : (empty ? -INFINITY : mx + __logf(wsum));
+}
+
+// ------------------------------------------------------------------ host launcher
+
+// The decode call of an FgFwdArgs whose kv_cache.seqlens is set (args.h): checks, then the
+// append, attention and combine launches. FG_ERR_BAD_SHAPE for sizes out of range, block lists,
+// dropout, packed batches, num_splits < 1, or num_splits > 1 without the workspaces;
+// FG_ERR_ALIGNMENT for tensors the 16-byte copies cannot take.
+template <class Variant, class Element, int kHeadDim, class Tile>
+int launch_decode(const FgFwdArgs& a) {
+  using K = DecodeKernel<Variant, Element, kHeadDim, Tile>;
+  using P = DecodeParams<Element, typename Variant::Params>;
+  detail::clear_error();
+  detail::reference_hooks<Variant>();
+  const FgKvCache& c = a.kv_cache;
+  int st = detail::check_sizes(a, kHeadDim, false, true);
+  if (st != FG_OK) return st;
+  if (!c.seqlens && a.batch > 0) return detail::fail(FG_ERR_BAD_SHAPE, "decode: kv_cache.seqlens must be set");
+  if (a.kv_blocks.data || a.cu_seqlens_q || a.cu_seqlens_k || a.dropout_state)
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: no block lists, packed batches or dropout with a KV cache");
+  if (c.capacity < 0 || c.capacity > FG_MAX_SEQLEN || c.capacity != a.seqlen_k || c.seqlen_new < 0 ||
+      c.seqlen_new > c.capacity || (!c.k_new) != (!c.v_new))
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: capacity %lld (seqlen_k %lld) or seqlen_new %lld out of range, "
+                        "or k_new / v_new not given together", (long long)c.capacity, (long long)a.seqlen_k,
+                        (long long)c.seqlen_new);
+  if (c.block_table && (c.page_size < 1 || c.page_size > 256 || c.max_pages < 0 || c.block_table_stride < 0 ||
+                        c.capacity != int64_t(c.page_size) * c.max_pages || (c.capacity > 0 && c.num_pages < 1)))
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: page_size %d (1 to 256), max_pages %d, num_pages %lld do not "
+                        "describe the capacity %lld", c.page_size, c.max_pages, (long long)c.num_pages,
+                        (long long)c.capacity);
+  const int64_t B = a.batch, Hq = a.heads_q, Hkv = a.heads_kv, Sq = a.seqlen_q;
+  if (B == 0 || Hkv == 0) return FG_OK;
+  const int64_t group = Hq / Hkv;
+  const int64_t m_tiles = (group * Sq + K::kRows - 1) / K::kRows;
+  const int64_t splits = c.num_splits;
+  if (splits < 1 || splits > 1024 || (splits > 1 && (!c.o_accum || !c.lse_accum)))
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: num_splits %lld (1 to 1024; above 1 with both workspaces)",
+                        (long long)splits);
+  const int64_t grid = B * Hkv * m_tiles * splits;
+  if (group * Sq > detail::kIntMax || grid > detail::kIntMax || B * Hq * Sq > detail::kIntMax)
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: %lld x %lld query rows or %lld CTAs exceed 2^31",
+                        (long long)group, (long long)Sq, (long long)grid);
+  constexpr int64_t e16 = 16 / sizeof(Element);
+  const bool pg = c.block_table != nullptr;
+  const int64_t kb = pg ? c.num_pages : B, kn = pg ? c.page_size : c.capacity;
+  if ((Sq > 0 && Hq > 0 &&
+       (detail::bad_tensor(a.q, a.q_stride_b, a.q_stride_h, a.q_stride_n, B, Hq, Sq, e16) ||
+        detail::bad_tensor(a.out, a.o_stride_b, a.o_stride_h, a.o_stride_n, B, Hq, Sq, e16) ||
+        detail::misaligned4(a.lse))) ||
+      detail::bad_tensor(a.k, a.k_stride_b, a.k_stride_h, a.k_stride_n, kb, Hkv, kn, e16) ||
+      detail::bad_tensor(a.v, a.v_stride_b, a.v_stride_h, a.v_stride_n, kb, Hkv, kn, e16) ||
+      (c.k_new && c.seqlen_new > 0 &&
+       (detail::bad_tensor(c.k_new, c.kn_stride_b, c.kn_stride_h, c.kn_stride_n, B, Hkv, c.seqlen_new, e16) ||
+        detail::bad_tensor(c.v_new, c.vn_stride_b, c.vn_stride_h, c.vn_stride_n, B, Hkv, c.seqlen_new, e16))) ||
+      (splits > 1 && (detail::misaligned(c.o_accum) || detail::misaligned4(c.lse_accum))))
+    return detail::fail_alignment("decode", e16);
+  if ((Sq > 0 && Hq > 0 && (!a.q || !a.out || !a.lse)) || (c.capacity > 0 && (!a.k || !a.v)))
+    return detail::fail(FG_ERR_BAD_SHAPE, "decode: null tensor pointers");
+
+  P p{};
+  p.q = static_cast<const Element*>(a.q);
+  p.k = static_cast<const Element*>(a.k);
+  p.v = static_cast<const Element*>(a.v);
+  p.o = static_cast<Element*>(a.out);
+  p.lse = a.lse;
+  p.o_accum = c.o_accum;
+  p.lse_accum = c.lse_accum;
+  p.seqlens = c.seqlens;
+  p.leftpad = c.leftpad;
+  p.table = c.block_table;
+  p.k_new = static_cast<const Element*>(c.k_new);
+  p.v_new = static_cast<const Element*>(c.v_new);
+  p.table_stride = c.block_table_stride;
+  p.num_pages = c.num_pages;
+  p.q_sb = a.q_stride_b, p.q_sh = a.q_stride_h, p.q_sn = a.q_stride_n;
+  p.k_sb = a.k_stride_b, p.k_sh = a.k_stride_h, p.k_sn = a.k_stride_n;
+  p.v_sb = a.v_stride_b, p.v_sh = a.v_stride_h, p.v_sn = a.v_stride_n;
+  p.o_sb = a.o_stride_b, p.o_sh = a.o_stride_h, p.o_sn = a.o_stride_n;
+  p.kn_sb = c.kn_stride_b, p.kn_sh = c.kn_stride_h, p.kn_sn = c.kn_stride_n;
+  p.vn_sb = c.vn_stride_b, p.vn_sh = c.vn_stride_h, p.vn_sn = c.vn_stride_n;
+  p.rows_all = B * Hq * Sq;
+  p.batch = int(B), p.heads_q = int(Hq), p.heads_kv = int(Hkv), p.group = int(group), p.sq = int(Sq);
+  p.page_size = pg ? c.page_size : 1;
+  p.capacity = int(c.capacity);
+  p.seqlen_new = c.k_new ? int(c.seqlen_new) : 0;
+  p.splits = int(splits);
+  p.m_tiles = int(m_tiles);
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  detail::copy_variant_params(p.vp, a.params);
+
+  cudaStream_t stream = static_cast<cudaStream_t>(a.stream);
+  if (p.seqlen_new > 0) {
+    decode_append_kernel<Element, kHeadDim, P><<<unsigned(B), 128, 0, stream>>>(p);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "decode append launch", err);
+  }
+  if (Sq == 0 || Hq == 0) return FG_OK;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  static std::atomic<uint64_t> configured{0};
+  auto kernel = decode_kernel<Variant, Element, kHeadDim, Tile>;
+  st = detail::ensure_smem(kernel, K::kSmem, configured, dev, "decode kernel");
+  if (st != FG_OK) return st;
+  kernel<<<unsigned(grid), K::kThreads, K::kSmem, stream>>>(p);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "decode launch", err);
+  if (splits > 1) {
+    decode_combine_kernel<Element, kHeadDim, P><<<unsigned((p.rows_all + 3) / 4), 128, 0, stream>>>(p);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "decode combine launch", err);
+  }
+  return FG_OK;
+}
+
+}  // namespace cuda
+}  // namespace flashgen
