@@ -152,15 +152,19 @@ class Expect:
         e = (out - self.ref1).abs()[U]
         assert e.numel() == 0 or float(e.max()) <= 2 * bound, f"{where}: out error {float(e.max())}"
 
+    def reference_grads(self, dout) -> dict:
+        """torch autograd's gradients of the float64 reference at the poisoned inputs."""
+        q2, k2, v2 = self.poisoned
+        return check.reference_grads(self.spec, q2.double(), k2.double(), v2.double(), dout.double(),
+                                     scale=self.scale, params=self.params64,
+                                     dropout={"block_mask": self.ref_kw["block_mask"]} if "block_mask" in self.ref_kw
+                                     else None,
+                                     varlen={n: x for n, x in self.ref_kw.items() if n != "block_mask"} or None)
+
     def check_backward(self, grads, bounds: dict, dout, where: str = ""):
         """grads: the poisoned call's (dq, dk, dv) in the op's layout; bounds: the clean call's
         flashgen.check.compare_grads bounds; dout: the upstream gradient."""
-        q2, k2, v2 = self.poisoned
-        g64 = check.reference_grads(self.spec, q2.double(), k2.double(), v2.double(), dout.double(),
-                                    scale=self.scale, params=self.params64,
-                                    dropout={"block_mask": self.ref_kw["block_mask"]} if "block_mask" in self.ref_kw
-                                    else None,
-                                    varlen={n: x for n, x in self.ref_kw.items() if n != "block_mask"} or None)
+        g64 = self.reference_grads(dout)
         A = self.score_nan | self.v_reach  # [B, Hq, Nq]
         P = self.p
         keep_s = (P > 0) & self.score_nan[..., None]          # [B, Hq, Nq, Nk]
@@ -188,12 +192,7 @@ class Expect:
     def check_unreached_backward(self, grads, clean, bounds: dict, dout, where: str = ""):
         """Poison no row reaches: grads (dq, dk, dv) must be the clean call's within 2 x bounds,
         except rows that are non-finite in the float64 reference's autograd too (0 x inf)."""
-        q2, k2, v2 = self.poisoned
-        g64 = check.reference_grads(self.spec, q2.double(), k2.double(), v2.double(), dout.double(),
-                                    scale=self.scale, params=self.params64,
-                                    dropout={"block_mask": self.ref_kw["block_mask"]} if "block_mask" in self.ref_kw
-                                    else None,
-                                    varlen={n: x for n, x in self.ref_kw.items() if n != "block_mask"} or None)
+        g64 = self.reference_grads(dout)
         for name, g, g0 in zip(("dq", "dk", "dv"), grads, clean, strict=True):
             g, g0 = as_rows(g, self.packed).double(), as_rows(g0, self.packed).double()
             may = (~torch.isfinite(as_rows(g64[name], self.packed))).any(-1)
