@@ -382,8 +382,7 @@ struct Sm90Bwd {
         sL[stage * kBlockM + r] = ok ? __ldg(p.lse + row0 + q) : -INFINITY;
         sD[stage * kBlockM + r] = ok ? __ldg(p.dsum + row0 + q) : 0.f;
       }
-      __syncwarp();
-      if (lane == 0) ptx::mbar_arrive(bar.full(stage));
+      ptx::mbar_arrive(bar.full(stage));
     }
   }
 
@@ -669,7 +668,9 @@ struct Sm90Bwd {
       ptx::mbar_init(bar.full_kv(), 1);
       ptx::mbar_init(bar.kv_ready(), 1);
       for (int s = 0; s < kStages; ++s) {
-        ptx::mbar_init(bar.full(s), 2);  // the TMA's expect-tx arrival and the LSE / D arrival
+        // the TMA's expect-tx arrival (or, for a packed tail, the arrival after its zeroing) and
+        // one per producer lane after its own LSE / D stores (each writer releases its stores)
+        ptx::mbar_init(bar.full(s), 1 + 32);
         ptx::mbar_init(bar.empty(s), kConsumerWarps);
       }
       ptx::mbar_init(bar.q_tail(), 1);
