@@ -323,8 +323,7 @@ struct Sm90Bwd {
       }
       ptx::fence_proxy_async();
     }
-    __syncwarp();
-    if (lane == 0) ptx::mbar_arrive(bar.kv_ready());
+    ptx::mbar_arrive(bar.kv_ready());  // every lane, after its own zero stores
 
     float* sL = reinterpret_cast<float*>(smem + kOffL);
     float* sD = reinterpret_cast<float*>(smem + kOffDs);
@@ -372,7 +371,7 @@ struct Sm90Bwd {
             }
           }
           ptx::fence_proxy_async();
-          __syncwarp();
+          // the copy's arrival; each lane's own arrival below releases its zero stores
           if (lane == 0) ptx::mbar_arrive(bar.full(stage));
         }
       }
@@ -567,8 +566,7 @@ struct Sm90Bwd {
         fence_acc(dk);
         fence_frag(ap);
         fence_frag(ads);
-        __syncwarp();
-        if (lane == 0) ptx::mbar_arrive(bar.empty(stage));  // Q, dO, LSE, D of the stage are read
+        ptx::mbar_arrive(bar.empty(stage));  // every thread: its reads of the stage's Q, dO, LSE, D are done
 
         // dQ partials into dq_accum (the convert kernel scales them).
         auto add_dq = [&]() {
@@ -666,12 +664,12 @@ struct Sm90Bwd {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
     if (tid == 0) {
       ptx::mbar_init(bar.full_kv(), 1);
-      ptx::mbar_init(bar.kv_ready(), 1);
+      ptx::mbar_init(bar.kv_ready(), 32);  // one per producer lane after its zero stores
       for (int s = 0; s < kStages; ++s) {
         // the TMA's expect-tx arrival (or, for a packed tail, the arrival after its zeroing) and
         // one per producer lane after its own LSE / D stores (each writer releases its stores)
         ptx::mbar_init(bar.full(s), 1 + 32);
-        ptx::mbar_init(bar.empty(s), kConsumerWarps);
+        ptx::mbar_init(bar.empty(s), 32 * kConsumerWarps);  // one per consumer thread
       }
       ptx::mbar_init(bar.q_tail(), 1);
       ptx::fence_barrier_init();
