@@ -77,7 +77,7 @@ def main() -> int:
             text = (ROOT / "specs" / f"{name}.attn").read_text()
             legacy_text = text.replace(f"attention {name} ", f"attention {name}{LEGACY_SUFFIX} ", 1)
             ops = {"rule": flashgen.compile(text), "legacy": flashgen.compile(legacy_text)}
-            assert ops["legacy"].name == name + LEGACY_SUFFIX, ops["legacy"].name
+            assert ops["legacy"].spec.name == name + LEGACY_SUFFIX, ops["legacy"].spec.name
             g = torch.Generator(device="cuda").manual_seed(n + d)
             q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
                              for _ in range(4))

@@ -4,7 +4,8 @@
 One process per (tool, family), run side by side (``--jobs``): memcheck and initcheck with
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that torch's caching allocator neither hides an
 out-of-bounds access inside one of its blocks nor makes a recycled block look initialised;
-racecheck (``--racecheck-report all``) for shared-memory hazards; synccheck for barrier misuse.
+racecheck (``--racecheck-report analysis``: one report per pair of racing instructions, with
+its hazard count) for shared-memory hazards; synccheck for barrier misuse.
 Each process runs this script with --worker, which makes the calls of ``calls_for`` for every
 spec of specs/ (bf16), forced onto its family (a forced family never falls back, so a call it
 cannot serve is reported as skipped with the family's reason, not run elsewhere):
@@ -261,18 +262,25 @@ def prebuild(specs: list[str] | None) -> float:
     return time.perf_counter() - t0
 
 
-_SUMMARY = re.compile(r"(ERROR SUMMARY|RACECHECK SUMMARY): (\d+) (error|hazard)")
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) errors?(?! were not printed)")
+_RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY: \d+ hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
 _HEADLINE = re.compile(r"^========= (?!(ERROR|RACECHECK) SUMMARY|COMPUTE-SANITIZER|Target application)(\S.*)$")
 _AT = re.compile(r"^=========\s+at (.*?)(\+0x[0-9a-f]+)?( in \S+)?$")
 
 
 def parse_log(text: str) -> dict:
-    """The error count a compute-sanitizer log reports (None when it has no summary line: the
-    process did not finish), its summary line, and its first distinct reports: each report's
-    first line with the function of its first ``at`` line, addresses stripped."""
-    found = _SUMMARY.findall(text)
+    """The error and warning counts a compute-sanitizer log reports (errors None when it has no
+    summary line: the process did not finish; racecheck's warnings are intra-warp hazards, which
+    count as reports too), its summary line, and its first distinct reports: each report's first
+    line with the function of its first ``at`` line, addresses stripped. An ERROR SUMMARY's count
+    is the total, not the "N errors were not printed" line that follows it past --print-limit."""
+    race = _RACE_SUMMARY.search(text)
+    total = _SUMMARY.search(text)
+    errors = int(race.group(1)) if race else int(total.group(1)) if total else None
+    warnings = int(race.group(2)) if race else 0
     lines = text.splitlines()
-    summary = [ln.strip("= ") for ln in lines if "ERROR SUMMARY" in ln or "RACECHECK SUMMARY" in ln]
+    summary = [ln.strip("= ") for ln in lines
+               if ("ERROR SUMMARY" in ln and "were not printed" not in ln) or "RACECHECK SUMMARY" in ln]
     reports: list[str] = []
     for i, ln in enumerate(lines):
         m = _HEADLINE.match(ln)
@@ -289,8 +297,7 @@ def parse_log(text: str) -> dict:
             reports.append(report)
         if len(reports) == 10:
             break
-    return {"errors": sum(int(n) for _, n, _ in found) if found else None,
-            "summary": summary[-1] if summary else None, "reports": reports}
+    return {"errors": errors, "warnings": warnings, "summary": summary[-1] if summary else None, "reports": reports}
 
 
 def sanitizer() -> str | None:
@@ -311,7 +318,7 @@ def worker_cmd(family: str, specs: list[str] | None, record: Path) -> list[str]:
 def sanitize_cmd(tool_path: str, tool: str, family: str, specs: list[str] | None, record: Path) -> list[str]:
     """The command line of one sanitized worker."""
     return [tool_path, "--tool", tool, "--error-exitcode", "1",
-            *(["--racecheck-report", "all"] if tool == "racecheck" else []), "--print-limit", "2000",
+            *(["--racecheck-report", "analysis"] if tool == "racecheck" else []), "--print-limit", "2000",
             *worker_cmd(family, specs, record)]
 
 
@@ -447,9 +454,10 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(max_workers=a.jobs or max(1, len(jobs))) as pool:
         for (fam, tool), res in pool.map(sanitize, jobs):
             summary["families"][fam]["tools"][tool] = res
-            bad = res["exit"] != 0 or res["errors"] != 0
+            bad = res["exit"] != 0 or res["errors"] != 0 or res["warnings"] != 0
             failed |= bad
-            print(f"{fam} {tool}: exit {res['exit']}, {res['errors']} errors, {res['ran']} calls ran, "
+            print(f"{fam} {tool}: exit {res['exit']}, {res['errors']} errors, {res['warnings']} warnings, "
+                  f"{res['ran']} calls ran, "
                   f"{len(res['skipped'])} skipped, {res['seconds']} s; {res['summary'] or 'no summary line'}")
     failed |= any(f.get("plain", {}).get("exit") not in (None, 0) for f in summary["families"].values())
     summary["ok"] = not failed and bool(jobs)

@@ -112,12 +112,30 @@ DIRTY = """========= COMPUTE-SANITIZER
 
 
 def test_parse_log():
-    assert sanitize.parse_log(CLEAN["memcheck"]) == {"errors": 0, "summary": "ERROR SUMMARY: 0 errors", "reports": []}
+    assert sanitize.parse_log(CLEAN["memcheck"]) == {"errors": 0, "warnings": 0, "summary": "ERROR SUMMARY: 0 errors",
+                                                     "reports": []}
     assert sanitize.parse_log(CLEAN["racecheck"])["errors"] == 0
     got = sanitize.parse_log(DIRTY)
     assert got["errors"] == 2
     assert got["reports"] == ["Invalid __global__ read of size 16 bytes at void flashgen::fwd_kernel<Variant>(FgFwdArgs)"]
     assert sanitize.parse_log("Traceback ...\n")["errors"] is None
+
+
+def test_parse_log_counts_past_the_print_limit_and_racecheck_warnings():
+    # Past --print-limit the tool adds a second summary line for the reports it left out: the
+    # total is the first line's count, not their sum.
+    got = sanitize.parse_log(DIRTY.replace("ERROR SUMMARY: 2 errors", "ERROR SUMMARY: 5000 errors\n"
+                                           "========= ERROR SUMMARY: 3000 errors were not printed. Use "
+                                           "--print-limit option to adjust the number of printed errors"))
+    assert (got["errors"], got["summary"]) == (5000, "ERROR SUMMARY: 5000 errors")
+    # racecheck's intra-warp hazards are warnings: counted apart from its errors, both reports.
+    race = ("========= Warning: Race reported between Read access at void flashgen::cuda::fwd_kernel<V>(P)+0x3ae0\n"
+            "=========     and Write access at void flashgen::cuda::fwd_kernel<V>(P)+0xb360 [372 hazards]\n"
+            "========= RACECHECK SUMMARY: 1 hazard displayed (0 errors, 1 warning)\n")
+    got = sanitize.parse_log(race)
+    assert (got["errors"], got["warnings"]) == (0, 1)
+    assert got["reports"] == ["Warning: Race reported between Read access at void flashgen::cuda::fwd_kernel<V>(P)+0x…"]
+    assert sanitize.parse_log(race.replace("(0 errors, 1 warning)", "(2 errors, 7 warnings)"))["warnings"] == 7
 
 
 def test_sanitize_command():

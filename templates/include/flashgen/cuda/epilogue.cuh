@@ -123,6 +123,10 @@ struct FwdEpilogue {
                                              int b, int h, int q0, int q_lo, int Nq, int lane,
                                              int warp_row0) {
     const int g = lane >> 2, t = lane & 3;
+    // The warp's last ldmatrix reads of its sQ rows come before any lane restages them (the
+    // data dependence through mma.sync orders them in practice; this orders them for the
+    // memory model and for racecheck, which reported the restaging as intra-warp WAR hazards).
+    __syncwarp();
     float* lse_g = !p.lse ? nullptr
                    : kPacked ? p.lse + wide(h) * p.total_q + q0
                              : p.lse + (wide(b) * p.heads_q + h) * Nq;
