@@ -25,7 +25,8 @@ for dir in ${BENCH-fwd bwd}; do
 done
 # EXTRA: any of "sanitize" (compute-sanitizer's four tools over every spec on both CUDA families),
 # "nonfinite" (the non-finite rule's cost A/B), "decode" (decode bandwidth next to SDPA and the
-# read-only ceiling), "bwd-specs" (forward+backward of the example specs on sm90 and sm80).
+# read-only ceiling), "bwd-specs" (forward+backward of the example specs on sm90 and sm80),
+# "soak" (scripts/soak.py's load, threads and soak phases on the GPU).
 for extra in ${EXTRA-}; do
   case $extra in
     sanitize) FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/sanitize.py --family all --out "$out/sanitize" \
@@ -42,6 +43,11 @@ for extra in ${EXTRA-}; do
             2>&1 | grep -v Warning | tee "$out/bwd-$s-$fam.txt"
         done
       done ;;
-    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs)" >&2 ;;
+    soak)
+      for phase in load threads soak; do
+        FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/soak.py $phase --device cuda --json "$out/soak-$phase.json" \
+          2>&1 | grep -v Warning | tee "$out/soak-$phase.txt"
+      done ;;
+    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak)" >&2 ;;
   esac
 done
