@@ -5,7 +5,8 @@ One process per (tool, family), run side by side (``--jobs``): memcheck and init
 PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that torch's caching allocator neither hides an
 out-of-bounds access inside one of its blocks nor makes a recycled block look initialised;
 racecheck (``--racecheck-report analysis``: one report per pair of racing instructions, with
-its hazard count) for shared-memory hazards; synccheck for barrier misuse.
+its hazard count) for shared-memory hazards; synccheck for barrier misuse. On sm90, initcheck runs
+with FLASHGEN_SM90_TMA_STORE=0 (TOOL_ENV: the tool does not see TMA stores).
 Each process runs this script with --worker, which makes the calls of ``calls_for`` for every
 spec of specs/ (bf16), forced onto its family (a forced family never falls back, so a call it
 cannot serve is reported as skipped with the family's reason, not run elsewhere):
@@ -65,6 +66,22 @@ N_SPARSE = 300  # block-sparse and backward calls: [2, 4, 300, d] (3 blocks of 1
 CAPACITY, PAGE = 256, 64  # decode: cache capacity (contiguous) and page size (paged: 4 pages a sequence)
 CACHED = [100, 199]  # decode: keys already in each sequence's cache (one new key is appended)
 NO_CACHING = ("memcheck", "initcheck")  # tools run with torch's caching allocator off
+# initcheck does not count bytes written by a TMA or bulk store as initialised
+# (scripts/initcheck_tma_store.cu shows it on its own), so it would report the backward's reads of
+# every O the sm90 forward wrote by its TMA store. On sm90 it runs with the forward's direct-store
+# epilogue instead, every write of which it sees, so its reports mean what they say; the TMA-store
+# epilogue is what the other tools and the GPU tests' poisoned outputs check.
+TOOL_ENV = {("sm90", "initcheck"): {"FLASHGEN_SM90_TMA_STORE": "0"}}
+
+
+def tool_env(family: str, tool: str, base: dict) -> dict:
+    """The environment of a sanitized worker: ``base`` with the caching allocator off for
+    NO_CACHING's tools and TOOL_ENV's settings for (family, tool)."""
+    env = dict(base)
+    if tool in NO_CACHING:
+        env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+    env.update(TOOL_ENV.get((family, tool), {}))
+    return env
 
 
 @dataclass
@@ -434,9 +451,7 @@ def main(argv=None) -> int:
     def sanitize(job):
         fam, tool = job
         record = out / f"{fam}-{tool}.json"
-        env = dict(os.environ)
-        if tool in NO_CACHING:
-            env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
+        env = tool_env(fam, tool, os.environ)
         t0 = time.perf_counter()
         try:
             res = subprocess.run(sanitize_cmd(tool_path, tool, fam, specs, record), env=env, capture_output=True,
@@ -447,7 +462,8 @@ def main(argv=None) -> int:
             text += f"\nsanitize: timed out after {a.timeout:.0f} s\n"
             code = None
         (out / f"{fam}-{tool}.log").write_text(text)
-        return job, {"exit": code, **parse_log(text), "seconds": round(time.perf_counter() - t0, 1),
+        return job, {"exit": code, **parse_log(text), "env": TOOL_ENV.get(job, {}),
+                     "seconds": round(time.perf_counter() - t0, 1),
                      **recorded(record), "log": str(out / f"{fam}-{tool}.log")}
 
     failed = False

@@ -138,6 +138,17 @@ def test_parse_log_counts_past_the_print_limit_and_racecheck_warnings():
     assert sanitize.parse_log(race.replace("(0 errors, 1 warning)", "(2 errors, 7 warnings)"))["warnings"] == 7
 
 
+def test_tool_env():
+    base = {"PATH": "/bin", "FLASHGEN_SM90_TMA_STORE": "1"}
+    assert sanitize.tool_env("sm80", "racecheck", base) == base
+    assert sanitize.tool_env("sm80", "initcheck", base) == base | {"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    # initcheck does not see TMA stores: on sm90 it runs the forward's direct-store epilogue
+    assert sanitize.tool_env("sm90", "initcheck", base) == {"PATH": "/bin", "FLASHGEN_SM90_TMA_STORE": "0",
+                                                            "PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}
+    assert sanitize.tool_env("sm90", "memcheck", base)["FLASHGEN_SM90_TMA_STORE"] == "1"
+    assert base == {"PATH": "/bin", "FLASHGEN_SM90_TMA_STORE": "1"}  # not modified
+
+
 def test_sanitize_command():
     cmd = sanitize.sanitize_cmd("/cuda/bin/compute-sanitizer", "racecheck", "sm90", ["causal"], Path("/tmp/r.json"))
     assert cmd[:6] == ["/cuda/bin/compute-sanitizer", "--tool", "racecheck", "--error-exitcode", "1",
