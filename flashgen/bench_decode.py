@@ -29,6 +29,13 @@ Rows:
 Ours rows carry ``ratios``: ours GB/s over each other row's (> 1: ours moves more bytes per
 second; over read-only: the fraction of the ceiling reached).
 
+Mixed lengths (``run_mixed``, scripts/bench_decode.py --mixed B:MAX): ours on one batch of B
+sequences whose cache lengths are drawn log-uniformly from 1 to MAX (``mixed_lengths``, a fixed
+seed) in a cache of capacity MAX, next to a uniform batch (B sequences at the mean length,
+rounded, same capacity): rows ``flashgen-mixed[...]`` and ``flashgen-uniform[...]``, each with
+the bytes of its own lengths (``sequence_bytes``: the attended positions of each sequence at
+L = its length), and the ratio mixed GB/s / uniform GB/s.
+
 Timing: CUDA: an L2 flush (zeroing 256 MiB) before each timed call, CUDA events around the call,
 the median of ``reps`` calls after 3 warm-up calls (so the cache is read from HBM, not from L2);
 CPU: perf_counter around each call, median (no cache flush).
@@ -36,6 +43,7 @@ CPU: perf_counter around each call, median (no cache flush).
 
 from __future__ import annotations
 
+import math
 import statistics
 from contextlib import nullcontext
 from collections.abc import Callable
@@ -268,20 +276,9 @@ def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: i
     return f"num_splits {op.launch_fields(lib).kv_splits(a, lib.instantiation, requested)}"
 
 
-def variant_name(page_size: int, num_splits: int) -> str:
-    return "flashgen" + (f"-paged{page_size}" if page_size else "") + (f"-s{num_splits}" if num_splits else "")
-
-
-def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, device: torch.device, *,
-        heads: int, kv_heads: int, seqlen_q: int = 1, variants=((0, 0),), reps: int = 10,
-        include: set[str] | None = None, params: dict | None = None,
-        log: Callable[[str], None] = print) -> list[DecodeRow]:
-    """Time ours (one row per (page_size, num_splits) of ``variants``), the peers (``include``
-    limits them; ValueError for a name that is no decode peer here, ``check_peers``) and the
-    read-only ceiling on each (B, L, d) of ``shapes``, as the module docstring says. Spec
-    parameters come from ``params`` where given, else flashgen.params.example_params (their
-    seqlen dims the cache length). A row that fails is reported in its note, not raised."""
-    check_peers(include, device)
+def _check_sizes(shapes, heads: int, kv_heads: int, seqlen_q: int, variants) -> None:
+    """ValueError naming the argument for heads, seqlen_q, a (B, L, d) shape or a (page_size,
+    num_splits) variant out of range."""
     if heads < 1 or kv_heads < 1 or heads % kv_heads:
         raise ValueError(f"kv_heads: {kv_heads} kv heads do not divide {heads} query heads")
     if seqlen_q < 1:
@@ -297,6 +294,40 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
                                  f"length (not {L})")
             if s < 0:
                 raise ValueError(f"num_splits: {s} is out of range (expected ≥ 0: 0 chooses)")
+
+
+def _failed(e: BaseException) -> str:
+    lines = str(e).splitlines()
+    return f"failed: {type(e).__name__}: {lines[0][:80] if lines else ''}"
+
+
+def _time_row(row: DecodeRow, fn: Callable | None, device: torch.device, reps: int, flush) -> None:
+    """Fill row.ms and row.gbps (row.bytes over the median time) from timing ``fn``; a failure
+    goes into row.note, not raised; ``fn`` None: left untimed."""
+    if fn is None:
+        return
+    try:
+        row.ms = time_decode(fn, device, reps=reps, flush=flush)
+        row.gbps = row.bytes / (row.ms * 1e-3) / 1e9
+    except Exception as e:  # reported on its row, not fatal
+        row.note = _failed(e)
+
+
+def variant_name(page_size: int, num_splits: int) -> str:
+    return "flashgen" + (f"-paged{page_size}" if page_size else "") + (f"-s{num_splits}" if num_splits else "")
+
+
+def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, device: torch.device, *,
+        heads: int, kv_heads: int, seqlen_q: int = 1, variants=((0, 0),), reps: int = 10,
+        include: set[str] | None = None, params: dict | None = None,
+        log: Callable[[str], None] = print) -> list[DecodeRow]:
+    """Time ours (one row per (page_size, num_splits) of ``variants``), the peers (``include``
+    limits them; ValueError for a name that is no decode peer here, ``check_peers``) and the
+    read-only ceiling on each (B, L, d) of ``shapes``, as the module docstring says. Spec
+    parameters come from ``params`` where given, else flashgen.params.example_params (their
+    seqlen dims the cache length). A row that fails is reported in its note, not raised."""
+    check_peers(include, device)
+    _check_sizes(shapes, heads, kv_heads, seqlen_q, variants)
     tdtype = TORCH_DTYPE[dtype]
     H, Hkv, Sq = heads, kv_heads, seqlen_q
     flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device) if device.type == "cuda" else None
@@ -323,12 +354,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
             def record(name, fn, nb, note="", page_size=0):
                 row = DecodeRow(name, B, L, H, Hkv, Sq, d, dtype.value, op.spec.name, page_size, device.type, nb,
                                 None, None, note)
-                if fn is not None:
-                    try:
-                        row.ms = time_decode(fn, device, reps=reps, flush=flush)
-                        row.gbps = nb / (row.ms * 1e-3) / 1e9
-                    except Exception as e:  # reported on its row, not fatal
-                        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
+                _time_row(row, fn, device, reps, flush)
                 group.append(row)
                 log(format_row(row))
 
@@ -343,8 +369,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
                     ours()  # built and loaded before the timing
                     note = split_note(op, q, dtype, Hkv, L, s)
                 except Exception as e:
-                    record(variant_name(ps, s), None, nbytes, f"failed: {type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:80]}", ps)
+                    record(variant_name(ps, s), None, nbytes, _failed(e), ps)
                     continue
                 record(variant_name(ps, s), ours, nbytes, note, ps)
             if peer_names:
@@ -366,6 +391,105 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
                         log(format_ratios(r))
             rows += group
     return rows
+
+
+MIXED_SEED = 0
+MIXED_DISTRIBUTION = "log-uniform"
+
+
+def mixed_lengths(batch: int, capacity: int, seed: int = MIXED_SEED) -> list[int]:
+    """``batch`` cache lengths drawn log-uniformly from 1 to ``capacity``, reproducibly: n =
+    round(exp(u)), u uniform on [0, ln capacity) from torch.Generator().manual_seed(seed) (CPU,
+    float64), clamped to [1, capacity] (median about sqrt(capacity), mean about
+    capacity / ln capacity: a few long sequences among many short ones)."""
+    if batch < 1 or capacity < 1:
+        raise ValueError(f"mixed: batch {batch} and capacity {capacity} must be ≥ 1")
+    u = torch.rand(batch, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return (u * math.log(capacity)).exp().round().clamp(1, capacity).to(torch.int64).tolist()
+
+
+def sequence_bytes(spec: ir.Spec, lengths: list[int], Hq: int, Hkv: int, Sq: int, params: dict, head_dim: int,
+                   element_size: int) -> int:
+    """The module's K and V bytes for a batch whose sequence b holds lengths[b] keys: for each
+    sequence, kv_bytes of attended_ranges at L = lengths[b] (its rows at positions L − Sq … L − 1,
+    those ≥ 0), summed."""
+    total, B = 0, len(lengths)
+    for n in sorted(set(lengths)):
+        rows = [b for b, x in enumerate(lengths) if x == n]
+        lo, hi = attended_ranges(spec, B, Hq, Hkv, min(Sq, n), n, params)
+        total += kv_bytes(lo[rows], hi[rows], head_dim, element_size)
+    return total
+
+
+def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: ir.DType, device: torch.device, *,
+              heads: int, kv_heads: int, seqlen_q: int = 1, variants=((0, 0),), reps: int = 10,
+              params: dict | None = None, seed: int = MIXED_SEED,
+              log: Callable[[str], None] = print) -> tuple[list[DecodeRow], dict]:
+    """Ours on one batch of mixed cache lengths next to a uniform batch of the same total: B
+    sequences with cache_seqlens = mixed_lengths(batch, capacity, seed) (``flashgen-mixed...``
+    rows), and B sequences all at the mean of those lengths rounded half up
+    (``flashgen-uniform...``), both in the same contiguous (or paged) cache of ``capacity`` slots
+    per sequence, the same q, keys and parameters (``params`` over example_params at seqlen
+    dims = capacity), timed as ``run`` times ours, one pair per (page_size, num_splits) of
+    ``variants``. Bytes: sequence_bytes of each batch's lengths (the two totals are equal up to
+    the rounding for masks attending every cached key; each row's GB/s counts its own). The
+    mixed row's ``ratios`` holds {uniform row's impl: mixed GB/s / uniform GB/s}. Returns the
+    rows and a summary: batch, capacity, seqlen_q, seed, distribution, lengths, uniform_length,
+    mixed_bytes, uniform_bytes, ratios {variant: mixed / uniform GB/s, None where a row failed}."""
+    _check_sizes([(batch, capacity, head_dim)], heads, kv_heads, seqlen_q, variants)
+    lengths = mixed_lengths(batch, capacity, seed)
+    uniform = min(capacity, (2 * sum(lengths) + batch) // (2 * batch))
+    tdtype = TORCH_DTYPE[dtype]
+    B, H, Hkv, Sq, d, L = batch, heads, kv_heads, seqlen_q, head_dim, capacity
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device) if device.type == "cuda" else None
+    summary = {"batch": B, "capacity": L, "seqlen_q": Sq, "seed": seed, "distribution": MIXED_DISTRIBUTION,
+               "lengths": lengths, "uniform_length": uniform, "ratios": {}}
+    rows: list[DecodeRow] = []
+    with torch.inference_mode():
+        gen = torch.Generator(device=device).manual_seed(0)
+        perm_gen = torch.Generator().manual_seed(0)
+        q = torch.randn(B, H, Sq, d, device=device, dtype=tdtype, generator=gen)
+        k, v = (torch.randn(B, Hkv, L, d, device=device, dtype=tdtype, generator=gen) for _ in range(2))
+        pv = example_params(op.spec, B, H, L, L, device, gen, **(params or {}))
+        batches = []
+        for label, lens in (("mixed", lengths), ("uniform", [uniform] * B)):
+            nbytes = sequence_bytes(op.spec, lens, H, Hkv, Sq, pv, d, k.element_size())
+            summary[f"{label}_bytes"] = nbytes
+            shown = (f"{MIXED_DISTRIBUTION} 1..{L} seed {seed}: min {min(lens)} median "
+                     f"{int(torch.tensor(lens).median())} mean {sum(lens) / B:.1f} max {max(lens)}"
+                     if label == "mixed" else f"all {uniform}")
+            batches.append((label, torch.tensor(lens, dtype=torch.int32, device=device), nbytes,
+                            f"cache_seqlens {shown}"))
+        for ps, s in variants:
+            kc, vc, table = paged_copy(k, v, ps, perm_gen) if ps else (k, v, None)
+            pair = []
+            for label, seqlens, nbytes, note in batches:
+                name = "flashgen-" + label + variant_name(ps, s).removeprefix("flashgen")
+                row = DecodeRow(name, B, L, H, Hkv, Sq, d, dtype.value, op.spec.name, ps, device.type, nbytes,
+                                None, None, note)
+
+                def ours(kc=kc, vc=vc, table=table, s=s, seqlens=seqlens):
+                    return op.with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, num_splits=s, **pv)
+
+                try:
+                    ours()  # built and loaded before the timing
+                    extra = split_note(op, q, dtype, Hkv, L, s)
+                    row.note += f"; {extra}" if extra else ""
+                    kept = row.note
+                    _time_row(row, ours, device, reps, flush)  # a timing failure replaces the note
+                    row.note = kept if row.note == kept else f"{kept}; {row.note}"
+                except Exception as e:  # reported on its row, not fatal
+                    row.note += f"; {_failed(e)}"
+                pair.append(row)
+                log(format_row(row))
+            mixed, uni = pair
+            ratio = mixed.gbps / uni.gbps if mixed.gbps and uni.gbps else None
+            summary["ratios"][variant_name(ps, s)] = ratio
+            if ratio is not None:
+                mixed.ratios = {uni.impl: ratio}
+                log(format_ratios(mixed))
+            rows += pair
+    return rows, summary
 
 
 def format_row(r: DecodeRow) -> str:
