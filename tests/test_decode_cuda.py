@@ -10,12 +10,12 @@ here on the CPU family, whose decode path the GPU results must equal.
 GPU tier: every example spec against the float64 reference (the last Sq rows of the prefill
 reference on the whole sequences, FlashAttention's tolerance rule), Sq in {1, 2, 5, 16}, GQA
 1:1 / 4:1 / 8:1, head dims 64 / 128 / 256, fp16 / bf16, contiguous and paged caches (page sizes
-1, 16, 256, shuffled tables, a page shared by two sequences), mixed lengths including 0 and the
-capacity, left padding, appends across page boundaries (cache contents checked), num_splits 1
-and several, device-side values out of range (NaN rows, nothing written, nothing outside the
-tensors touched), a sliding window that never reads outside the window, CUDA graph capture
-and replay with new lengths, and the op's registration (opcheck). Outputs and workspaces start
-as NaN (conftest's poison fixture).
+1, 16, 256, shuffled tables, a page shared by two sequences; the page-lookup and grid-order
+switches changing no bit), mixed lengths including 0 and the capacity, left padding, appends
+across page boundaries (cache contents checked), num_splits 1 and several, device-side values
+out of range (NaN rows, nothing written, nothing outside the tensors touched), a sliding window
+that never reads outside the window, CUDA graph capture and replay with new lengths, and the op's
+registration (opcheck). Outputs and workspaces start as NaN (conftest's poison fixture).
 """
 
 from __future__ import annotations
@@ -169,6 +169,19 @@ def test_launch_fields_split_count_and_workspace_shapes():
     assert fields.kv_splits(_Args(1, 64, 8, 16, 32768, 132), inst, 0) == \
         sm80.decode_splits(1, 8, 8, 32768, 64, 132, 2)
     assert families.get("cpu").launch_fields(spec).kv_splits(_Args(1, 32, 8, 1, 32768, 0), inst, 0) == 1
+
+
+def test_decode_grid_is_decoded_in_one_place_and_switches_are_read_per_launch():
+    """The attention kernel's CTA index is decoded only by decode_cta (both grid orders there), and
+    the launcher reads the page-lookup and grid-order switches on every launch (no rebuild, not
+    part of the library key)."""
+    text = (ROOT / "templates" / "include" / "flashgen" / "cuda" / "decode.cuh").read_text()
+    kernel = text[text.index("struct DecodeKernel"):text.index("decode_combine_kernel(const P p)")]
+    assert kernel.count("blockIdx") == 1 and "decode_cta(p, blockIdx.x, mt, split, hk, b)" in kernel
+    launcher = text[text.index("int launch_decode("):]
+    for name in ("FLASHGEN_DECODE_ROW_LOOKUP", "FLASHGEN_DECODE_HEADS_FIRST"):
+        assert f'getenv("{name}")' in launcher
+        assert name not in (ROOT / "flashgen" / "env.py").read_text()
 
 
 # ------------------------------------------------------------------ nvcc (CPU, skips without nvcc)
@@ -533,6 +546,55 @@ def test_gpu_paged_leftpad_fp16(sm80_decode):
     torch.testing.assert_close(out.float(), want_o.float(), atol=1e-2, rtol=0)
     torch.testing.assert_close(lse, want_l, atol=1e-4, rtol=0)
     assert out.isfinite().all()
+
+
+# The launcher's diagnostic switches (decode.cuh, launch_decode; read per launch): the page looked
+# up per 16-byte chunk or once per key row, the grid split-major or head-major. None: unset.
+SWITCHES = {"old": ("0", "0"), "rows": ("1", "0"), "heads": ("0", "1"), "new": (None, None)}
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [1, 16, 48, 256])
+def test_gpu_paged_lookup_and_grid_order_change_no_bit(sm80_decode, monkeypatch, page_size):
+    """Every setting of FLASHGEN_DECODE_ROW_LOOKUP and FLASHGEN_DECODE_HEADS_FIRST gives the same
+    out, lse and appended cache, bit for bit: shuffled pages of sizes that are (1, 16, 256) and are
+    not (48) powers of two, d 96 (copy passes that do not cover whole rows) and 128, GQA 4:1 at
+    Sq 3, left padding, an append across a page boundary, 1 and several splits; the contiguous
+    cache likewise under either grid order, and the paged result is the contiguous one's."""
+    op, g = op_of("causal"), torch.Generator().manual_seed(100 + page_size)
+    B, hkv, Hq, Sn = 4, 2, 8, 2
+    cap = max(600 // page_size, 3) * page_size
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    seqlens = i32([cap - Sn, 1, page_size - 1 if page_size > 1 else 7, cap // 2])
+    leftpad = i32([3, 0, 0, 5])
+    for d in (96, 128):
+        kc = torch.randn(B, hkv, cap, d, generator=g).bfloat16().cuda()
+        vc = torch.randn(B, hkv, cap, d, generator=g).bfloat16().cuda()
+        pool_k, pool_v, table = to_paged(kc, vc, page_size, g)
+        q = torch.randn(B, Hq, 3, d, generator=g).bfloat16().cuda()
+        kn = torch.randn(B, hkv, Sn, d, generator=g).bfloat16().cuda()
+        vn = torch.randn(B, hkv, Sn, d, generator=g).bfloat16().cuda()
+        kw = {"cache_seqlens": seqlens, "cache_leftpad": leftpad, "k": kn, "v": vn, "return_lse": True}
+        for splits in (0, 1, 5):
+            got = {}
+            for arm, (rows, order) in SWITCHES.items():
+                for name, val in (("FLASHGEN_DECODE_ROW_LOOKUP", rows), ("FLASHGEN_DECODE_HEADS_FIRST", order)):
+                    if val is None:
+                        monkeypatch.delenv(name, raising=False)
+                    else:
+                        monkeypatch.setenv(name, val)
+                pk, pv, ck, cv = pool_k.clone(), pool_v.clone(), kc.clone(), vc.clone()
+                out, lse = op.with_kvcache(q, pk, pv, block_table=table, num_splits=splits, **kw)
+                c_out, c_lse = op.with_kvcache(q, ck, cv, num_splits=splits, **kw)
+                got[arm] = (out, lse, pk, pv, c_out, c_lse, ck, cv)
+            for arm, res in got.items():
+                assert all(torch.equal(x, y) for x, y in zip(res, got["old"])), (arm, d, splits)
+            out, lse, _, _, c_out, c_lse = got["new"][:6]
+            assert out.isfinite().all()
+            torch.testing.assert_close(out, c_out, atol=0, rtol=0)
+            torch.testing.assert_close(lse, c_lse, atol=0, rtol=0)
+    monkeypatch.delenv("FLASHGEN_DECODE_ROW_LOOKUP", raising=False)
+    monkeypatch.delenv("FLASHGEN_DECODE_HEADS_FIRST", raising=False)
 
 
 @gpu

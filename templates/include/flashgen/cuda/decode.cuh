@@ -20,13 +20,17 @@
 //
 //  2. decode_kernel: one CTA (2 or 4 warps) per (sequence b, kv head hk, row tile mt, split s), a
 //     flat 1-D grid with mt fastest (the row tiles of one split read the same keys back to
-//     back, from L2). The M side of the tensor-core tiles is the GQA group's query rows: row
-//     R = r * Sq + i (r the head within the group, i the query) of the group's group * Sq rows,
-//     16 rows per row tile (padded: rows past group * Sq are zero-filled and never written), so
-//     the group size and Sq are runtime values and one kernel serves every GQA ratio. Q of the
-//     tile stays in shared memory. The keys the tile may see are the union of the rows'
-//     closed-form ranges [Variant::kv_lo, Variant::kv_hi) (one row each, evaluated in the
-//     kernel from the device-side L): a sliding window reads only the window. That range is cut
+//     back, from L2), then for a paged cache hk, s, b (the kv heads' rows of one slot are
+//     interleaved in a page, so CTAs of neighbouring heads read the same pages at the same
+//     time), for a contiguous one s, hk, b (decode_cta, the one place the grid is decoded;
+//     FLASHGEN_DECODE_HEADS_FIRST=0 / 1 forces either order, a diagnostic switch). The M side
+//     of the tensor-core tiles is the GQA group's query rows: row R = r * Sq + i (r the head
+//     within the group, i the query) of the group's group * Sq rows, 16 rows per row tile
+//     (padded: rows past group * Sq are zero-filled and never written), so the group size and
+//     Sq are runtime values and one kernel serves every GQA ratio. Q of the tile stays in shared
+//     memory. The keys the tile may see are the union of the rows' closed-form ranges
+//     [Variant::kv_lo, Variant::kv_hi) (one row each, evaluated in the kernel from the
+//     device-side L): a sliding window reads only the window. That range is cut
 //     into num_splits pieces of whole kBlockN-key tiles, piece s to split s (the split count is
 //     the host's, the cut the device's, from the real lengths). The split's key tiles stream
 //     through shared memory in a kStages-deep cp.async ring (one __syncthreads per tile); within
@@ -37,9 +41,14 @@
 //     through shared memory. With one split the CTA writes out (input dtype) and lse directly;
 //     with several it writes its fp32 partial (O normalised by its own sum, and its LSE) into
 //     the workspace: o_accum [splits, B, Hq, Sq, d], lse_accum [splits, B, Hq, Sq].
-//     Paged caches: each key row's slot is mapped through block_table as it is copied (page
-//     size a runtime value, 1..256); page indices are clamped into [0, num_pages) wherever they
-//     are used, so no value reads out of bounds.
+//     Paged caches: each key row's slot is mapped through block_table (page size a runtime
+//     value, 1..256: a shift and mask where it is a power of two, else a division) once per key
+//     row per tile: two threads per row (K, V) compute the row's element offsets one iteration
+//     before the tile's copies are issued and leave them in the padding columns of the row in
+//     the tile's K stage, where every copy of the row reads them behind the next barrier
+//     (FLASHGEN_DECODE_ROW_LOOKUP=0, a diagnostic switch: the page looked up per 16-byte chunk
+//     as the copy is issued). Page indices are clamped into [0, num_pages) wherever they are
+//     used, so no value reads out of bounds; the table is read only for keys before kv_end.
 //
 //  3. decode_combine_kernel (num_splits > 1): one warp per query row merges the splits by their
 //     LSEs: M = max lse_s; w_s = exp(lse_s - M); out = sum w_s O_s / sum w_s; lse = M + log sum
@@ -72,6 +81,7 @@
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include <atomic>
 #include <type_traits>
@@ -120,6 +130,9 @@ struct DecodeParams {
   int64_t kn_sb, kn_sh, kn_sn, vn_sb, vn_sh, vn_sn;
   int64_t rows_all;  // B * Hq * Sq
   int batch, heads_q, heads_kv, group, sq, page_size, capacity, seqlen_new, splits, m_tiles;
+  int page_shift;   // log2(page_size) where it is a power of two, else -1
+  int row_lookup;   // paged: one page lookup per key row per tile (0: one per 16-byte chunk)
+  int heads_first;  // the grid's order: 1 (mt, hk, split, b), 0 (mt, split, hk, b)
   float scale, scale_log2;
   VParams vp;
 };
@@ -272,9 +285,45 @@ struct DecodeKernel {
   static constexpr float kLog2e = 1.4426950408889634f;
   static constexpr float kLn2 = 0.6931471805599453f;
 
-  // Key rows [kv0, kv0 + kBlockN) of the split (rows at or past kv_end zero-filled) into a stage.
-  static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const Params& p, int b,
-                                                 int hk, int pad, int kv0, int kv_end, int tid) {
+  // Paged caches with p.row_lookup: the element offsets of key row r of a tile (K at byte 0, V at
+  // byte 8: page, head and row within the page, no column) sit in the padding columns
+  // [kD, kPitch) of row r of the tile's K stage, which no ldmatrix reads and no copy writes.
+  static_assert((kPitch - kD) * kE >= 16, "16 bytes of row padding hold a key row's offsets");
+  static_assert(kThreads == 2 * kBlockN, "two threads per key row (K, V) compute the offsets");
+  static constexpr int kOffsetByte = kD * kE;
+
+  // The offset thread tid computes for tile row tid / 2 (key j = kv0 + tid / 2): K's for even tid,
+  // V's for odd. One block_table read and a shift/mask (page sizes that are powers of two) or a
+  // division; the page index clamped into [0, num_pages) as in decode_slot; 0 past kv_end (the
+  // table is not read there).
+  static __device__ __forceinline__ int64_t row_offset(const Params& p, int b, int hk, int pad, int kv0,
+                                                       int kv_end, int tid) {
+    const int j = kv0 + (tid >> 1);
+    if (j >= kv_end) return 0;
+    const int slot = pad + j;
+    int pi, row;
+    if (p.page_shift >= 0) {
+      pi = slot >> p.page_shift;
+      row = slot & (p.page_size - 1);
+    } else {
+      pi = slot / p.page_size;
+      row = slot - pi * p.page_size;
+    }
+    int64_t pg = p.table[int64_t(b) * p.table_stride + pi];
+    pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
+    return (tid & 1) ? pg * p.v_sb + int64_t(hk) * p.v_sh + int64_t(row) * p.v_sn
+                     : pg * p.k_sb + int64_t(hk) * p.k_sh + int64_t(row) * p.k_sn;
+  }
+  // Where thread tid stores its row_offset in the K stage whose generic address is `stage`.
+  static __device__ __forceinline__ int64_t* row_offset_slot(char* stage, int tid) {
+    return reinterpret_cast<int64_t*>(stage + ((tid >> 1) * kPitch) * kE + kOffsetByte) + (tid & 1);
+  }
+
+  // Key rows [kv0, kv0 + kBlockN) of the split (rows at or past kv_end zero-filled) into a stage
+  // (sK, sV; gK: sK's generic address, whose padding holds the rows' offsets when `rows`).
+  static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const char* gK, bool rows,
+                                                 const Params& p, int b, int hk, int pad, int kv0,
+                                                 int kv_end, int tid) {
 #pragma unroll
     for (int i = 0; i < (kBlockN * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
       int r, cc;
@@ -284,7 +333,11 @@ struct DecodeKernel {
       const bool ok = j < kv_end;
       int64_t ko = 0, vo = 0;
       if (ok) {
-        if (p.table) {
+        if (rows) {
+          const longlong2 off = *reinterpret_cast<const longlong2*>(gK + (r * kPitch) * kE + kOffsetByte);
+          ko = off.x;
+          vo = off.y;
+        } else if (p.table) {
           const int slot = pad + j, ps = p.page_size;
           int64_t pg = p.table[int64_t(b) * p.table_stride + slot / ps];
           pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
@@ -300,6 +353,25 @@ struct DecodeKernel {
       const uint32_t dst = (r * kPitch + cc * 8) * kE;
       ptx::cp_async_16(sK + dst, ok ? p.k + ko + cc * 8 : p.k, ok);
       ptx::cp_async_16(sV + dst, ok ? p.v + vo + cc * 8 : p.v, ok);
+    }
+  }
+
+  // CTA `w` of the flat grid: row tile mt fastest, then (heads_first) kv head, split, sequence,
+  // else split, kv head, sequence. The only place the grid is decoded.
+  static __device__ __forceinline__ void decode_cta(const Params& p, int64_t w, int& mt, int& split, int& hk,
+                                                    int& b) {
+    mt = int(w % p.m_tiles);
+    w /= p.m_tiles;
+    if (p.heads_first) {
+      hk = int(w % p.heads_kv);
+      w /= p.heads_kv;
+      split = int(w % p.splits);
+      b = int(w / p.splits);
+    } else {
+      split = int(w % p.splits);
+      w /= p.splits;
+      hk = int(w % p.heads_kv);
+      b = int(w / p.heads_kv);
     }
   }
 
@@ -337,13 +409,8 @@ struct DecodeKernel {
   static __device__ void run(const Params& p, char* smem) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t4 = lane & 3;
-    int64_t w = blockIdx.x;
-    const int mt = int(w % p.m_tiles);
-    w /= p.m_tiles;
-    const int split = int(w % p.splits);
-    w /= p.splits;
-    const int hk = int(w % p.heads_kv);
-    const int b = int(w / p.heads_kv);
+    int mt, split, hk, b;
+    decode_cta(p, blockIdx.x, mt, split, hk, b);
     const int rows_total = p.group * p.sq;
     const int row0 = mt * kRows;
 
@@ -396,6 +463,8 @@ struct DecodeKernel {
     // Q of the tile into shared memory (rows past the group's zero-filled).
     const uint32_t sQ = ptx::smem_addr(smem);
     const uint32_t sKV = sQ + kQBytes;
+    char* const gKV = smem + kQBytes;  // sKV's generic address
+    const bool rows = p.table && p.row_lookup;  // uniform
     {
 #pragma unroll
       for (int i = 0; i < (kRows * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
@@ -412,11 +481,19 @@ struct DecodeKernel {
         }
       }
     }
+    if (rows) {  // the offsets of tiles 0 .. kStages - 1 (the prologue's and iteration 0's copies)
+#pragma unroll
+      for (int st = 0; st < kStages; ++st)
+        if (st < n_tiles)
+          *row_offset_slot(gKV + st * kStageBytes, tid) =
+              row_offset(p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
+      __syncthreads();
+    }
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < n_tiles)
-        load_kv(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, p, b, hk, s.pad,
-                kv_begin + st * kBlockN, kv_end, tid);
+        load_kv(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, gKV + st * kStageBytes, rows,
+                p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
       ptx::cp_async_commit();
     }
 
@@ -434,12 +511,22 @@ struct DecodeKernel {
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
       {
+        // Tile it + kStages's row offsets (rows): block_table read before this iteration's copies
+        // are issued, stored after them into the tile's stage padding (stage it % kStages: its
+        // last reader, tile it's copies, is behind the barrier above), read by the next
+        // iteration's copies.
+        const bool next_rows = rows && it + kStages < n_tiles;  // uniform
+        int64_t next_off = 0;
+        if (next_rows) next_off = row_offset(p, b, hk, s.pad, kv_begin + (it + kStages) * kBlockN, kv_end, tid);
         const int nt = it + kStages - 1;
         if (nt < n_tiles) {
-          const uint32_t st = sKV + (nt % kStages) * kStageBytes;
-          load_kv(st, st + kStageBytes / 2, p, b, hk, s.pad, kv_begin + nt * kBlockN, kv_end, tid);
+          const int stg = nt % kStages;
+          const uint32_t st = sKV + stg * kStageBytes;
+          load_kv(st, st + kStageBytes / 2, gKV + stg * kStageBytes, rows, p, b, hk, s.pad,
+                  kv_begin + nt * kBlockN, kv_end, tid);
         }
         ptx::cp_async_commit();
+        if (next_rows) *row_offset_slot(gKV + (it % kStages) * kStageBytes, tid) = next_off;
       }
       const uint32_t sK = sKV + (it % kStages) * kStageBytes + warp * 16 * kPitch * kE;
       const uint32_t sV = sK + kStageBytes / 2;
@@ -727,6 +814,17 @@ int launch_decode(const FgFwdArgs& a) {
   p.rows_all = B * Hq * Sq;
   p.batch = int(B), p.heads_q = int(Hq), p.heads_kv = int(Hkv), p.group = int(group), p.sq = int(Sq);
   p.page_size = pg ? c.page_size : 1;
+  p.page_shift = -1;
+  for (int sh = 0; sh <= 8; ++sh)
+    if (p.page_size == 1 << sh) p.page_shift = sh;
+  // Diagnostic switches, read per launch (A/B timings in one process, scripts/ab_paged_decode.py):
+  // FLASHGEN_DECODE_ROW_LOOKUP=0: a paged cache's page looked up per 16-byte chunk, not per key row;
+  // FLASHGEN_DECODE_HEADS_FIRST=0 / 1: the grid's split-major / head-major order for every cache
+  // (unset: head-major for paged caches, split-major for contiguous ones).
+  const char* rows_env = getenv("FLASHGEN_DECODE_ROW_LOOKUP");
+  const char* order_env = getenv("FLASHGEN_DECODE_HEADS_FIRST");
+  p.row_lookup = !(rows_env && rows_env[0] == '0');
+  p.heads_first = order_env && order_env[0] ? order_env[0] != '0' : pg;
   p.capacity = int(c.capacity);
   p.seqlen_new = c.k_new ? int(c.seqlen_new) : 0;
   p.splits = int(splits);
