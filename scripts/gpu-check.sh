@@ -8,6 +8,7 @@ mkdir -p "$out"
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2; date -u; } 2>&1 | tee "$out/machine.txt"
 rm -rf .fgcache-run .fgcache-tests
+if [ "${SUITE-1}" = 1 ]; then  # SUITE=0: skip the cold/cached run and the GPU test suite
 run=(python3 -m flashgen run specs/causal.attn --batch 4 --heads 16 --seqlen 4096 --head-dim 128 --dtype bf16 --device cuda)
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cold.txt"
 FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
@@ -15,6 +16,7 @@ FLASHGEN_CACHE_DIR=.fgcache-run "${run[@]}" 2>&1 | tee "$out/run-cached.txt"
 start=$(date +%s)
 FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q -s -rf --durations=8 ${PYTEST_ARGS:-} tests 2>&1 | tee "$out/pytest-gpu.txt"
 echo "gpu suite wall time (builds included): $(( $(date +%s) - start )) s" | tee -a "$out/pytest-gpu.txt"
+fi
 # BENCH: "fwd", "bwd" (forward+backward), "fwd bwd" (default) or "" (none)
 for dir in ${BENCH-fwd bwd}; do
   flag=$([ "$dir" = bwd ] && echo --backward)
@@ -26,10 +28,14 @@ done
 # EXTRA: any of "sanitize" (compute-sanitizer's four tools over every spec on both CUDA families),
 # "nonfinite" (the non-finite rule's cost A/B), "decode" (decode bandwidth next to SDPA and the
 # read-only ceiling), "bwd-specs" (forward+backward of the example specs on sm90 and sm80),
-# "soak" (scripts/soak.py's load, threads and soak phases on the GPU).
+# "soak" (scripts/soak.py's load, threads and soak phases on the GPU), "first-build" (first build and
+# cached load of causal d 128, forward and forward+backward, each in a new process on a fresh cache),
+# "profile" (Nsight Compute sections of the forward next to SDPA cuDNN at the shapes in PROFILE_CASES,
+# "spec:head_dim:seqlen ..."), "window64k" (sliding window 1024/4096/16384 and dense at N = 64K, with
+# block masks, next to FlexAttention). SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
-    sanitize) FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/sanitize.py --family all --out "$out/sanitize" \
+    sanitize) FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/sanitize.py --family all ${SAN_ARGS:-} --out "$out/sanitize" \
                 2>&1 | tee "$out/sanitize.txt" ;;
     nonfinite) FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/ab_nonfinite.py --out "$out/ab-nonfinite.json" \
                  2>&1 | tee "$out/ab-nonfinite.txt" ;;
@@ -48,6 +54,28 @@ for extra in ${EXTRA-}; do
         FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/soak.py $phase --device cuda --json "$out/soak-$phase.json" \
           2>&1 | grep -v Warning | tee "$out/soak-$phase.txt"
       done ;;
-    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak)" >&2 ;;
+    first-build) python3 scripts/first_build.py --spec causal --head-dim 128 --json "$out/first-build.json" \
+                   2>&1 | grep -v Warning | tee "$out/first-build.txt" ;;
+    profile)
+      for case in ${PROFILE_CASES:-dense:128:1024 causal:128:1024 causal:64:1024 dense:128:16384}; do
+        IFS=: read -r s d n <<< "$case"
+        for impl in flashgen sdpa-cudnn; do
+          FLASHGEN_CACHE_DIR=.fgcache-tests ncu --profile-from-start off --clock-control none --csv --page details \
+            --section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
+            --section WarpStateStats python3 scripts/profile_fwd.py --spec "$s" --head-dim "$d" --seqlen "$n" \
+            --impl "$impl" 2>&1 | grep -v Warning | sed "s/^/$case:$impl,/" >> "$out/ncu.csv"
+        done
+      done
+      grep -c . "$out/ncu.csv" ;;
+    window64k)
+      for w in 1024 4096 16384; do
+        FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/sliding_window.attn --device cuda \
+          --seqlen 65536 --batch 1 --heads 16 --head-dim 128 --param window=$w --block-mask --peers flex \
+          --reps 10 --json "$out/window64k-$w.json" 2>&1 | grep -v Warning | tee -a "$out/window64k.txt"
+      done
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/dense.attn --device cuda --seqlen 65536 \
+        --batch 1 --heads 16 --head-dim 128 --peers flex --reps 5 --json "$out/window64k-dense.json" 2>&1 \
+        | grep -v Warning | tee -a "$out/window64k.txt" ;;
+    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k)" >&2 ;;
   esac
 done

@@ -53,8 +53,8 @@ def op_of(name: str) -> flashgen.AttentionOp:
 
 
 def test_split_count_from_host_shapes():
-    """0 chooses from batch x kv heads x row tiles against the SMs' CTA slots (never the lengths);
-    1 disables; n is clamped to one split per key tile of the capacity and MAX_DECODE_SPLITS."""
+    """0 chooses from batch x kv heads x row tiles against the SMs' CTA slots (never the lengths),
+    and at least one split per SPLIT_KEYS keys of the capacity; 1 disables; n is clamped to one split per key tile of the capacity and MAX_DECODE_SPLITS."""
     h200 = dict(block_n=64, sms=132, per_sm=2)
     # the benchmark shapes (32 query / 8 kv heads, Sq = 1: one row tile)
     assert sm80.decode_splits(1, 8, 1, 32768, **h200) == 29
@@ -71,6 +71,12 @@ def test_split_count_from_host_shapes():
     assert sm80.decode_splits(1, 8, 1, 200, **h200, requested=7) == 4  # 4 tiles of 64 keys
     assert sm80.decode_splits(1, 8, 1, 10**6, **h200, requested=5000) == sm80.MAX_DECODE_SPLITS
     assert sm80.decode_splits(0, 8, 1, 4096, **h200) == 1
+    # a full GPU still splits a long capacity: no split holds more than SPLIT_KEYS keys of it, so
+    # a batch of mixed lengths does not wait on its longest sequences' CTAs
+    assert sm80.decode_splits(64, 8, 1, 32768, **h200) == 32768 // sm80.SPLIT_KEYS
+    assert sm80.decode_splits(64, 8, 1, 32768 + 1, **h200) == 32768 // sm80.SPLIT_KEYS + 1
+    assert sm80.decode_splits(64, 8, 1, 10**7, **h200) == sm80.MAX_DECODE_SPLITS
+    assert sm80.decode_splits(64, 8, 1, 32768, **h200, requested=1) == 1
 
 
 def test_decode_tile_fits_and_keeps_two_ctas_per_sm():

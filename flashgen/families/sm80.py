@@ -117,6 +117,10 @@ def gqa_splits(num_n_tiles: int, heads_kv: int, batch: int, group: int, sms: int
 # Head dims of the decode kernels (cuda/decode.cuh: mma k-steps of 16 over d, no padding).
 DECODE_HEAD_DIMS = tuple(range(16, 257, 16))
 MAX_DECODE_SPLITS = 128  # what decode_splits chooses or accepts at most
+# decode_splits never gives a split more than this many keys of the capacity (mixed lengths: a
+# batch of 64 with lengths 1..32K in a 32K cache ran at 0.34x the bandwidth of a uniform batch
+# with one split, the longest sequences' CTAs alone at the end; docs/perf-notes.md)
+SPLIT_KEYS = 4096
 _ROWS = 16  # query rows per decode CTA (one m16 tile of the GQA group's group x Sq rows)
 
 
@@ -158,22 +162,28 @@ def decode_splits(batch: int, heads_kv: int, m_tiles: int, capacity: int, block_
     ``requested`` >= 1 (num_splits=n): n within those bounds (1: no split, out written
     directly). 0 chooses: with ``batch`` x ``heads_kv`` x ``m_tiles`` CTAs per split and
     ``sms`` x ``per_sm`` CTA slots per wave, the smallest count whose last wave is at least 85%
-    as full as the best count's (FlashAttention's rule); 1 when the CTAs already fill the GPU.
+    as full as the best count's (FlashAttention's rule); 1 when the CTAs already fill the GPU;
+    and never fewer than one split per SPLIT_KEYS keys of the capacity, so that in a batch of
+    mixed lengths no CTA streams more than SPLIT_KEYS keys of one long sequence while the
+    short ones have finished (the device gives a short sequence's surplus splits no work).
     The kernel then cuts each sequence's own key range into that many pieces on the device."""
     limit = max(1, min(MAX_DECODE_SPLITS, -(-capacity // block_n)))
     if requested >= 1:
         return min(requested, limit)
     ctas = batch * heads_kv * m_tiles
     slots = max(1, sms) * max(1, per_sm)
-    if ctas <= 0 or ctas >= slots:
+    floor = min(limit, max(1, -(-capacity // SPLIT_KEYS)))
+    if ctas <= 0:
         return 1
+    if ctas >= slots:
+        return floor
 
     def eff(s: int) -> float:
         n = ctas * s
         return n / (-(-n // slots) * slots)
 
     best = max(eff(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if eff(s) >= 0.85 * best)
+    return max(floor, next(s for s in range(1, limit + 1) if eff(s) >= 0.85 * best))
 
 
 class GqaSplit(LaunchFields):

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""One forward call of flashgen or a peer inside a profiler window, for Nsight Compute.
+
+Runs warm-up calls outside the window, then ``--calls`` calls between cudaProfilerStart and
+cudaProfilerStop, so that `ncu --profile-from-start off` sees only the attention kernels of
+those calls (input creation, poisoning and warm-up stay out). Shapes follow the peer preset:
+bf16, batch * seqlen = 16K tokens, heads * head_dim = 2048. Usage (on the GPU machine):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
+        python3 scripts/profile_fwd.py --spec causal --head-dim 128 --seqlen 1024 --impl flashgen
+
+``--impl``: flashgen (the op as a user calls it; FLASHGEN_FAMILY forces a family) or any
+CUDA peer of flashgen.bench.peers (sdpa-cudnn, sdpa-flash, flex, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+import flashgen
+from flashgen import bench, params as fg_params
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spec", default="causal", help="a spec name in specs/")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=1024)
+    ap.add_argument("--impl", default="flashgen", help="flashgen or a CUDA peer name (sdpa-cudnn, ...)")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=1, help="calls inside the profiler window")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device")
+    dev = torch.device("cuda")
+    op = flashgen.compile(ROOT / "specs" / f"{a.spec}.attn")
+    d, n = a.head_dim, a.seqlen
+    b, h = max(1, 16384 // n), max(1, 2048 // d)
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    params = fg_params.example_params(op.spec, b, h, n, n, dev)
+    if a.impl == "flashgen":
+        def fn():
+            return op(q, k, v, **params)
+    else:
+        peer = bench.peers(op.spec, dev).get(a.impl)
+        if peer is None:
+            ap.error(f"--impl: {a.impl!r} is not available here")
+
+        def fn():
+            return peer(q, k, v, params)
+    for _ in range(a.warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for _ in range(a.calls):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print(f"{a.impl} {a.spec} d{d} N{n} B{b} H{h}: {a.calls} call(s) profiled")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
