@@ -31,7 +31,7 @@ done
 # "soak" (scripts/soak.py's load, threads and soak phases on the GPU), "first-build" (first build and
 # cached load of causal d 128, forward and forward+backward, each in a new process on a fresh cache),
 # "profile" (Nsight Compute sections of the forward next to SDPA cuDNN at the shapes in PROFILE_CASES,
-# "spec:head_dim:seqlen ..."), "window64k" (sliding window 1024/4096/16384 and dense at N = 64K, with
+# "spec:head_dim:seqlen[:bwd] ..."), "window64k" (sliding window 1024/4096/16384 and dense at N = 64K, with
 # block masks, next to FlexAttention). SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -58,12 +58,12 @@ for extra in ${EXTRA-}; do
                    2>&1 | grep -v Warning | tee "$out/first-build.txt" ;;
     profile)
       for case in ${PROFILE_CASES:-dense:128:1024 causal:128:1024 causal:64:1024 dense:128:16384}; do
-        IFS=: read -r s d n <<< "$case"
+        IFS=: read -r s d n pass <<< "$case"  # pass: empty (forward) or bwd
         for impl in flashgen sdpa-cudnn; do
           FLASHGEN_CACHE_DIR=.fgcache-tests ncu --profile-from-start off --clock-control none --csv --page details \
             --section SpeedOfLight --section LaunchStats --section Occupancy --section ComputeWorkloadAnalysis \
             --section WarpStateStats python3 scripts/profile_fwd.py --spec "$s" --head-dim "$d" --seqlen "$n" \
-            --impl "$impl" 2>&1 | grep -v Warning | sed "s/^/$case:$impl,/" >> "$out/ncu.csv"
+            --impl "$impl" ${pass:+--backward} 2>&1 | grep -v Warning | sed "s/^/$case:$impl,/" >> "$out/ncu.csv"
         done
       done
       grep -c . "$out/ncu.csv" ;;

@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
-"""One forward call of flashgen or a peer inside a profiler window, for Nsight Compute.
+"""One forward (or backward) call of flashgen or a peer inside a profiler window, for Nsight Compute.
 
 Runs warm-up calls outside the window, then ``--calls`` calls between cudaProfilerStart and
 cudaProfilerStop, so that `ncu --profile-from-start off` sees only the attention kernels of
-those calls (input creation, poisoning and warm-up stay out). Shapes follow the peer preset:
+those calls (input creation, poisoning and warm-up stay out); with ``--backward`` the window
+holds only the backward of a forward run before it (torch.autograd.grad with a random dout).
+Shapes follow the peer preset:
 bf16, batch * seqlen = 16K tokens, heads * head_dim = 2048. Usage (on the GPU machine):
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
@@ -34,6 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", default="flashgen", help="flashgen or a CUDA peer name (sdpa-cudnn, ...)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--calls", type=int, default=1, help="calls inside the profiler window")
+    ap.add_argument("--backward", action="store_true", help="profile the backward (gradients of q, k, v)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
@@ -41,7 +44,8 @@ def main(argv=None) -> int:
     op = flashgen.compile(ROOT / "specs" / f"{a.spec}.attn")
     d, n = a.head_dim, a.seqlen
     b, h = max(1, 16384 // n), max(1, 2048 // d)
-    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, requires_grad=a.backward)
+               for _ in range(3))
     params = fg_params.example_params(op.spec, b, h, n, n, dev)
     if a.impl == "flashgen":
         def fn():
@@ -53,15 +57,23 @@ def main(argv=None) -> int:
 
         def fn():
             return peer(q, k, v, params)
+    step = fn
+    if a.backward:
+        out = fn()
+        dout = torch.randn_like(out)
+
+        def step():
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     for _ in range(a.warmup):
-        fn()
+        step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
     for _ in range(a.calls):
-        fn()
+        step()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
-    print(f"{a.impl} {a.spec} d{d} N{n} B{b} H{h}: {a.calls} call(s) profiled")
+    what = "backward" if a.backward else "forward"
+    print(f"{a.impl} {a.spec} d{d} N{n} B{b} H{h}: {a.calls} {what} call(s) profiled")
     return 0
 
 
