@@ -1,5 +1,5 @@
 """Decode bandwidth: op.with_kvcache next to SDPA's flash, cuDNN and efficient backends and a plain
-read-only pass over the same bytes, in one run on one GPU, sweeping page sizes and split counts.
+read-only pass over the same bytes, in one run on one device, sweeping page sizes and split counts.
 
     python3 scripts/bench_decode.py [--spec specs/causal.attn] [--shapes 1x32768,16x8192,64x4096,128x1024]
                                     [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16] [--sq 1[,4...]]
@@ -10,7 +10,7 @@ read-only pass over the same bytes, in one run on one GPU, sweeping page sizes a
 A thin layer over flashgen/bench_decode.py (what `flashgen bench SPEC --decode` runs; its
 docstring defines the bytes, rows and timing): this adds explicit B x cache shapes and several
 ours rows per shape, flashgen[-paged<P>][-s<n>] for each page size P (0: the contiguous cache;
-sizes that do not divide a shape's cache length are skipped there) and num_splits n. GB/s
+1 to 256, dividing every cache length, else an error) and num_splits n. GB/s
 throughout: K and V bytes of the attended positions (the module's definition) per second, 1e9
 bytes a GB; ms: the median of --reps calls.
 
@@ -51,6 +51,8 @@ from flashgen import bench_decode  # noqa: E402
 from flashgen.lang import ir  # noqa: E402
 from flashgen.params import parse_params  # noqa: E402
 
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
 
 def sq_list(text: str) -> list[int]:
     """--sq: comma-separated query counts, each ≥ 1, no repeats."""
@@ -76,8 +78,10 @@ def mixed_arg(text: str) -> tuple[int, int]:
 
 
 def options(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--spec", default=str(Path(__file__).resolve().parent.parent / "specs" / "causal.attn"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--spec", default=str(SPECS / "causal.attn"),
+                    help="a .attn file, or the name of one in specs/ (causal, alibi, ...)")
     ap.add_argument("--shapes", default="1x32768,16x8192,64x4096,128x1024", help="B x cache, comma separated")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -118,7 +122,23 @@ def options(argv=None) -> argparse.Namespace:
         args.split_list = [int(x) for x in args.splits.split(",")]
     except ValueError:
         ap.error("argument --paged / --splits: expected comma-separated ints")
-    args.op = flashgen.compile(args.spec)
+    bad = [p for p in args.pages if not 0 <= p <= 256]
+    if bad:
+        ap.error(f"argument --paged: page size {bad[0]} is out of range (0: a contiguous cache, else 1 to 256)")
+    for p in args.pages:
+        caps_off = [L for L in caps if p and L % p]
+        if caps_off:
+            ap.error(f"argument --paged: page size {p} does not divide the cache length {caps_off[0]} "
+                     f"(--shapes / --mixed): pick sizes that divide every cache length")
+    if any(n < 0 for n in args.split_list):
+        ap.error("argument --splits: expected ints >= 0 (0: the family's choice)")
+    spec = Path(args.spec)
+    if not spec.is_file() and (SPECS / f"{args.spec}.attn").is_file():
+        spec = SPECS / f"{args.spec}.attn"
+    if not spec.is_file():
+        names = ", ".join(sorted(f.stem for f in SPECS.glob("*.attn")))
+        ap.error(f"argument --spec: no file {args.spec!r} and no spec of that name in specs/ ({names})")
+    args.op = flashgen.compile(spec)
     try:
         args.params = parse_params(args.op.spec, args.param)
     except ValueError as e:
@@ -173,13 +193,13 @@ def main(argv=None) -> int:
     with flashgen.use_family(family):
         for sq in args.sq:
             for B, cap in args.shape_list:
-                variants = [(p, s) for p in args.pages if not p or cap % p == 0 for s in args.split_list]
+                variants = [(p, s) for p in args.pages for s in args.split_list]
                 rows += bench_decode.run(op, [(B, cap, args.head_dim)], dtype, dev, heads=args.heads,
                                          kv_heads=args.kv_heads, seqlen_q=sq, variants=variants, reps=args.reps,
                                          params=args.params)
             if args.mixed:
                 B, cap = args.mixed
-                variants = [(p, s) for p in args.pages if not p or cap % p == 0 for s in args.split_list]
+                variants = [(p, s) for p in args.pages for s in args.split_list]
                 got, summary = bench_decode.run_mixed(op, B, cap, args.head_dim, dtype, dev, heads=args.heads,
                                                       kv_heads=args.kv_heads, seqlen_q=sq, variants=variants,
                                                       reps=args.reps, params=args.params)
@@ -217,6 +237,10 @@ def main(argv=None) -> int:
         where = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         Path(args.json).write_text(json.dumps({"device": where, "torch": torch.__version__, "rows": out, **extra},
                                               indent=1) + "\n")
+    ours = [r for r in rows if r.impl.startswith("flashgen")]
+    if ours and not any(r.gbps for r in ours):
+        print("bench_decode: every flashgen row failed (see the rows above)", file=sys.stderr)
+        return 1
     return 0
 
 

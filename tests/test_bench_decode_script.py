@@ -130,3 +130,19 @@ def test_bad_values_are_usage_errors_naming_the_option(capsys, argv, message):
         script.main([*TINY, "--shapes", "2x64", *argv])
     err = capsys.readouterr().err
     assert e.value.code == 2 and message in err, err
+
+
+def test_bad_page_sizes_specs_and_failed_rows_are_reported(tmp_path, capsys):
+    """A page size that is out of range or does not divide a cache length is an error naming
+    --paged (it used to be skipped silently); --spec takes a name in specs/; a run whose every
+    flashgen row failed exits 1."""
+    for paged, what in (("0,48", "does not divide the cache length 100"), ("300", "out of range")):
+        with pytest.raises(SystemExit) as e:
+            script.options(["--device", "cpu", "--shapes", "2x100", "--paged", paged])
+        assert e.value.code == 2 and what in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        script.options(["--device", "cpu", "--spec", "nosuch"])
+    assert "no spec of that name in specs/" in capsys.readouterr().err
+    assert script.options(["--device", "cpu", "--spec", "alibi"]).op.spec.name == "alibi"
+    assert script.main(["--device", "cpu", "--shapes", "1x64", "--head-dim", "7", "--reps", "1",
+                              "--dtype", "fp32"]) == 1

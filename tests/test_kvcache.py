@@ -257,8 +257,15 @@ def test_bad_arguments_name_the_argument(ops):
         op.with_kvcache(q, torch.randn(2, 300, 2, 16), torch.randn(2, 300, 2, 16), block_table=table, **ok)
     with pytest.raises(ValueError, match="v_cache: shape"):
         op.with_kvcache(q, pool, pool[:3], block_table=table, **ok)
-    with pytest.raises(ValueError, match="k_cache: 3 kv heads do not divide 4"):
+    with pytest.raises(ValueError, match=r"k_cache: 3 kv heads \(dim 1 of a contiguous cache .*needs block_table\) "
+                                         "do not divide 4"):
         op.with_kvcache(q, torch.randn(2, 3, 8, 16), torch.randn(2, 3, 8, 16), **ok)
+    # a cache in the other layout than block_table says: the error names the layout it was read as
+    with pytest.raises(ValueError, match=r"k_cache: 8 kv heads \(dim 2 of a paged cache .*block_table is given\)"):
+        op.with_kvcache(q, torch.randn(2, 2, 8, 16), torch.randn(2, 2, 8, 16), block_table=table, **ok)
+    for name in ("cache_seqlens", "block_table", "cache_leftpad", "k", "v"):
+        with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor"):
+            op.with_kvcache(q, kc, vc, **(ok | {name: [5, 7]}))
     with pytest.raises(ValueError, match="k_cache: dtype"):
         op.with_kvcache(q, kc.double(), vc.double(), **ok)
     with pytest.raises(NotImplementedError, match="q: with_kvcache is inference only"):

@@ -44,7 +44,7 @@ def test_options():
 
 @pytest.mark.parametrize("argv, message", [
     (["--family", "cpu"], "--family: cpu runs on cpu"),
-    (["--family", "sm70"], "unknown kernel family 'sm70'"),
+    (["--family", "sm70"], "unknown family 'sm70'; compute-sanitizer checks CUDA families"),
     (["--tools", "memcheck,leakcheck"], "--tools: unknown tool(s) 'leakcheck'"),
     (["--specs", "causl"], "--specs: no spec 'causl' in specs/"),
     (["--jobs", "0"], "--jobs: 0 is out of range"),

@@ -130,6 +130,11 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt):
         raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
+    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k", k), ("v", v),
+                    ("cache_leftpad", cache_leftpad)):
+        if t is not None and not isinstance(t, torch.Tensor):  # before the torch op's schema sees it
+            raise TypeError(f"{name}: expected a torch.Tensor{'' if name == 'cache_seqlens' else ' or None'}, "
+                            f"got {type(t).__name__}")
     values = op._param_values(params)
     tensors = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                *((p.name, x) for p, x in zip(op.spec.params, values, strict=True)))
@@ -199,8 +204,10 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
         raise ValueError(f"k_cache: head_dim {k_cache.shape[-1]} differs from q's {d}")
     Hkv = k_cache.shape[2] if paged else k_cache.shape[1]
     if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
-        raise ValueError(f"k_cache: {Hkv} kv heads do not divide {Hq} query heads (GQA/MQA need heads_q to be a "
-                         "multiple of heads_kv)")
+        where = "dim 2 of a paged cache [num_pages, page_size, kv_heads, head_dim], as block_table is given" if paged \
+            else "dim 1 of a contiguous cache [batch, kv_heads, capacity, head_dim]; a paged cache needs block_table"
+        raise ValueError(f"k_cache: {Hkv} kv heads ({where}) do not divide {Hq} query heads (GQA/MQA need heads_q "
+                         "to be a multiple of heads_kv)")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
