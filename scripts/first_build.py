@@ -4,7 +4,8 @@
 For each pass (``fwd``: the forward; ``fwd+bwd``: forward and backward), a fresh kernel cache
 and a new Python process time `flashgen.compile` to the first result (the output, or the
 gradients, copied to the host), binding and every kernel of the call built lazily as a user
-meets it; then a second new process on the same cache times the cached load the same way.
+meets it; then a second new process on the same cache times the cached load the same way (and
+reports any library it still had to build: a cached run should build none).
 Import time of torch and flashgen is reported apart, not counted. Usage (GPU machine):
 
     python3 scripts/first_build.py --spec causal --head-dim 128 --json OUT.json
@@ -48,13 +49,16 @@ print(f"RESULT {t1 - t0:.3f} {t3 - t2:.3f} {int(finite)} {family}")
 
 def _child(cache: str, spec: str, d: int, n: int, device: str, backward: bool) -> dict:
     env = dict(os.environ, FLASHGEN_CACHE_DIR=cache)
+    env.pop("FLASHGEN_QUIET", None)  # the "compiling ..." notices tell what each process built
     r = subprocess.run([sys.executable, "-c", CHILD, spec, str(d), str(n), device, "1" if backward else "0"],
                        env=env, capture_output=True, text=True, cwd=ROOT)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode or line is None:
         raise SystemExit(f"child failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     imp, first, finite, family = line.split()[1:]
-    return {"import_s": float(imp), "seconds": float(first), "finite": finite == "1", "family": family}
+    built = [ln.split("compiling ", 1)[1].split()[0] for ln in r.stderr.splitlines() if "flashgen: compiling " in ln]
+    return {"import_s": float(imp), "seconds": float(first), "finite": finite == "1", "family": family,
+            "built": built}
 
 
 def main(argv=None) -> int:
@@ -91,10 +95,12 @@ def main(argv=None) -> int:
             warm = _child(cache, spec, a.head_dim, a.seqlen, a.device, backward)
         row = {"pass": "fwd+bwd" if backward else "fwd", "spec": a.spec, "head_dim": a.head_dim,
                "first_s": cold["seconds"], "cached_s": warm["seconds"], "import_s": cold["import_s"],
-               "family": cold["family"], "finite": cold["finite"] and warm["finite"]}
+               "family": cold["family"], "finite": cold["finite"] and warm["finite"],
+               "built_first": cold["built"], "built_cached": warm["built"]}
         rows.append(row)
         print(f"{row['pass']:8s} {a.spec} d{a.head_dim} ({row['family']}): first build {row['first_s']:.1f} s, "
-              f"cached load {row['cached_s']:.2f} s (imports {row['import_s']:.1f} s apart), finite {row['finite']}")
+              f"cached load {row['cached_s']:.2f} s (imports {row['import_s']:.1f} s apart), finite {row['finite']}; "
+              f"libraries built: {len(row['built_first'])} first, {len(row['built_cached'])} in the cached run")
     if a.json:
         a.json.write_text(json.dumps({"cpus": os.cpu_count(), "rows": rows}, indent=1))
     return 0
