@@ -32,7 +32,8 @@ done
 # cached load of causal d 128, forward and forward+backward, each in a new process on a fresh cache),
 # "profile" (Nsight Compute sections of the forward next to SDPA cuDNN at the shapes in PROFILE_CASES,
 # "spec:head_dim:seqlen[:bwd] ..."), "window64k" (sliding window 1024/4096/16384 and dense at N = 64K, with
-# block masks, next to FlexAttention). SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
+# block masks, next to FlexAttention), "ab-paged" (the paged decode gather's A/B, scripts/ab_paged_decode.py).
+# SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
     sanitize) FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/sanitize.py --family all ${SAN_ARGS:-} --out "$out/sanitize" \
@@ -76,6 +77,9 @@ for extra in ${EXTRA-}; do
       FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/dense.attn --device cuda --seqlen 65536 \
         --batch 1 --heads 16 --head-dim 128 --peers flex --reps 5 --json "$out/window64k-dense.json" 2>&1 \
         | grep -v Warning | tee -a "$out/window64k.txt" ;;
-    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k)" >&2 ;;
+    ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
+                | tee "$out/ab-paged.txt" ;;
+    *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
+            "ab-paged)" >&2 ;;
   esac
 done
