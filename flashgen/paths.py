@@ -41,6 +41,18 @@ def specs_dir() -> Path:
     raise FileNotFoundError("flashgen specs not found: reinstall flashgen (package data missing)")
 
 
+def example_spec(name: str) -> Path:
+    """A spec file named on a command line: ``name`` itself when it is a file, else the example
+    spec ``specs_dir() / (name + ".attn")``; ValueError listing the example specs otherwise."""
+    if Path(name).is_file():
+        return Path(name)
+    path = specs_dir() / f"{name}.attn"
+    if not path.is_file():
+        names = ", ".join(sorted(f.stem for f in specs_dir().glob("*.attn")))
+        raise ValueError(f"no spec named {name!r}: no such file and no spec of that name in specs/ ({names})")
+    return path
+
+
 def include_dir() -> Path:
     """The include root for generated translation units (``-I`` this)."""
     return templates_dir() / "include"

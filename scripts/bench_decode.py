@@ -1,7 +1,7 @@
 """Decode bandwidth: op.with_kvcache next to SDPA's flash, cuDNN and efficient backends and a plain
 read-only pass over the same bytes, in one run on one device, sweeping page sizes and split counts.
 
-    python3 scripts/bench_decode.py [--spec specs/causal.attn] [--shapes 1x32768,16x8192,64x4096,128x1024]
+    python3 scripts/bench_decode.py [--spec causal] [--shapes 1x32768,16x8192,64x4096,128x1024]
                                     [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16] [--sq 1[,4...]]
                                     [--param NAME=VALUE ...] [--mixed B:MAX]
                                     [--paged 0,16,256] [--splits 0] [--family sm80] [--reps 100]
@@ -47,11 +47,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from flashgen import bench_decode  # noqa: E402
+from flashgen import bench_decode, paths  # noqa: E402
 from flashgen.lang import ir  # noqa: E402
 from flashgen.params import parse_params  # noqa: E402
-
-SPECS = Path(__file__).resolve().parent.parent / "specs"
 
 
 def sq_list(text: str) -> list[int]:
@@ -80,7 +78,7 @@ def mixed_arg(text: str) -> tuple[int, int]:
 def options(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--spec", default=str(SPECS / "causal.attn"),
+    ap.add_argument("--spec", default="causal",
                     help="a .attn file, or the name of one in specs/ (causal, alibi, ...)")
     ap.add_argument("--shapes", default="1x32768,16x8192,64x4096,128x1024", help="B x cache, comma separated")
     ap.add_argument("--heads", type=int, default=32)
@@ -132,13 +130,10 @@ def options(argv=None) -> argparse.Namespace:
                      f"(--shapes / --mixed): pick sizes that divide every cache length")
     if any(n < 0 for n in args.split_list):
         ap.error("argument --splits: expected ints >= 0 (0: the family's choice)")
-    spec = Path(args.spec)
-    if not spec.is_file() and (SPECS / f"{args.spec}.attn").is_file():
-        spec = SPECS / f"{args.spec}.attn"
-    if not spec.is_file():
-        names = ", ".join(sorted(f.stem for f in SPECS.glob("*.attn")))
-        ap.error(f"argument --spec: no file {args.spec!r} and no spec of that name in specs/ ({names})")
-    args.op = flashgen.compile(spec)
+    try:
+        args.op = flashgen.compile(paths.example_spec(args.spec))
+    except ValueError as e:
+        ap.error(f"argument --spec: {e}")
     try:
         args.params = parse_params(args.op.spec, args.param)
     except ValueError as e:

@@ -21,6 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+import flashgen
+from flashgen import paths
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
@@ -64,26 +69,22 @@ def _child(cache: str, spec: str, d: int, n: int, device: str, backward: bool) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--spec", default="causal", help="a spec name in specs/")
+    ap.add_argument("--spec", default="causal", help="a spec name in specs/, or a .attn file")
     ap.add_argument("--head-dim", type=int, default=128, help="head dim (bf16 inputs, B 4, H 16)")
     ap.add_argument("--seqlen", type=int, default=4096, help="seqlen_q = seqlen_k")
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     a = ap.parse_args(argv)
-    spec = ROOT / "specs" / f"{a.spec}.attn"
-    if not spec.is_file():
-        ap.error(f"argument --spec: no spec named {a.spec!r} in specs/ "
-                 f"({', '.join(sorted(f.stem for f in spec.parent.glob('*.attn')))})")
+    try:
+        spec = paths.example_spec(a.spec)
+    except ValueError as e:
+        ap.error(f"argument --spec: {e}")
     if a.seqlen < 1:
         ap.error(f"argument --seqlen: expected >= 1, got {a.seqlen}")
     if a.device not in ("cpu", "cuda"):
         ap.error(f"argument --device: expected cpu or cuda, got {a.device!r}")
-    import torch
-
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("argument --device: cuda, but this torch sees no CUDA device (--device cpu)")
-    import flashgen
-
     dims = flashgen.compile(spec).head_dims(a.device)
     if a.head_dim not in dims:
         ap.error(f"argument --head-dim: {a.head_dim} is not a head dim of spec {a.spec!r} on {a.device}")

@@ -18,20 +18,17 @@ CUDA peer of flashgen.bench.peers (sdpa-cudnn, sdpa-flash, flex, ...).
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 import flashgen
-from flashgen import bench, params as fg_params
-
-ROOT = Path(__file__).resolve().parents[1]
+from flashgen import bench, params as fg_params, paths
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--spec", default="causal", help="a spec name in specs/")
+    ap.add_argument("--spec", default="causal", help="a spec name in specs/, or a .attn file")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=1024)
     ap.add_argument("--impl", default="flashgen", help="flashgen or a CUDA peer name (sdpa-cudnn, ...)")
@@ -42,7 +39,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA device")
     dev = torch.device("cuda")
-    op = flashgen.compile(ROOT / "specs" / f"{a.spec}.attn")
+    try:
+        op = flashgen.compile(paths.example_spec(a.spec))
+    except ValueError as e:
+        ap.error(f"argument --spec: {e}")
     d, n = a.head_dim, a.seqlen
     b, h = max(1, 16384 // n), max(1, 2048 // d)
     q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.bfloat16, requires_grad=a.backward)

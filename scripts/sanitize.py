@@ -372,13 +372,10 @@ def options(argv=None) -> tuple[argparse.Namespace, list[str], list[str], list[s
     if a.family == "all":
         fams = list(CUDA_FAMILIES)
     else:
-        if a.family not in CUDA_FAMILIES and a.family in families.FAMILIES:
-            fam = families.get(a.family, "--family")
-        elif a.family not in CUDA_FAMILIES:
+        if a.family not in families.FAMILIES:
             ap.error(f"--family: unknown family {a.family!r}; compute-sanitizer checks CUDA families "
                      f"({', '.join(CUDA_FAMILIES)} or all)")
-        else:
-            fam = families.get(a.family, "--family")
+        fam = families.get(a.family, "--family")
         if fam.device != "cuda":
             ap.error(f"--family: {fam.name} runs on {fam.device}; compute-sanitizer checks CUDA families "
                      f"({', '.join(CUDA_FAMILIES)} or all)")
