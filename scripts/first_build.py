@@ -2,7 +2,8 @@
 """First-build and cached-load wall time of one (spec, dtype, head dim), each in a new process.
 
 For each pass (``fwd``: the forward; ``fwd+bwd``: forward and backward), a fresh kernel cache
-and a new Python process time `flashgen.compile` to the first result (the output, or the
+and a new Python process time `flashgen.compile` to the first result (spec parameters drawn by
+flashgen.params.example_params) (the output, or the
 gradients, copied to the host), binding and every kernel of the call built lazily as a user
 meets it; then a second new process on the same cache times the cached load the same way (and
 reports any library it still had to build: a cached run should build none).
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = r"""
 import sys, time
 t0 = time.perf_counter()
-import torch, flashgen
+import torch, flashgen, flashgen.params
 t1 = time.perf_counter()
 spec, d, n, dev, backward = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
 b, h = 4, 16
@@ -40,7 +41,8 @@ if dev != "cpu":
     torch.cuda.synchronize()
 t2 = time.perf_counter()
 op = flashgen.compile(spec)
-out = op(q, k, v)
+params = flashgen.params.example_params(op.spec, b, h, n, n, dev)
+out = op(q, k, v, **params)
 if backward:
     grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
     finite = all(bool(torch.isfinite(g).all()) for g in grads)
@@ -79,6 +81,8 @@ def main(argv=None) -> int:
         spec = paths.example_spec(a.spec)
     except ValueError as e:
         ap.error(f"argument --spec: {e}")
+    if a.json is not None and not a.json.parent.is_dir():
+        ap.error(f"argument --json: no folder {str(a.json.parent)!r}")
     if a.seqlen < 1:
         ap.error(f"argument --seqlen: expected >= 1, got {a.seqlen}")
     if a.device not in ("cpu", "cuda"):

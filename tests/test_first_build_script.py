@@ -20,6 +20,7 @@ _spec.loader.exec_module(script)
     (["--device", "tpu"], "--device: expected cpu or cuda"),
     (["--device", "cpu", "--seqlen", "0"], "--seqlen: expected >= 1"),
     (["--device", "cpu", "--head-dim", "7"], "--head-dim: 7 is not a head dim"),
+    (["--device", "cpu", "--json", "/nonexistent-dir/x.json"], "--json: no folder"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -35,3 +36,12 @@ def test_cpu_run_reports_a_cached_load_that_builds_nothing(tmp_path):
     for r in rows:
         assert r["family"] == "cpu" and r["finite"] and r["first_s"] > 0 and r["cached_s"] > 0
         assert r["built_first"] and r["built_cached"] == []
+
+
+def test_cpu_run_of_a_spec_with_parameters(tmp_path):
+    """Parameters are drawn as flashgen.params.example_params draws them (the child used to call
+    the op without them: a TypeError for every spec with parameters)."""
+    out = tmp_path / "fb.json"
+    assert script.main(["--device", "cpu", "--spec", "sliding_window", "--head-dim", "16", "--seqlen", "32",
+                        "--json", str(out)]) == 0
+    assert all(r["finite"] for r in json.loads(out.read_text())["rows"])

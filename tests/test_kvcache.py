@@ -266,6 +266,11 @@ def test_bad_arguments_name_the_argument(ops):
     for name in ("cache_seqlens", "block_table", "cache_leftpad", "k", "v"):
         with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor"):
             op.with_kvcache(q, kc, vc, **(ok | {name: [5, 7]}))
+    for i, name in enumerate(("q", "k_cache", "v_cache")):
+        args = [q, kc, vc]
+        args[i] = args[i].tolist()
+        with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor, got list"):
+            op.with_kvcache(*args, **ok)
     with pytest.raises(ValueError, match="k_cache: dtype"):
         op.with_kvcache(q, kc.double(), vc.double(), **ok)
     with pytest.raises(NotImplementedError, match="q: with_kvcache is inference only"):

@@ -130,10 +130,11 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt):
         raise TypeError(f"num_splits: expected an int >= 0, got {type(num_splits).__name__}")
-    for name, t in (("cache_seqlens", cache_seqlens), ("block_table", block_table), ("k", k), ("v", v),
-                    ("cache_leftpad", cache_leftpad)):
+    required = ("q", "k_cache", "v_cache", "cache_seqlens")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("cache_seqlens", cache_seqlens),
+                    ("block_table", block_table), ("k", k), ("v", v), ("cache_leftpad", cache_leftpad)):
         if t is not None and not isinstance(t, torch.Tensor):  # before the torch op's schema sees it
-            raise TypeError(f"{name}: expected a torch.Tensor{'' if name == 'cache_seqlens' else ' or None'}, "
+            raise TypeError(f"{name}: expected a torch.Tensor{'' if name in required else ' or None'}, "
                             f"got {type(t).__name__}")
     values = op._param_values(params)
     tensors = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
