@@ -306,7 +306,8 @@ def launch_backward(op, q, k, v, out, lse, dout, dlse, scale: float, determinist
         q, k, v, out, dout = (_aligned(t) for t in (q, k, v, out, dout))
     f32 = {"dtype": torch.float32, "device": q.device}
     rows_q, rows_k = row_shape(B, Hq, Nq, packed, "q"), row_shape(B, Hkv, Nk, packed, "k")
-    dq_accum = torch.zeros((*rows_q, d), **f32)
+    # every family's backward zero-fills dq_accum itself (CUDA: in the D pre-pass; CPU: per row)
+    dq_accum = torch.empty((*rows_q, d), **f32)
     softmax_d = torch.empty(rows_q, **f32)
     # dk_accum / dv_accum: only for a CUDA backward that splits the GQA group (below).
     dk_accum = dv_accum = None
