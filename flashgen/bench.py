@@ -6,6 +6,7 @@ CUDA timings use CUDA events around each repeat (median); CPU timings use perf_c
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -43,19 +44,53 @@ class Row:
         return asdict(self)
 
 
-def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10) -> float:
+# How `flashgen bench` times every implementation (DESIGN.md, Measuring): triton.testing.do_bench's
+# method, 25 warm-up calls, an L2 flush before each timed call, at least 100 ms of timed calls.
+DO_BENCH = {"warmup": 25, "min_ms": 100.0, "flush_l2": True}
+_L2_FLUSH_BYTES = 256 << 20  # above any current GPU's L2 (H100/H200: 50 MB), as triton's do_bench
+_flush_buffers: dict = {}
+
+
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index if device.index is not None else torch.cuda.current_device())
+    buf = _flush_buffers.get(key)
+    if buf is None:
+        buf = _flush_buffers[key] = torch.empty(_L2_FLUSH_BYTES, dtype=torch.int8, device=device)
+    return buf
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10,
+            flush_l2: bool = False, min_ms: float = 0.0) -> float:
     """Median milliseconds of one call of ``fn`` after ``warmup`` calls.
 
     CUDA: a pair of events around each call, all calls queued back to back with one
     synchronisation at the end, so a call's host-side overhead overlaps the previous call's
-    kernel (the steady state of a training or serving loop) instead of idling the GPU. CPU:
-    perf_counter around each call.
+    kernel (the steady state of a training or serving loop) instead of idling the GPU. With
+    ``flush_l2`` a 256 MB buffer is zeroed before each timed call, outside its events, so that no
+    call finds its inputs in L2; with ``min_ms`` the number of timed calls is raised from
+    ``reps`` until they span at least that many milliseconds (estimated from five calls):
+    together, triton.testing.do_bench's method (``flashgen bench`` uses warmup=25, min_ms=100,
+    flush_l2=True: DESIGN.md, Measuring). CPU: perf_counter around each call (no flush).
     """
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
+        flush = _l2_flush_buffer(device) if flush_l2 else None
+        if min_ms > 0:
+            est = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
+            for start, end in est:
+                if flush is not None:
+                    flush.zero_()
+                start.record()
+                fn()
+                end.record()
+            torch.cuda.synchronize(device)
+            per_call = max(statistics.median(a.elapsed_time(b) for a, b in est), 1e-3)
+            reps = max(reps, math.ceil(min_ms / per_call))
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for start, end in events:
+            if flush is not None:
+                flush.zero_()
             start.record()
             fn()
             end.record()
@@ -260,6 +295,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
     values), built once per shape before the timing, as FlexAttention's is: the timed region is
     the call alone, not the mask's construction. Specs without a mask get no such row."""
     check_include(include, device, dropout_p)
+    timing = DO_BENCH if device.type == "cuda" else {}
     rows: list[Row] = []
     tdtype = TORCH_DTYPE[dtype]
     shape_mask: dict = {}  # the current shape's block mask for flashgen-bm (built outside the timing)
@@ -304,10 +340,10 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int, int]], dtype: ir.DTyp
                         def step(fn=fn):
                             torch.autograd.grad(fn(q, k, v, pv), (q, k, v), dout)
 
-                        ms = time_fn(step, device, reps=reps)
+                        ms = time_fn(step, device, reps=reps, **timing)
                     else:
                         with torch.no_grad():
-                            ms = time_fn(lambda fn=fn: fn(q, k, v, pv), device, reps=reps)
+                            ms = time_fn(lambda fn=fn: fn(q, k, v, pv), device, reps=reps, **timing)
                     row.ms, row.tflops = ms, flops / ms / 1e9
                 except Exception as e:  # a peer that cannot run this shape is reported, not fatal
                     row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"

@@ -102,3 +102,28 @@ def test_cli_block_mask(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--help"])
     assert e.value.code == 0 and "--block-mask" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_time_fn_do_bench_method_on_cuda():
+    """flashgen bench's timing (DESIGN.md, Measuring): the warm-up calls, five calls to estimate,
+    then at least min_ms of timed calls, each after the L2 flush."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flashgen import bench
+
+    calls = []
+    x = torch.zeros(1 << 20, device="cuda")
+
+    def fn():
+        calls.append(1)
+        x.add_(1)
+
+    ms = bench.time_fn(fn, torch.device("cuda"), warmup=25, reps=10, flush_l2=True, min_ms=20)
+    assert ms > 0
+    timed = len(calls) - 25 - 5
+    assert timed >= 10 and timed * ms >= 20 * 0.5, (timed, ms)
+    assert bench._l2_flush_buffer(torch.device("cuda")).numel() == 256 << 20
+    assert float(x[0]) == len(calls)
