@@ -365,3 +365,31 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
                                                                              enable_gqa=hkv != 16))
     print(f"peak fwd+bwd MiB, kv heads {hkv}: flashgen sm90 {ours / 2**20:.1f}, SDPA flash {theirs / 2**20:.1f}")
     assert ours <= theirs, (ours, theirs)
+
+
+# dQ partials: the writer warp's tensor reduce-adds from shared-memory staging (the default) and
+# the consumers' fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, read per launch) both give the
+# reference's gradients: padded with query tiles cut by seqlen_q, GQA, packed (whose partial last
+# query tiles keep the atomics), and deterministic (the writer waits on the semaphores).
+@pytest.mark.parametrize("path", ["writer", "atomic"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_dq_paths(ops, monkeypatch, path, d):
+    import varlen_cases
+
+    if path == "atomic":
+        monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", "atomic")
+    else:
+        monkeypatch.delenv("FLASHGEN_SM90_BWD_DQ", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(4900 + d)
+    for name, b, hq, hkv, nq, nk in [("causal", 2, 4, 4, 200, 200), ("dense", 1, 4, 2, 333, 129),
+                                     ("causal", 2, 8, 1, 1000, 1000)]:
+        q, k, v = make(b, hq, hkv, nq, nk, d, torch.bfloat16, False, gen)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+        check_grads(ops[name], q, k, v, dout)
+        first = check_grads(ops[name], q, k, v, dout, deterministic=True)
+        again = grads_of(ops[name], q, k, v, dout, deterministic=True)
+        assert all(torch.equal(x, y) for x, y in zip(first, again)), f"{name}: deterministic dQ not repeatable"
+    fop = variant_cases.op("causal")
+    with flashgen.use_family("sm90"):
+        varlen_cases.run_case(fop, *PACKED_LENS, 4, 2, d, torch.bfloat16, device="cuda", seed=95, variant=0,
+                              dlse=False)

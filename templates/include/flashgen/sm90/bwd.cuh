@@ -18,7 +18,7 @@
 //     the query tiles of every query head of its share of the kv head's group: dK, dV of its
 //     keys summed over those heads in registers and written directly (or, with the group split
 //     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
-//     with fp32 atomics;
+//     by the dQ writer warp's TMA tensor reduce-adds (or the consumers' fp32 atomics);
 //  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype (and dk, dv
 //     from their workspaces when the group was split).
 //
@@ -26,7 +26,12 @@
 //   warpgroup 0, the producer: warp 0 loads K and V of the key tile once (TMA, then zero-fills
 //     the tile's rows that no query of the walk sees, as the forward does for V), then for each
 //     query tile of the walk Q and dO by TMA and LSE and D by plain loads into a kStages-deep
-//     ring (mbarriers "full" / "empty"). It gives its registers away (setmaxnreg).
+//     ring (mbarriers "full" / "empty"). Warp 1, the dQ writer: for each query tile's dQ block
+//     the consumers staged in shared memory (fp32, 128-byte swizzled boxes of 64 rows x 32
+//     columns), lane 0 adds it into dq_accum by TMA tensor reduce-adds (cp.reduce.async.bulk
+//     .tensor add.f32, each element atomically; FlashAttention-3's dQ writer) and releases the
+//     staging once the copies have read it (mbarriers "dq_full" / "dq_empty"; a DqSlot in shared
+//     memory says where). The warpgroup gives its registers away (setmaxnreg).
 //   warpgroups 1 and 2, the consumers: 64 keys each (wgmma M = 64 rows are keys). Per query tile
 //     of kBlockM rows:
 //       S^T = K Q^T, dP^T = V dO^T        wgmma, both operands in shared memory
@@ -38,7 +43,12 @@
 //       dQ_part = dS K                    wgmma from shared memory; each warpgroup one 64 x 64
 //                                         block of the query tile's dQ (d 128: a column half,
 //                                         over all 128 keys; d 64: the whole tile over its own
-//                                         64 keys), added to dq_accum (red.global.add.v2.f32)
+//                                         64 keys, in a staging buffer of its own), staged for
+//                                         the writer. A packed sequence's partial last query
+//                                         tile (whose rows past the sequence are the next
+//                                         sequence's), and every tile under
+//                                         FLASHGEN_SM90_BWD_DQ=atomic (a diagnostic switch read
+//                                         per launch), adds by red.global.add.v2.f32 instead.
 //     then releases the stage. The dS buffer is double-buffered; one named barrier per step
 //     between the consumer warpgroups orders its writes before the dQ GEMM's reads and the
 //     GEMM's reads before the next-but-one step's writes.
@@ -56,6 +66,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <limits.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -123,6 +134,10 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   // as lse, zeros at launch (the host allocates them per call); the entry of a query tile's first row counts the
   // key tiles that have added their dQ partials to that tile.
   int32_t* sem;
+  // dQ partials: 1 = the dQ writer warp's tensor reduce-adds through tdq (shared-memory staging),
+  // 0 = the consumers' own fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, a diagnostic switch).
+  CUtensorMap tdq;
+  int dq_writer;
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
@@ -147,11 +162,18 @@ struct Sm90Bwd {
   static constexpr int kOffQ = kOffV + kKBytes;
   static constexpr int kOffDO = kOffQ + kStages * kQBytes;
   static constexpr int kOffS = kOffDO + kStages * kQBytes;
-  static constexpr int kOffL = kOffS + 2 * kSBytes;
+  // dQ staging for the writer warp: the query tile's dQ in fp32 boxes of 64 rows x 32 columns
+  // (128-byte swizzle; box (rb, cb) at (rb * kD / 32 + cb) * 8 KB), one buffer, or at d 64 with
+  // 64-row tiles (kDqKeySplit) one per consumer warpgroup.
+  static constexpr int kDqBufs = (kBlockM == 64 && kD == 64) ? 2 : 1;
+  static constexpr int kDqBuf = kBlockM * kD * 4;
+  static constexpr int kOffDQ = kOffS + 2 * kSBytes;
+  static constexpr int kOffL = kOffDQ + kDqBufs * kDqBuf;
   static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
-  static constexpr int kNumBars = 3 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail
-  static constexpr int kSmem = kOffBar + 8 * kNumBars + 1024;  // + alignment slack
+  static constexpr int kNumBars = 5 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail, dq_full, dq_empty
+  static constexpr int kOffSlot = kOffBar + 8 * kNumBars;  // the dQ writer's step (DqSlot)
+  static constexpr int kSmem = kOffSlot + 32 + 1024;        // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
   // A consumer's dQ block (64 x 64): rows [kDqRows wg, + 64) and columns [kDqCols wg, + 64) of
   // the query tile's dQ, over all 128 keys; or (kDqKeySplit: d 64 with 64-row query tiles) the
@@ -183,6 +205,19 @@ struct Sm90Bwd {
     // kPacked: the TMA copy of a sequence's last, partial query tile lands here first (the
     // producer then zeroes the rows past the sequence before it releases the stage).
     __device__ uint32_t q_tail() const { return base + 16 + 16 * kStages; }
+    // The dQ staging: full when every consumer thread has written its part (256 arrivals),
+    // empty when the writer's reduce-adds have read it (1 arrival).
+    __device__ uint32_t dq_full() const { return base + 24 + 16 * kStages; }
+    __device__ uint32_t dq_empty() const { return base + 32 + 16 * kStages; }
+  };
+
+  // What the dQ writer adds where, written by the first consumer thread with each staged block
+  // (and read by the writer after the full barrier): the block's first row in the tensor map's
+  // rows, its head and batch coordinates; deterministic: the query tile's semaphore and this key
+  // tile's rank; done: the walk is over (nothing staged).
+  struct DqSlot {
+    int32_t* sem;
+    int row, h, b, rank, done;
   };
 
   // Packed batches: the Params of sequence sp as if it were a padded batch of its own lengths
@@ -325,8 +360,6 @@ struct Sm90Bwd {
     }
     ptx::mbar_arrive(bar.kv_ready());  // every lane, after its own zero stores
 
-    float* sL = reinterpret_cast<float*>(smem + kOffL);
-    float* sD = reinterpret_cast<float*>(smem + kOffDs);
     uint32_t cnt = 0;
     [[maybe_unused]] uint32_t tails = 0;
     for (Step st = first_step(p, it, w); st.gi < it.n_heads; next_step(p, it, w, st), ++cnt) {
@@ -375,11 +408,13 @@ struct Sm90Bwd {
           if (lane == 0) ptx::mbar_arrive(bar.full(stage));
         }
       }
-      for (int r = lane; r < kBlockM; r += 32) {
+      for (int r = lane; r < kBlockM; r += 32) {  // (32-bit shared addresses: 24 registers here)
         const int q = q_lo + r;
         const bool ok = q < p.seqlen_q;
-        sL[stage * kBlockM + r] = ok ? __ldg(p.lse + row0 + q) : -INFINITY;
-        sD[stage * kBlockM + r] = ok ? __ldg(p.dsum + row0 + q) : 0.f;
+        const uint32_t a = s0 + kOffL + (stage * kBlockM + r) * 4;
+        const float l = ok ? __ldg(p.lse + row0 + q) : -INFINITY, dsum = ok ? __ldg(p.dsum + row0 + q) : 0.f;
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a), "f"(l) : "memory");
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(a + (kOffDs - kOffL)), "f"(dsum) : "memory");
       }
       ptx::mbar_arrive(bar.full(stage));
     }
@@ -413,6 +448,68 @@ struct Sm90Bwd {
     }
   }
 
+  // A consumer warp's part of its 64 x 64 dQ block into the staging buffer (sm90/tma.cuh's
+  // make_tmap_dq boxes: 64 rows of 128 bytes, 16-byte chunk c of row r at c ^ (r % 8)); each
+  // warp's 8-byte stores fill every bank twice, the minimum.
+  static __device__ __forceinline__ void stage_dq(const float (&dq)[8][4], uint32_t s0, int wg, int warp_in_wg, int g,
+                                                  int t) {
+    const uint32_t base = s0 + kOffDQ + (kDqKeySplit ? wg * kDqBuf : 0);
+    const int row_blk = kDqRows * wg / 64, col_box0 = kDqCols * wg / 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = 16 * warp_in_wg + g + 8 * half;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int box = row_blk * (kD / 32) + col_box0 + j / 4;
+        const int chunk = 2 * (j % 4) + (t >> 1);
+        const uint32_t a = base + box * 8192 + r * 128 + ((chunk ^ (r & 7)) << 4) + 8 * (t & 1);
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(a), "f"(dq[j][2 * half]), "f"(dq[j][2 * half + 1])
+                     : "memory");
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------------------------------------
+  // The dQ writer: lane 0 of warp 1 of warpgroup 0. For each block the consumers staged (their
+  // DqSlot says where), it adds the staging buffer(s) into dq_accum by tensor reduce-adds (fp32,
+  // each element atomically; FlashAttention-3's dQ writer) and releases the buffer once the
+  // copies have read it, until a slot says done. Deterministic: it first waits for the query
+  // tile's semaphore to reach this key tile's rank, and releases rank + 1 once the adds are
+  // complete (the consumers go on meanwhile).
+  static __device__ __forceinline__ void write_dq(const Params& P, unsigned char* smem, uint32_t s0, const Bars& bar) {
+    const volatile DqSlot* slot = reinterpret_cast<const volatile DqSlot*>(smem + kOffSlot);
+    constexpr int kBoxes = (kBlockM / 64) * (kD / 32);  // per buffer
+    for (uint32_t n = 0;; ++n) {
+      ptx::mbar_wait(bar.dq_full(), n & 1);
+      if (slot->done) break;
+      int32_t* sem = slot->sem;
+      const int row = slot->row, h = slot->h, b = slot->b, rank = slot->rank;
+      if (sem != nullptr) {
+        while (ptx::ld_acquire_gpu(sem) != rank) __nanosleep(32);
+        ptx::fence_proxy_async_global();
+      }
+#pragma unroll 1
+      for (int buf = 0; buf < kDqBufs; ++buf) {
+#pragma unroll 1
+        for (int x = 0; x < kBoxes; ++x) {
+          ptx::tma_reduce_add_4d(&P.tdq, s0 + kOffDQ + buf * kDqBuf + x * 8192, 32 * (x % (kD / 32)),
+                                 row + 64 * (x / (kD / 32)), h, b);
+        }
+        ptx::bulk_commit();
+        // deterministic: the two warpgroups' partials (d 64) in a fixed order
+        if (sem != nullptr && buf + 1 < kDqBufs) ptx::bulk_wait<0>();
+      }
+      ptx::bulk_wait_read<0>();
+      ptx::mbar_arrive(bar.dq_empty());
+      if (sem != nullptr) {
+        ptx::bulk_wait<0>();
+        ptx::fence_proxy_async_global();
+        __threadfence();
+        ptx::st_release_gpu(sem, rank + 1);
+      }
+    }
+    ptx::bulk_wait<0>();
+  }
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
   static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, unsigned char* smem,
                                                  uint32_t s0, const Bars& bar, int wg, int warp_in_wg, int lane) {
@@ -426,6 +523,7 @@ struct Sm90Bwd {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
     }
+    uint32_t dcnt = 0;  // blocks handed to the dQ writer
     if (w.m_first <= w.m_last) {
       ptx::mbar_wait(bar.kv_ready(), 0);
       const uint32_t sK = s0 + kOffK + wg * (64 * 128);  // this warpgroup's 64 key rows
@@ -582,7 +680,26 @@ struct Sm90Bwd {
             }
           }
         };
-        if (P.sem == nullptr) {
+        // The writer warp's path: the block into the staging buffer (once the writer has read the
+        // previous one), then the full barrier. Packed: a sequence's last, partial query tile
+        // keeps the atomics (its rows past the sequence are the next sequence's dQ rows).
+        const bool via_writer = P.dq_writer != 0 && !(kPacked && q_lo + kBlockM > Nq);
+        if (via_writer) {
+          if (dcnt > 0) ptx::mbar_wait(bar.dq_empty(), (dcnt - 1) & 1);
+          ++dcnt;
+          if (wg == 0 && warp_in_wg == 0 && lane == 0) {
+            volatile DqSlot* slot = reinterpret_cast<volatile DqSlot*>(smem + kOffSlot);
+            slot->row = q0 + q_lo;
+            slot->h = h;
+            slot->b = kPacked ? 0 : it.b;
+            slot->done = 0;
+            slot->sem = P.sem != nullptr ? P.sem + q0 + Base::q_rows(p, it.b, h) + q_lo : nullptr;
+            slot->rank = P.sem != nullptr ? it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN : 0;
+          }
+          stage_dq(dq, s0, wg, warp_in_wg, g, t);
+          ptx::fence_proxy_async();  // the generic-proxy writes before the writer's TMA reads
+          ptx::mbar_arrive(bar.dq_full());
+        } else if (P.sem == nullptr) {
           add_dq();
         } else {
           // Deterministic: the key tiles that see query tile (h, m) add in ascending order, each
@@ -610,6 +727,12 @@ struct Sm90Bwd {
           }
         }
       }
+    }
+
+    if (P.dq_writer) {  // the walk's end, for the dQ writer
+      if (dcnt > 0) ptx::mbar_wait(bar.dq_empty(), (dcnt - 1) & 1);
+      if (wg == 0 && warp_in_wg == 0 && lane == 0) reinterpret_cast<volatile DqSlot*>(smem + kOffSlot)->done = 1;
+      ptx::mbar_arrive(bar.dq_full());
     }
 
     // Epilogue: dK (scaled) and dV of the warp's 16 keys, straight from the accumulators. The
@@ -672,6 +795,8 @@ struct Sm90Bwd {
         ptx::mbar_init(bar.empty(s), 32 * kConsumerWarps);  // one per consumer thread
       }
       ptx::mbar_init(bar.q_tail(), 1);
+      ptx::mbar_init(bar.dq_full(), 32 * kConsumerWarps);  // one per consumer thread
+      ptx::mbar_init(bar.dq_empty(), 1);                   // the writer's lane 0
       ptx::fence_barrier_init();
     }
     __syncthreads();
@@ -691,7 +816,11 @@ struct Sm90Bwd {
                                                   int lane) {
     if (wg == 0) {
       ptx::reg_dealloc<Tile::kProducerRegs>();
-      if (warp == 0) produce(P, p, sp, smem, s0, bar, lane);
+      if (warp == 0) {
+        produce(P, p, sp, smem, s0, bar, lane);
+      } else if (warp == 1 && P.dq_writer) {
+        write_dq(P, smem, s0, bar);
+      }
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
       consume(P, p, sp.q0, smem, s0, bar, wg - 1, warp % 4, lane);
@@ -867,6 +996,13 @@ int launch_bwd(const FgBwdArgs& a) {
       if (st == FG_OK) {
         st = detail::make_tmap(&p.tdo, a.dout, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.do_stride_b,
                                a.do_stride_h, a.do_stride_n, K::kBlockM, "dout");
+      }
+      // dQ partials by the writer warp's tensor reduce-adds unless FLASHGEN_SM90_BWD_DQ=atomic (a
+      // diagnostic switch for A/B timing, read per launch).
+      const char* dq_env = getenv("FLASHGEN_SM90_BWD_DQ");
+      p.dq_writer = !(dq_env && strcmp(dq_env, "atomic") == 0);
+      if (st == FG_OK && p.dq_writer) {
+        st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
     }
     if (st != FG_OK) return st;

@@ -93,6 +93,25 @@ __device__ __forceinline__ void tma_store_4d(const void* tmap, uint32_t src, int
                : "memory");
 #endif
 }
+// The tensor reduction: adds (fp32 add, each element atomically) a 4-d box of shared memory at
+// `src` (the tensor map's box and swizzle) into the tensor at the coordinates, as one bulk group
+// of this thread. Elements outside the tensor are not touched.
+__device__ __forceinline__ void tma_reduce_add_4d(const void* tmap, uint32_t src, int c0, int c1, int c2, int c3) {
+#if defined(FG_SM90A)
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(tmap)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+#endif
+}
+// Orders async-proxy (TMA) global accesses with this thread's generic-proxy ones around a
+// synchronisation through global memory.
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(FG_SM90A)
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
 __device__ __forceinline__ void bulk_commit() {
 #if defined(FG_SM90A)
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");

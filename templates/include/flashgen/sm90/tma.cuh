@@ -85,6 +85,30 @@ inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch
   return FG_OK;
 }
 
+// The backward's dQ workspace (fp32 [batch, heads, rows, d], dense) as a 4-d map read in boxes
+// of 32 columns (128 bytes, the 128-byte swizzle's row) x 64 rows: the target of the dQ writer's
+// tensor reduce-adds (sm90/bwd.cuh). Rows >= rows are outside the tensor and not touched.
+inline int make_tmap_dq(CUtensorMap* map, const float* ptr, int64_t batch, int64_t heads, int64_t rows, int64_t d) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (!encode) {
+    return cuda::detail::fail(FG_ERR_LAUNCH, "cuTensorMapEncodeTiled is not available from the "
+                                             "CUDA driver (the sm90 kernels need a CUDA 12+ driver)");
+  }
+  const int64_t b = batch > 0 ? batch : 1, h = heads > 0 ? heads : 1, n = rows > 0 ? rows : 1;
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(n), cuuint64_t(h), cuuint64_t(b)};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * 4, cuuint64_t(n * d) * 4, cuuint64_t(h * n * d) * 4};
+  const cuuint32_t box[4] = {32, 64, 1, 1};
+  const cuuint32_t estr[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<float*>(ptr), dims, strides, box,
+                            estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return cuda::detail::fail(FG_ERR_ALIGNMENT, "dq_accum: the sm90 backward's dQ tensor map failed (error %d)",
+                              int(r));
+  }
+  return FG_OK;
+}
+
 }  // namespace detail
 }  // namespace sm90
 }  // namespace flashgen

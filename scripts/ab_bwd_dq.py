@@ -1,0 +1,100 @@
+"""A/B of the sm90 backward's dQ path in one process: the dQ writer warp's tensor reduce-adds from
+shared-memory staging (default) against the consumers' own fp32 atomics
+(FLASHGEN_SM90_BWD_DQ=atomic, read per launch), alternating A, B, A, B, ... (--rounds each),
+median forward+backward TFLOP/s per case (CUDA events, flashgen.bench.time_fn; bf16, B·N = 16K,
+H·d = 2048; FLOPs 3.5x the forward's), with SDPA cuDNN timed the same way in the same process.
+Also the deterministic mode (--det) in both arms. The arms' gradients are compared (allclose
+at bf16 tolerances; the deterministic arms bitwise across two calls each).
+
+    python3 scripts/ab_bwd_dq.py [--rounds 5] [--seqlens 1024 4096 16384] [--head-dims 64 128] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import flashgen
+from flashgen import bench, flops
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = (("writer", None), ("atomic", "atomic"))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
+    ap.add_argument("--det", action="store_true", help="also the deterministic mode (both arms)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for name in a.specs:
+        op = flashgen.compile(ROOT / "specs" / f"{name}.attn")
+        cudnn = bench.peers(op.spec, dev)["sdpa-cudnn"]
+        for d in a.head_dims:
+            for n in a.seqlens:
+                b, h = max(1, 16384 // n), 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(n + d)
+                q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                                 for _ in range(4))
+                q, k, v = (t.requires_grad_() for t in (q, k, v))
+                fl = flops.call_flops(op.spec, n, n, d, batch=b, heads=h, kind="fwd+bwd")
+                modes = (False, True) if a.det else (False,)
+                for det in modes:
+                    res = {arm: [] for arm, _ in ARMS}
+                    res["cudnn"] = []
+                    grads = {}
+                    with flashgen.use_family("sm90"):
+                        for _ in range(a.rounds):
+                            for arm, val in ARMS:
+                                if val is None:
+                                    os.environ.pop("FLASHGEN_SM90_BWD_DQ", None)
+                                else:
+                                    os.environ["FLASHGEN_SM90_BWD_DQ"] = val
+
+                                def step(det=det):
+                                    return torch.autograd.grad(op(q, k, v, deterministic=det), (q, k, v), dout)
+
+                                grads[arm] = step()
+                                if det:
+                                    again = step()
+                                    grads[arm + "-repeat"] = all(torch.equal(x, y) for x, y in zip(grads[arm], again))
+                                ms = bench.time_fn(step, dev, warmup=2, reps=a.reps)
+                                res[arm].append(fl / ms / 1e9)
+                            if not det:
+                                ms = bench.time_fn(lambda: torch.autograd.grad(cudnn(q, k, v, {}), (q, k, v), dout),
+                                                   dev, warmup=2, reps=a.reps)
+                                res["cudnn"].append(fl / ms / 1e9)
+                    os.environ.pop("FLASHGEN_SM90_BWD_DQ", None)
+                    close = all(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2)
+                                for x, y in zip(grads["writer"], grads["atomic"]))
+                    row = {"spec": name, "d": d, "n": n, "deterministic": det, "close": close,
+                           **{arm: statistics.median(res[arm]) for arm, _ in ARMS}}
+                    if res["cudnn"]:
+                        row["cudnn"] = statistics.median(res["cudnn"])
+                    if det:
+                        row["repeatable"] = {arm: grads[arm + "-repeat"] for arm, _ in ARMS}
+                    row["ratio"] = row["writer"] / row["atomic"]
+                    rows.append(row)
+                    print(f"{name:7s} d{d:<4d} N{n:<6d} det {int(det)}  writer {row['writer']:6.1f}  atomic "
+                          f"{row['atomic']:6.1f}  ratio {row['ratio']:.3f}  cudnn {row.get('cudnn', float('nan')):6.1f}"
+                          f"  close {close}  {row.get('repeatable', '')}", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
