@@ -1,6 +1,7 @@
 """A/B of the sm90 backward's dQ path in one process: the dQ writer warp's tensor reduce-adds from
 shared-memory staging (default) against the consumers' own fp32 atomics
-(FLASHGEN_SM90_BWD_DQ=atomic, read per launch), alternating A, B, A, B, ... (--rounds each),
+(FLASHGEN_SM90_BWD_DQ=atomic, read per launch), and the writer with the key tiles ordered
+slowest in the grid (FLASHGEN_SM90_BWD_ORDER=lpt), alternating the arms (--rounds each),
 median forward+backward TFLOP/s per case (CUDA events, flashgen.bench.time_fn; bf16, B·N = 16K,
 H·d = 2048; FLOPs 3.5x the forward's), with SDPA cuDNN timed the same way in the same process.
 Also the deterministic mode (--det) in both arms. The arms' gradients are compared (allclose
@@ -25,7 +26,8 @@ import flashgen
 from flashgen import bench, flops
 
 ROOT = Path(__file__).resolve().parent.parent
-ARMS = (("writer", None), ("atomic", "atomic"))
+# arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER); None: unset (the default)
+ARMS = (("writer", (None, None)), ("atomic", ("atomic", None)), ("writer-lpt", (None, "lpt")))
 
 
 def main() -> int:
@@ -59,10 +61,11 @@ def main() -> int:
                     with flashgen.use_family("sm90"):
                         for _ in range(a.rounds):
                             for arm, val in ARMS:
-                                if val is None:
-                                    os.environ.pop("FLASHGEN_SM90_BWD_DQ", None)
-                                else:
-                                    os.environ["FLASHGEN_SM90_BWD_DQ"] = val
+                                for var, x in zip(("FLASHGEN_SM90_BWD_DQ", "FLASHGEN_SM90_BWD_ORDER"), val):
+                                    if x is None:
+                                        os.environ.pop(var, None)
+                                    else:
+                                        os.environ[var] = x
 
                                 def step(det=det):
                                     return torch.autograd.grad(op(q, k, v, deterministic=det), (q, k, v), dout)
@@ -78,8 +81,9 @@ def main() -> int:
                                                    dev, warmup=2, reps=a.reps)
                                 res["cudnn"].append(fl / ms / 1e9)
                     os.environ.pop("FLASHGEN_SM90_BWD_DQ", None)
+                    os.environ.pop("FLASHGEN_SM90_BWD_ORDER", None)
                     close = all(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2)
-                                for x, y in zip(grads["writer"], grads["atomic"]))
+                                for arm in ("atomic", "writer-lpt") for x, y in zip(grads["writer"], grads[arm]))
                     row = {"spec": name, "d": d, "n": n, "deterministic": det, "close": close,
                            **{arm: statistics.median(res[arm]) for arm, _ in ARMS}}
                     if res["cudnn"]:
@@ -89,8 +93,9 @@ def main() -> int:
                     row["ratio"] = row["writer"] / row["atomic"]
                     rows.append(row)
                     print(f"{name:7s} d{d:<4d} N{n:<6d} det {int(det)}  writer {row['writer']:6.1f}  atomic "
-                          f"{row['atomic']:6.1f}  ratio {row['ratio']:.3f}  cudnn {row.get('cudnn', float('nan')):6.1f}"
-                          f"  close {close}  {row.get('repeatable', '')}", flush=True)
+                          f"{row['atomic']:6.1f}  writer-lpt {row['writer-lpt']:6.1f}  ratio {row['ratio']:.3f}  "
+                          f"cudnn {row.get('cudnn', float('nan')):6.1f}  close {close}  {row.get('repeatable', '')}",
+                          flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     return 0

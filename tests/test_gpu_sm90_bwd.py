@@ -371,15 +371,18 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
 # the consumers' fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, read per launch) both give the
 # reference's gradients: padded with query tiles cut by seqlen_q, GQA, packed (whose partial last
 # query tiles keep the atomics), and deterministic (the writer waits on the semaphores).
-@pytest.mark.parametrize("path", ["writer", "atomic"])
+# Also the grid order with the key tiles slowest (FLASHGEN_SM90_BWD_ORDER=lpt).
+@pytest.mark.parametrize("path", ["writer", "atomic", "lpt"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_paths(ops, monkeypatch, path, d):
     import varlen_cases
 
+    monkeypatch.delenv("FLASHGEN_SM90_BWD_DQ", raising=False)
+    monkeypatch.delenv("FLASHGEN_SM90_BWD_ORDER", raising=False)
     if path == "atomic":
         monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", "atomic")
-    else:
-        monkeypatch.delenv("FLASHGEN_SM90_BWD_DQ", raising=False)
+    elif path == "lpt":
+        monkeypatch.setenv("FLASHGEN_SM90_BWD_ORDER", "lpt")
     gen = torch.Generator(device="cuda").manual_seed(4900 + d)
     for name, b, hq, hkv, nq, nk in [("causal", 2, 4, 4, 200, 200), ("dense", 1, 4, 2, 333, 129),
                                      ("causal", 2, 8, 1, 1000, 1000)]:

@@ -138,6 +138,10 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   // 0 = the consumers' own fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, a diagnostic switch).
   CUtensorMap tdq;
   int dq_writer;
+  // The order of the CTAs' items in blockIdx: 0 = key tile fastest (the CTAs running at once
+  // share a head's Q and dO in L2); 1 = key tile slowest (every head's first key tiles first:
+  // with causal masks the longest walks start first). FLASHGEN_SM90_BWD_ORDER=tile | lpt.
+  int lpt;
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
@@ -238,16 +242,24 @@ struct Sm90Bwd {
     return lp;
   }
 
-  // The work item of this CTA: key tile fastest, then the GQA split, then kv head, then batch.
-  // Its query heads: h0, h0 + 1, ..., h0 + n_heads - 1 (the split's share of the kv head's group).
+  // The work item of this CTA: key tile fastest (P.lpt: slowest), then the GQA split, then kv
+  // head, then batch. Its query heads: h0, h0 + 1, ..., h0 + n_heads - 1 (the split's share of
+  // the kv head's group). Either order dispatches a key tile's CTA after those of the lower key
+  // tiles of its (batch, kv head), which the deterministic mode's semaphores wait on.
   struct Item {
     int b, hkv, h0, n_heads, n_tile, kv0;
   };
-  static __device__ __forceinline__ Item item(const BaseParams& p) {
+  static __device__ __forceinline__ Item item(const Params& P, const BaseParams& p) {
     Item it;
     int64_t w = blockIdx.x;
-    it.n_tile = int(w % p.num_n_tiles);
-    w /= p.num_n_tiles;
+    if (P.lpt) {
+      const int64_t rest = P.base.total_work / P.base.num_n_tiles;  // splits x kv heads x batch
+      it.n_tile = int(w / rest);
+      w %= rest;
+    } else {
+      it.n_tile = int(w % p.num_n_tiles);
+      w /= p.num_n_tiles;
+    }
     const int split = int(w % p.num_splits);
     w /= p.num_splits;
     it.hkv = int(w % p.heads_kv);
@@ -323,7 +335,7 @@ struct Sm90Bwd {
   // zero-fills).
   static __device__ __forceinline__ void produce(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
                                                  unsigned char* smem, uint32_t s0, const Bars& bar, int lane) {
-    const Item it = item(p);
+    const Item it = item(P, p);
     const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
     const Walk w = scan(p, it, lane);
     if (w.m_first > w.m_last) return;
@@ -513,7 +525,7 @@ struct Sm90Bwd {
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
   static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, unsigned char* smem,
                                                  uint32_t s0, const Bars& bar, int wg, int warp_in_wg, int lane) {
-    const Item it = item(p);
+    const Item it = item(P, p);
     const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int g = lane >> 2, t = lane & 3;
@@ -738,7 +750,7 @@ struct Sm90Bwd {
     // Epilogue: dK (scaled) and dV of the warp's 16 keys, straight from the accumulators. The
     // item decoded again from an opaque copy of the lane: its addresses are computed here.
     const int ln = ptx::opaque(lane);
-    const Item ie = item(p);
+    const Item ie = item(P, p);
     const int gg = ln >> 2, tt = ln & 3;
     if (p.num_splits > 1) {
       // A GQA split: this CTA's heads' dK (scaled), dV added into the fp32 workspaces (the
@@ -803,7 +815,7 @@ struct Sm90Bwd {
     if constexpr (kPacked) {
       // Key tiles are counted up to max_seqlen_k: one past its sequence's keys has nothing to
       // do (its keys' dK, dV come from the CTAs that hold them).
-      const Item it = item(P.base);
+      const Item it = item(P, P.base);
       const cuda::SeqSpan sp = cuda::seq_span(P.base.cu_q, P.base.cu_k, it.b, P.base.seqlen_q, P.base.seqlen_k);
       if (it.kv0 >= sp.len_k) return;
       dispatch(P, localize(P.base, sp), sp, smem, s0, bar, wg, warp, lane);
@@ -1001,6 +1013,8 @@ int launch_bwd(const FgBwdArgs& a) {
       // diagnostic switch for A/B timing, read per launch).
       const char* dq_env = getenv("FLASHGEN_SM90_BWD_DQ");
       p.dq_writer = !(dq_env && strcmp(dq_env, "atomic") == 0);
+      const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
+      p.lpt = order_env && strcmp(order_env, "lpt") == 0;
       if (st == FG_OK && p.dq_writer) {
         st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
