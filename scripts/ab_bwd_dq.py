@@ -1,7 +1,9 @@
 """A/B of the sm90 backward's dQ path in one process: the dQ writer warp's tensor reduce-adds from
 shared-memory staging (default) against the consumers' own fp32 atomics
-(FLASHGEN_SM90_BWD_DQ=atomic, read per launch), and the writer with the key tiles ordered
-slowest in the grid (FLASHGEN_SM90_BWD_ORDER=lpt), alternating the arms (--rounds each),
+(FLASHGEN_SM90_BWD_DQ=atomic, with FLASHGEN_SM90_BWD_SPLIT=0: the kernel before both changes),
+the writer with the key tiles ordered slowest in the grid (FLASHGEN_SM90_BWD_ORDER=lpt), and the
+writer without the bare path's split waits (FLASHGEN_SM90_BWD_SPLIT=0); all read per launch,
+alternating the arms (--rounds each),
 median forward+backward TFLOP/s per case (CUDA events, flashgen.bench.time_fn; bf16, B·N = 16K,
 H·d = 2048; FLOPs 3.5x the forward's), with SDPA cuDNN timed the same way in the same process.
 Also the deterministic mode (--det) in both arms. The arms' gradients are compared (allclose
@@ -26,8 +28,10 @@ import flashgen
 from flashgen import bench, flops
 
 ROOT = Path(__file__).resolve().parent.parent
-# arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER); None: unset (the default)
-ARMS = (("writer", (None, None)), ("atomic", ("atomic", None)), ("writer-lpt", (None, "lpt")))
+# arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER, FLASHGEN_SM90_BWD_SPLIT); None: unset (the default)
+VARS = ("FLASHGEN_SM90_BWD_DQ", "FLASHGEN_SM90_BWD_ORDER", "FLASHGEN_SM90_BWD_SPLIT")
+ARMS = (("writer", (None, None, None)), ("atomic", ("atomic", None, "0")), ("writer-lpt", (None, "lpt", None)),
+        ("writer-nosplit", (None, None, "0")))
 
 
 def main() -> int:
@@ -61,7 +65,7 @@ def main() -> int:
                     with flashgen.use_family("sm90"):
                         for _ in range(a.rounds):
                             for arm, val in ARMS:
-                                for var, x in zip(("FLASHGEN_SM90_BWD_DQ", "FLASHGEN_SM90_BWD_ORDER"), val):
+                                for var, x in zip(VARS, val):
                                     if x is None:
                                         os.environ.pop(var, None)
                                     else:
@@ -80,10 +84,10 @@ def main() -> int:
                                 ms = bench.time_fn(lambda: torch.autograd.grad(cudnn(q, k, v, {}), (q, k, v), dout),
                                                    dev, warmup=2, reps=a.reps)
                                 res["cudnn"].append(fl / ms / 1e9)
-                    os.environ.pop("FLASHGEN_SM90_BWD_DQ", None)
-                    os.environ.pop("FLASHGEN_SM90_BWD_ORDER", None)
+                    for var in VARS:
+                        os.environ.pop(var, None)
                     close = all(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2)
-                                for arm in ("atomic", "writer-lpt") for x, y in zip(grads["writer"], grads[arm]))
+                                for arm, _ in ARMS[1:] for x, y in zip(grads["writer"], grads[arm]))
                     row = {"spec": name, "d": d, "n": n, "deterministic": det, "close": close,
                            **{arm: statistics.median(res[arm]) for arm, _ in ARMS}}
                     if res["cudnn"]:
@@ -93,7 +97,7 @@ def main() -> int:
                     row["ratio"] = row["writer"] / row["atomic"]
                     rows.append(row)
                     print(f"{name:7s} d{d:<4d} N{n:<6d} det {int(det)}  writer {row['writer']:6.1f}  atomic "
-                          f"{row['atomic']:6.1f}  writer-lpt {row['writer-lpt']:6.1f}  ratio {row['ratio']:.3f}  "
+                          f"{row['atomic']:6.1f}  lpt {row['writer-lpt']:6.1f}  nosplit {row['writer-nosplit']:6.1f}  ratio {row['ratio']:.3f}  "
                           f"cudnn {row.get('cudnn', float('nan')):6.1f}  close {close}  {row.get('repeatable', '')}",
                           flush=True)
     if a.json:

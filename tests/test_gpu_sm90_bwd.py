@@ -371,14 +371,18 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
 # the consumers' fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, read per launch) both give the
 # reference's gradients: padded with query tiles cut by seqlen_q, GQA, packed (whose partial last
 # query tiles keep the atomics), and deterministic (the writer waits on the semaphores).
-# Also the grid order with the key tiles slowest (FLASHGEN_SM90_BWD_ORDER=lpt).
-@pytest.mark.parametrize("path", ["writer", "atomic", "lpt"])
+# Also the grid order with the key tiles slowest (FLASHGEN_SM90_BWD_ORDER=lpt) and the bare path
+# without its split waits (FLASHGEN_SM90_BWD_SPLIT=0).
+@pytest.mark.parametrize("path", ["writer", "atomic", "lpt", "nosplit"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dq_paths(ops, monkeypatch, path, d):
     import varlen_cases
 
     monkeypatch.delenv("FLASHGEN_SM90_BWD_DQ", raising=False)
     monkeypatch.delenv("FLASHGEN_SM90_BWD_ORDER", raising=False)
+    monkeypatch.delenv("FLASHGEN_SM90_BWD_SPLIT", raising=False)
+    if path == "nosplit":
+        monkeypatch.setenv("FLASHGEN_SM90_BWD_SPLIT", "0")
     if path == "atomic":
         monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", "atomic")
     elif path == "lpt":

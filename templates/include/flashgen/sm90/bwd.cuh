@@ -142,6 +142,9 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   // share a head's Q and dO in L2); 1 = key tile slowest (every head's first key tiles first:
   // with causal masks the longest walks start first). FLASHGEN_SM90_BWD_ORDER=tile | lpt.
   int lpt;
+  // The bare path's split waits (P during dP^T's GEMM, dS during dV's): 1, or 0 under
+  // FLASHGEN_SM90_BWD_SPLIT=0 (a diagnostic switch for A/B timing).
+  int split_waits;
 };
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
@@ -577,6 +580,7 @@ struct Sm90Bwd {
           const uint64_t db = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
           MmaS::template ss<0>(da, db, st, ks > 0 ? 1 : 0);
         }
+        ptx::wgmma_commit();  // S^T alone, so that P can start while dP^T's GEMM runs
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
           const uint32_t off = (ks % 4) * 32;
@@ -585,49 +589,93 @@ struct Sm90Bwd {
           MmaS::template ss<0>(da, db, dpt, ks > 0 ? 1 : 0);
         }
         ptx::wgmma_commit();
-        ptx::wgmma_wait<0>();
-        fence_acc(st);
-        fence_acc(dpt);
-
-        // P^T and dS^T (the sm80 family's element-wise step on the same fragment layout).
         const float* sL = sLall + stage * kBlockM;
         const float* sD = sDall + stage * kBlockM;
-        // With parameter gradients (a tensor parameter that requires grad), the variant's
-        // param_grad on every in-bounds kept element (warp-aggregated fp32 atomics).
-        if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
-          if constexpr (Variant::kHasParamGrad) {
-            if (need_mask) {
-              Base::template probs_grads<true, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
-                                                     Base::kv_range(p, it.b, h, m), 0, lane);
-            } else {
-              Base::template probs_grads<false, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
-                                                      lane);
-            }
-          }
-        } else if (need_mask) {
-          Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
-                                                  Base::kv_range(p, it.b, h, m), 0, lane);
-        } else {
-          Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
-                                                   lane);
-        }
+        // P^T and dS^T. The bare path (no score expression, no dropout, a tile without masked
+        // elements): P = exp2(S^T log2e scale - LSE log2e) while dP^T's GEMM runs, dV += P^T dO
+        // issued at once, then dS = P (dP - D) while dV's GEMM runs (FlashAttention-3's order);
+        // the same arithmetic as the sm80 mainloop's bare path. Otherwise that mainloop's
+        // probs_grads once both GEMMs are done (tile classes, mask hooks, score derivative,
+        // parameter gradients, dropout, on the same fragment layout).
         uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
-        pack(st, ap);
-        pack(dpt, ads);
+        bool bare = false;
+        if constexpr (!Variant::kHasScoreMod && !Variant::kHasDropout) bare = !need_mask && P.split_waits;
+        if (bare) {
+          ptx::wgmma_wait<1>();
+          fence_acc(st);
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
+            const float l[2] = {cuda::bwd_detail::lse_log2(lse.x), cuda::bwd_detail::lse_log2(lse.y)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) st[j][e] = cuda::ptx::exp2_approx(fmaf(st[j][e], p.scale_log2, -l[e & 1]));
+          }
+          pack(st, ap);
+          fence_acc(dv);
+          fence_frag(ap);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int u = 0; u < kBlockM / 16; ++u) {
+            MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
+          }
+          ptx::wgmma_commit();
+          ptx::wgmma_wait<1>();  // dP^T (dV's GEMM may still run)
+          fence_acc(dpt);
+#pragma unroll
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 dd = *reinterpret_cast<const float2*>(sD + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dd.y : dd.x));
+          }
+          pack(dpt, ads);
+          fence_acc(dk);
+          fence_frag(ads);
+          ptx::wgmma_fence();
+#pragma unroll
+          for (int u = 0; u < kBlockM / 16; ++u) {
+            MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+          }
+        } else {
+          ptx::wgmma_wait<0>();
+          fence_acc(st);
+          fence_acc(dpt);
 
-        // dV += P^T dO, dK += dS^T Q (A from registers; B: dO / Q rows, N-major).
-        fence_acc(dv);
-        fence_acc(dk);
-        fence_frag(ap);
-        fence_frag(ads);
-        ptx::wgmma_fence();
+          // With parameter gradients (a tensor parameter that requires grad), the variant's
+          // param_grad on every in-bounds kept element (warp-aggregated fp32 atomics).
+          if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
+            if constexpr (Variant::kHasParamGrad) {
+              if (need_mask) {
+                Base::template probs_grads<true, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                       Base::kv_range(p, it.b, h, m), 0, lane);
+              } else {
+                Base::template probs_grads<false, true>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
+                                                        lane);
+              }
+            }
+          } else if (need_mask) {
+            Base::template probs_grads<true, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0,
+                                                    Base::kv_range(p, it.b, h, m), 0, lane);
+          } else {
+            Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
+                                                     lane);
+          }
+          pack(st, ap);
+          pack(dpt, ads);
+
+          // dV += P^T dO, dK += dS^T Q (A from registers; B: dO / Q rows, N-major).
+          fence_acc(dv);
+          fence_acc(dk);
+          fence_frag(ap);
+          fence_frag(ads);
+          ptx::wgmma_fence();
 #pragma unroll
-        for (int u = 0; u < kBlockM / 16; ++u) {
-          MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
-        }
+          for (int u = 0; u < kBlockM / 16; ++u) {
+            MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
+          }
 #pragma unroll
-        for (int u = 0; u < kBlockM / 16; ++u) {
-          MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+          for (int u = 0; u < kBlockM / 16; ++u) {
+            MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+          }
         }
         ptx::wgmma_commit();
 
@@ -1015,6 +1063,8 @@ int launch_bwd(const FgBwdArgs& a) {
       p.dq_writer = !(dq_env && strcmp(dq_env, "atomic") == 0);
       const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
       p.lpt = order_env && strcmp(order_env, "lpt") == 0;
+      const char* split_env = getenv("FLASHGEN_SM90_BWD_SPLIT");
+      p.split_waits = !(split_env && strcmp(split_env, "0") == 0);
       if (st == FG_OK && p.dq_writer) {
         st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
