@@ -4,7 +4,8 @@ shared-memory staging (default) against the consumers' own fp32 atomics
 the writer with the key tiles ordered slowest in the grid (FLASHGEN_SM90_BWD_ORDER=lpt), and the
 writer without the bare path's split waits (FLASHGEN_SM90_BWD_SPLIT=0); all read per launch,
 alternating the arms (--rounds each),
-median forward+backward TFLOP/s per case (CUDA events, flashgen.bench.time_fn; bf16, B·N = 16K,
+median forward+backward TFLOP/s per case (CUDA events with an L2 flush before each call,
+flashgen.bench.time_fn; bf16, B·N = 16K,
 H·d = 2048; FLOPs 3.5x the forward's), with SDPA cuDNN timed the same way in the same process.
 Also the deterministic mode (--det) in both arms. The arms' gradients are compared (allclose
 at bf16 tolerances; the deterministic arms bitwise across two calls each).
@@ -78,11 +79,11 @@ def main() -> int:
                                 if det:
                                     again = step()
                                     grads[arm + "-repeat"] = all(torch.equal(x, y) for x, y in zip(grads[arm], again))
-                                ms = bench.time_fn(step, dev, warmup=2, reps=a.reps)
+                                ms = bench.time_fn(step, dev, warmup=2, reps=a.reps, flush_l2=True, min_ms=30)
                                 res[arm].append(fl / ms / 1e9)
                             if not det:
                                 ms = bench.time_fn(lambda: torch.autograd.grad(cudnn(q, k, v, {}), (q, k, v), dout),
-                                                   dev, warmup=2, reps=a.reps)
+                                                   dev, warmup=2, reps=a.reps, flush_l2=True, min_ms=30)
                                 res["cudnn"].append(fl / ms / 1e9)
                     for var in VARS:
                         os.environ.pop(var, None)
