@@ -878,7 +878,7 @@ struct Sm90Bwd {
       ptx::reg_dealloc<Tile::kProducerRegs>();
       if (warp == 0) {
         produce(P, p, sp, smem, s0, bar, lane);
-      } else if (warp == 1 && P.dq_writer) {
+      } else if (warp == 1 && lane == 0 && P.dq_writer) {  // one thread issues and waits
         write_dq(P, smem, s0, bar);
       }
     } else {
@@ -1044,6 +1044,12 @@ int launch_bwd(const FgBwdArgs& a) {
     b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
     const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
+    // Diagnostic switches for A/B timing, read per launch: the grid order (FLASHGEN_SM90_BWD_ORDER)
+    // and the bare path's split waits (FLASHGEN_SM90_BWD_SPLIT).
+    const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
+    p.lpt = order_env && strcmp(order_env, "lpt") == 0;
+    const char* split_env = getenv("FLASHGEN_SM90_BWD_SPLIT");
+    p.split_waits = !(split_env && strcmp(split_env, "0") == 0);
     st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st == FG_OK) {
@@ -1061,10 +1067,6 @@ int launch_bwd(const FgBwdArgs& a) {
       // diagnostic switch for A/B timing, read per launch).
       const char* dq_env = getenv("FLASHGEN_SM90_BWD_DQ");
       p.dq_writer = !(dq_env && strcmp(dq_env, "atomic") == 0);
-      const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
-      p.lpt = order_env && strcmp(order_env, "lpt") == 0;
-      const char* split_env = getenv("FLASHGEN_SM90_BWD_SPLIT");
-      p.split_waits = !(split_env && strcmp(split_env, "0") == 0);
       if (st == FG_OK && p.dq_writer) {
         st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
