@@ -327,13 +327,13 @@ def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES) -> int:
     """Dynamic shared memory of one sm90 backward CTA in bytes (sm90/bwd.cuh's layout): K and V
     of the key tile, the Q and dO rings, two dS buffers, the fp32 dQ staging of the dQ writer
     (one query tile, two at d 64 with 64-row tiles), the LSE and D rings, the mbarriers
-    (5 + 2 · stages) and 1024 bytes of alignment slack."""
+    (5 + 2 · stages), the writer's 32-byte slot and 1024 bytes of alignment slack."""
     bm, panels = BWD_BLOCK_M[head_dim], head_dim // 64
     kv = 2 * panels * BWD_BLOCK_N * 128
     q_do = 2 * stages * panels * bm * 128
     ds = 2 * (BWD_BLOCK_N // 64) * bm * 128
     dq = (2 if bm == 64 and head_dim == 64 else 1) * bm * head_dim * 4
-    return kv + q_do + ds + dq + 2 * stages * bm * 4 + 8 * (5 + 2 * stages) + 1024
+    return kv + q_do + ds + dq + 2 * stages * bm * 4 + 8 * (5 + 2 * stages) + 32 + 1024
 BWD_KEYS = ("bwd90_block_m", "bwd90_stages")
 
 
