@@ -29,10 +29,10 @@ import flashgen
 from flashgen import bench, flops
 
 ROOT = Path(__file__).resolve().parent.parent
-# arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER, FLASHGEN_SM90_BWD_SPLIT); None: unset (the default)
+# arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER, FLASHGEN_SM90_BWD_SPLIT)
 VARS = ("FLASHGEN_SM90_BWD_DQ", "FLASHGEN_SM90_BWD_ORDER", "FLASHGEN_SM90_BWD_SPLIT")
-ARMS = (("writer", (None, None, None)), ("atomic", ("atomic", None, "0")), ("writer-lpt", (None, "lpt", None)),
-        ("writer-nosplit", (None, None, "0")))
+ARMS = (("writer", ("writer", "tile", "1")), ("atomic", ("atomic", "tile", "0")), ("writer-lpt", ("writer", "lpt", "1")),
+        ("writer-nosplit", ("writer", "tile", "0")))
 
 
 def main() -> int:

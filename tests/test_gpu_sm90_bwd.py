@@ -378,15 +378,11 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
 def test_dq_paths(ops, monkeypatch, path, d):
     import varlen_cases
 
-    monkeypatch.delenv("FLASHGEN_SM90_BWD_DQ", raising=False)
-    monkeypatch.delenv("FLASHGEN_SM90_BWD_ORDER", raising=False)
-    monkeypatch.delenv("FLASHGEN_SM90_BWD_SPLIT", raising=False)
-    if path == "nosplit":
-        monkeypatch.setenv("FLASHGEN_SM90_BWD_SPLIT", "0")
-    if path == "atomic":
-        monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", "atomic")
-    elif path == "lpt":
-        monkeypatch.setenv("FLASHGEN_SM90_BWD_ORDER", "lpt")
+    dq, order, split = {"writer": ("writer", "tile", "1"), "atomic": ("atomic", "tile", "0"),
+                        "lpt": ("writer", "lpt", "1"), "nosplit": ("writer", "tile", "0")}[path]
+    monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", dq)
+    monkeypatch.setenv("FLASHGEN_SM90_BWD_ORDER", order)
+    monkeypatch.setenv("FLASHGEN_SM90_BWD_SPLIT", split)
     gen = torch.Generator(device="cuda").manual_seed(4900 + d)
     for name, b, hq, hkv, nq, nk in [("causal", 2, 4, 4, 200, 200), ("dense", 1, 4, 2, 333, 129),
                                      ("causal", 2, 8, 1, 1000, 1000)]:

@@ -898,6 +898,12 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
+// The defaults of the backward's diagnostic switches (each overridden per launch by its variable):
+// FLASHGEN_SM90_BWD_DQ=writer | atomic, FLASHGEN_SM90_BWD_SPLIT=1 | 0, FLASHGEN_SM90_BWD_ORDER=tile | lpt.
+constexpr bool kBwdDefaultDqWriter = true;
+constexpr bool kBwdDefaultSplitWaits = true;
+constexpr bool kBwdDefaultLpt = false;
+
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 int launch_bwd(const FgBwdArgs& a) {
   using K = Sm90Bwd<Variant, Element, kHeadDim, Tile, kPacked, kSparse>;
@@ -1047,9 +1053,9 @@ int launch_bwd(const FgBwdArgs& a) {
     // Diagnostic switches for A/B timing, read per launch: the grid order (FLASHGEN_SM90_BWD_ORDER)
     // and the bare path's split waits (FLASHGEN_SM90_BWD_SPLIT).
     const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
-    p.lpt = order_env && strcmp(order_env, "lpt") == 0;
+    p.lpt = order_env ? strcmp(order_env, "lpt") == 0 : kBwdDefaultLpt;
     const char* split_env = getenv("FLASHGEN_SM90_BWD_SPLIT");
-    p.split_waits = !(split_env && strcmp(split_env, "0") == 0);
+    p.split_waits = split_env ? strcmp(split_env, "0") != 0 : kBwdDefaultSplitWaits;
     st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st == FG_OK) {
@@ -1066,7 +1072,7 @@ int launch_bwd(const FgBwdArgs& a) {
       // dQ partials by the writer warp's tensor reduce-adds unless FLASHGEN_SM90_BWD_DQ=atomic (a
       // diagnostic switch for A/B timing, read per launch).
       const char* dq_env = getenv("FLASHGEN_SM90_BWD_DQ");
-      p.dq_writer = !(dq_env && strcmp(dq_env, "atomic") == 0);
+      p.dq_writer = dq_env ? strcmp(dq_env, "atomic") != 0 : kBwdDefaultDqWriter;
       if (st == FG_OK && p.dq_writer) {
         st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
