@@ -18,7 +18,8 @@
 //     the query tiles of every query head of its share of the kv head's group: dK, dV of its
 //     keys summed over those heads in registers and written directly (or, with the group split
 //     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
-//     by the dQ writer warp's TMA tensor reduce-adds (or the consumers' fp32 atomics);
+//     by the consumers' fp32 atomics or (FLASHGEN_SM90_BWD_DQ=writer) the dQ writer warp's TMA
+//     tensor reduce-adds (the defaults: kBwdDefault* below);
 //  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype (and dk, dv
 //     from their workspaces when the group was split).
 //
@@ -44,11 +45,11 @@
 //                                         block of the query tile's dQ (d 128: a column half,
 //                                         over all 128 keys; d 64: the whole tile over its own
 //                                         64 keys, in a staging buffer of its own), staged for
-//                                         the writer. A packed sequence's partial last query
-//                                         tile (whose rows past the sequence are the next
-//                                         sequence's), and every tile under
-//                                         FLASHGEN_SM90_BWD_DQ=atomic (a diagnostic switch read
-//                                         per launch), adds by red.global.add.v2.f32 instead.
+//                                         the writer; without the writer
+//                                         (FLASHGEN_SM90_BWD_DQ=atomic, read per launch), and for
+//                                         a packed sequence's partial last query tile (whose rows
+//                                         past the sequence are the next sequence's), added by
+//                                         red.global.add.v2.f32 instead.
 //     then releases the stage. The dS buffer is double-buffered; one named barrier per step
 //     between the consumer warpgroups orders its writes before the dQ GEMM's reads and the
 //     GEMM's reads before the next-but-one step's writes.
@@ -591,8 +592,8 @@ struct Sm90Bwd {
         ptx::wgmma_commit();
         const float* sL = sLall + stage * kBlockM;
         const float* sD = sDall + stage * kBlockM;
-        // P^T and dS^T. The bare path (no score expression, no dropout, a tile without masked
-        // elements): P = exp2(S^T log2e scale - LSE log2e) while dP^T's GEMM runs, dV += P^T dO
+        // P^T and dS^T. The bare path with split waits (FLASHGEN_SM90_BWD_SPLIT=1; no score
+        // expression, no dropout, a tile without masked elements): P = exp2(S^T log2e scale - LSE log2e) while dP^T's GEMM runs, dV += P^T dO
         // issued at once, then dS = P (dP - D) while dV's GEMM runs (FlashAttention-3's order);
         // the same arithmetic as the sm80 mainloop's bare path. Otherwise that mainloop's
         // probs_grads once both GEMMs are done (tile classes, mask hooks, score derivative,
@@ -900,8 +901,8 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 
 // The defaults of the backward's diagnostic switches (each overridden per launch by its variable):
 // FLASHGEN_SM90_BWD_DQ=writer | atomic, FLASHGEN_SM90_BWD_SPLIT=1 | 0, FLASHGEN_SM90_BWD_ORDER=tile | lpt.
-constexpr bool kBwdDefaultDqWriter = true;
-constexpr bool kBwdDefaultSplitWaits = true;
+constexpr bool kBwdDefaultDqWriter = false;  // until measured on a GPU (docs/perf-notes.md)
+constexpr bool kBwdDefaultSplitWaits = false;  // likewise
 constexpr bool kBwdDefaultLpt = false;
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
