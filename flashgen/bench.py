@@ -59,6 +59,20 @@ def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
     return buf
 
 
+def _cuda_times(fn: Callable[[], object], device: torch.device, n: int, flush: torch.Tensor | None) -> list[float]:
+    """Milliseconds of each of ``n`` calls queued back to back (events around each call; ``flush``
+    zeroed before each, outside them), after one synchronisation."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        if flush is not None:
+            flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events]
+
+
 def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, reps: int = 10,
             flush_l2: bool = False, min_ms: float = 0.0) -> float:
     """Median milliseconds of one call of ``fn`` after ``warmup`` calls.
@@ -77,25 +91,9 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, 
     if device.type == "cuda":
         flush = _l2_flush_buffer(device) if flush_l2 else None
         if min_ms > 0:
-            est = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(5)]
-            for start, end in est:
-                if flush is not None:
-                    flush.zero_()
-                start.record()
-                fn()
-                end.record()
-            torch.cuda.synchronize(device)
-            per_call = max(statistics.median(a.elapsed_time(b) for a, b in est), 1e-3)
+            per_call = max(statistics.median(_cuda_times(fn, device, 5, flush)), 1e-3)
             reps = max(reps, math.ceil(min_ms / per_call))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            if flush is not None:
-                flush.zero_()
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize(device)
-        return statistics.median(start.elapsed_time(end) for start, end in events)
+        return statistics.median(_cuda_times(fn, device, reps, flush))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()

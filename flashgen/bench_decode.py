@@ -44,7 +44,6 @@ CPU: perf_counter around each call, median (no cache flush).
 from __future__ import annotations
 
 import math
-import statistics
 from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -65,7 +64,6 @@ from .sparsity import mask_extents
 # The peers timed next to ours on each device type.
 PEERS = {"cuda": ("sdpa-flash", "sdpa-cudnn", "sdpa-efficient"), "cpu": ("sdpa",)}
 READ_ONLY = "read-only"
-FLUSH_BYTES = 256 << 20
 
 
 @dataclass
@@ -245,22 +243,11 @@ def sdpa_peer(backend, q, k, v, mask) -> tuple[Callable | None, str]:
 
 
 def time_decode(fn: Callable[[], object], device: torch.device, *, reps: int = 10, warmup: int = 3,
-                flush: torch.Tensor | None = None) -> float:
-    """Median milliseconds of one call of ``fn``: CUDA with ``flush`` (a large int8 buffer) zeroed
-    before each call, outside the events around it; CPU as flashgen.bench.time_fn."""
-    if device.type != "cuda":
-        return bench.time_fn(fn, device, warmup=warmup, reps=reps)
-    for _ in range(warmup):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        if flush is not None:
-            flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize(device)
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+                flush: bool | None = None) -> float:
+    """Median milliseconds of one call of ``fn``: flashgen.bench.time_fn, on CUDA with its L2
+    flush (a 256 MiB buffer zeroed before each call, outside the events around it) when
+    ``flush``."""
+    return bench.time_fn(fn, device, warmup=warmup, reps=reps, flush_l2=bool(flush))
 
 
 def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: int, requested: int) -> str:
@@ -330,7 +317,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
     _check_sizes(shapes, heads, kv_heads, seqlen_q, variants)
     tdtype = TORCH_DTYPE[dtype]
     H, Hkv, Sq = heads, kv_heads, seqlen_q
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device) if device.type == "cuda" else None
+    flush = device.type == "cuda"
     peer_names = [n for n in PEERS.get(device.type, ()) if not include or n in include]
     backends: dict = {"sdpa": None}
     if device.type == "cuda":
@@ -441,7 +428,7 @@ def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: 
     uniform = min(capacity, (2 * sum(lengths) + batch) // (2 * batch))
     tdtype = TORCH_DTYPE[dtype]
     B, H, Hkv, Sq, d, L = batch, heads, kv_heads, seqlen_q, head_dim, capacity
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=device) if device.type == "cuda" else None
+    flush = device.type == "cuda"
     summary = {"batch": B, "capacity": L, "seqlen_q": Sq, "seed": seed, "distribution": MIXED_DISTRIBUTION,
                "lengths": lengths, "uniform_length": uniform, "ratios": {}}
     rows: list[DecodeRow] = []

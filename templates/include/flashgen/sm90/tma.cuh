@@ -43,6 +43,11 @@ inline EncodeTiledFn encode_tiled() {
   return f;
 }
 
+inline int no_encode() {
+  return cuda::detail::fail(FG_ERR_LAUNCH, "cuTensorMapEncodeTiled is not available from the "
+                                           "CUDA driver (the sm90 kernels need a CUDA 12+ driver)");
+}
+
 // A stride of a dimension with one index is never used; the TMA unit still wants a multiple of
 // 16 bytes below 2^40, so such a stride is replaced by the dense one.
 inline uint64_t used_stride(int64_t stride, int64_t extent, uint64_t dense) {
@@ -56,10 +61,7 @@ inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch
                      int64_t rows, int64_t d, int64_t sb, int64_t sh, int64_t sn, int box_rows,
                      const char* what) {
   const EncodeTiledFn encode = encode_tiled();
-  if (!encode) {
-    return cuda::detail::fail(FG_ERR_LAUNCH, "cuTensorMapEncodeTiled is not available from the "
-                                             "CUDA driver (the sm90 kernels need a CUDA 12+ driver)");
-  }
+  if (!encode) return no_encode();
   const int64_t b = batch > 0 ? batch : 1, h = heads > 0 ? heads : 1, n = rows > 0 ? rows : 1;
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(n), cuuint64_t(h), cuuint64_t(b)};
   const uint64_t s_n = used_stride(sn, n, uint64_t(d)) * 2;
@@ -90,10 +92,7 @@ inline int make_tmap(CUtensorMap* map, const void* ptr, bool bf16, int64_t batch
 // tensor reduce-adds (sm90/bwd.cuh). Rows >= rows are outside the tensor and not touched.
 inline int make_tmap_dq(CUtensorMap* map, const float* ptr, int64_t batch, int64_t heads, int64_t rows, int64_t d) {
   const EncodeTiledFn encode = encode_tiled();
-  if (!encode) {
-    return cuda::detail::fail(FG_ERR_LAUNCH, "cuTensorMapEncodeTiled is not available from the "
-                                             "CUDA driver (the sm90 kernels need a CUDA 12+ driver)");
-  }
+  if (!encode) return no_encode();
   const int64_t b = batch > 0 ? batch : 1, h = heads > 0 ? heads : 1, n = rows > 0 ? rows : 1;
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(n), cuuint64_t(h), cuuint64_t(b)};
   const cuuint64_t strides[3] = {cuuint64_t(d) * 4, cuuint64_t(n * d) * 4, cuuint64_t(h * n * d) * 4};
