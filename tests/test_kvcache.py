@@ -279,6 +279,21 @@ def test_bad_arguments_name_the_argument(ops):
         op.with_kvcache(q, kc, vc, **ok)  # fine without grad mode
     with pytest.raises(NotImplementedError, match="inference only"):
         op.torch_kvcache(q, kc, vc, n, None, None, None, None, None, 0, 4)
+    # FlashAttention's keywords without a counterpart here say what to do instead
+    for name, match in (("cache_batch_idx", "index the caches yourself"), ("rotary_cos", "rotary embedding"),
+                        ("softmax_scale", "pass scale="), ("causal", "spec's mask"),
+                        ("window_size", "sliding-window spec")):
+        with pytest.raises(TypeError, match=f"^{name}: FlashAttention's flash_attn_with_kvcache takes it.*{match}"):
+            op.with_kvcache(q, kc, vc, **(ok | {name: 1}))
+    # one tensor as both caches: fine to read, refused when the call writes new keys into it
+    with torch.no_grad():
+        op.with_kvcache(q, kc, kc, **ok)
+        new = torch.randn(2, 2, 1, 16)
+        for vcache in (kc, kc[:, :, :]):
+            with pytest.raises(ValueError, match="v_cache: is k_cache's memory"):
+                op.with_kvcache(q, kc, vcache, k=new, v=new, **ok)
+        both = torch.randn(2, 2, 2, 8, 16)  # k and v halves of one buffer (interleaved by batch): allowed
+        op.with_kvcache(q, both[:, 0], both[:, 1], k=new, v=new, **ok)
 
 
 def test_reserved_names_and_families_without_decode(ops):

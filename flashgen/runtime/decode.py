@@ -27,6 +27,20 @@ MAX_PAGE_SIZE = 256
 
 # Keywords of the prefill call that a decode call does not take: TypeError naming them.
 _PREFILL_ONLY = ("deterministic", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+# flash_attn_with_kvcache's keywords that with_kvcache has no counterpart for (when the spec
+# declares no parameter of that name): what a user coming from FlashAttention should do instead.
+_FLASH_ATTN_ONLY = {
+    "cache_batch_idx": "index the caches yourself (k_cache[idx], v_cache[idx]) or use a paged cache with "
+                       "block_table",
+    "rotary_cos": "apply the rotary embedding to q and k before the call",
+    "rotary_sin": "apply the rotary embedding to q and k before the call",
+    "rotary_interleaved": "apply the rotary embedding to q and k before the call",
+    "softmax_scale": "pass scale=",
+    "causal": "the spec's mask says whether attention is causal (specs/causal.attn)",
+    "window_size": "use a sliding-window spec (specs/sliding_window.attn)",
+    "alibi_slopes": "use the ALiBi spec (specs/alibi.attn) and its slopes parameter",
+    "cache_seqlens_k": "pass cache_seqlens=",
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,10 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
     Raises:
         TypeError / ValueError: bad arguments, naming the argument, before any launch (shapes,
             dtypes, devices, page size, block_table's dtype; with ``validate=True`` the values).
+        TypeError: a keyword of FlashAttention's flash_attn_with_kvcache with no counterpart
+            here (cache_batch_idx, rotary_*, softmax_scale, causal, window_size, alibi_slopes),
+            saying what to do instead, unless the spec declares a parameter of that name.
+        ValueError: also v_cache that is k_cache's memory in a call that writes k and v.
         NotImplementedError: autograd (an input requires grad with grad mode on: decoding is
             inference only), ``dropout_p`` (no dropout), or a kernel family without decode
             kernels for the call (sm90; sm80 at head dims that are not multiples of 16),
@@ -119,6 +137,11 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         if name in params:
             raise NotImplementedError(f"{name}: with_kvcache is inference only and applies no dropout (a spec's "
                                       "`dropout` line is ignored here, as in eval mode)")
+    declared = {p.name for p in op.spec.params}
+    for name, instead in _FLASH_ATTN_ONLY.items():
+        if name in params and name not in declared:
+            raise TypeError(f"{name}: FlashAttention's flash_attn_with_kvcache takes it, with_kvcache does not; "
+                            f"{instead}")
     for name in _PREFILL_ONLY:
         if name in params:
             raise TypeError(f"{name}: not an argument of with_kvcache (it takes q, k_cache, v_cache, cache_seqlens, "
@@ -251,10 +274,20 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if Sn and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
                 raise ValueError(f"{name}: a broadcast (stride 0) cache cannot be written; pass a real tensor")
+        if Sn and _same_memory(k_cache, v_cache):
+            raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
+                             "with the other; pass separate cache tensors (or k=None, v=None to read only)")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 chooses, 1 disables splitting), got {num_splits!r}")
     return KvCall(B, Hq, Hkv, Sq, d, capacity, page_size, max_pages, num_pages, Sn, cache_seqlens, cache_leftpad,
                   block_table)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` start at the same element of one storage (the same tensor, or a view
+    of it, passed twice)."""
+    return a.numel() > 0 and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() \
+        and a.data_ptr() == b.data_ptr()
 
 
 def check_values(call: KvCall) -> None:
