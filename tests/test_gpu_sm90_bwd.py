@@ -367,8 +367,9 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
     assert ours <= theirs, (ours, theirs)
 
 
-# dQ partials: the writer warp's tensor reduce-adds from shared-memory staging (the default) and
-# the consumers' fp32 atomics (FLASHGEN_SM90_BWD_DQ=atomic, read per launch) both give the
+# dQ partials: the writer warp's tensor reduce-adds from shared-memory staging
+# (FLASHGEN_SM90_BWD_DQ=writer) and the consumers' fp32 atomics (=atomic; read per launch; the
+# default is kBwdDefaultDqWriter in sm90/bwd.cuh) both give the
 # reference's gradients: padded with query tiles cut by seqlen_q, GQA, packed (whose partial last
 # query tiles keep the atomics), and deterministic (the writer waits on the semaphores).
 # Also the grid order with the key tiles slowest (FLASHGEN_SM90_BWD_ORDER=lpt) and the bare path
@@ -396,3 +397,7 @@ def test_dq_paths(ops, monkeypatch, path, d):
     with flashgen.use_family("sm90"):
         varlen_cases.run_case(fop, *PACKED_LENS, 4, 2, d, torch.bfloat16, device="cuda", seed=95, variant=0,
                               dlse=False)
+    monkeypatch.setenv("FLASHGEN_SM90_BWD_DQ", "on")  # a value the switch does not take: an error, no launch
+    q, k, v = make(1, 2, 2, 64, 64, d, torch.bfloat16, False, gen)
+    with pytest.raises(flashgen.KernelError, match="FLASHGEN_SM90_BWD_DQ=on: expected atomic or writer"):
+        grads_of(ops["causal"], q, k, v, torch.ones_like(q))

@@ -206,7 +206,12 @@ def sm90_bwd_unit(request, tmp_path_factory):
 
 
 def test_sm90_bwd_no_spills(sm90_bwd_unit):
+    """Also no wgmma serialisation: ptxas reports it as info (C7512 "wgmma.mma_async instructions
+    are serialized", C7519 "warpgroup.arrive is injected"), not as a warning, and it costs every
+    overlap of the GEMMs (each wgmma then waits for the one before)."""
     _, report, seconds, allowed, _ = sm90_bwd_unit
+    serial = [line for line in report.splitlines() if "C7512" in line or "C7519" in line]
+    assert not serial, "ptxas serialises wgmma:\n" + "\n".join(serial)
     spills = _spills(report)
     assert any("bwd_kernel" in k and "sm90" in k for k in spills), f"no sm90 backward kernel in the report:\n{report}"
     assert all(max(v) <= allowed for v in spills.values()), f"spills (store, load bytes; {allowed} allowed): {spills}"
@@ -234,4 +239,7 @@ def test_sm90_bwd_sass(sm90_bwd_unit):
         elif in_bwd and not released and SASS_LINE.match(line) and SASS_LINE.match(line).group(1) in ("LDL", "STL"):
             consumer += 1
     assert ops.get("USETMAXREG", 0) > 0, "no setmaxnreg in the backward's SASS"
+    # wgmma waits: a handful per step (S^T, dP^T, dV, dK, dQ groups), not one per HGMMA
+    assert ops.get("HGMMA", 0) >= 4 * max(1, dump.stdout.count("WARPGROUP.DEPBAR")), \
+        f"{dump.stdout.count('WARPGROUP.DEPBAR')} wgmma waits for {ops.get('HGMMA', 0)} HGMMA (serialised?)"
     assert consumer <= consumer_allowed, f"{consumer} local-memory instructions on the consumers' path"

@@ -494,6 +494,7 @@ struct Sm90Bwd {
   // complete (the consumers go on meanwhile).
   static __device__ __forceinline__ void write_dq(const Params& P, unsigned char* smem, uint32_t s0, const Bars& bar) {
     const volatile DqSlot* slot = reinterpret_cast<const volatile DqSlot*>(smem + kOffSlot);
+    ptx::prefetch_tmap(&P.tdq);
     constexpr int kBoxes = (kBlockM / 64) * (kD / 32);  // per buffer
     for (uint32_t n = 0;; ++n) {
       ptx::mbar_wait(bar.dq_full(), n & 1);
@@ -592,18 +593,22 @@ struct Sm90Bwd {
         ptx::wgmma_commit();
         const float* sL = sLall + stage * kBlockM;
         const float* sD = sDall + stage * kBlockM;
-        // P^T and dS^T. The bare path with split waits (FLASHGEN_SM90_BWD_SPLIT=1; no score
-        // expression, no dropout, a tile without masked elements): P = exp2(S^T log2e scale - LSE log2e) while dP^T's GEMM runs, dV += P^T dO
-        // issued at once, then dS = P (dP - D) while dV's GEMM runs (FlashAttention-3's order);
-        // the same arithmetic as the sm80 mainloop's bare path. Otherwise that mainloop's
-        // probs_grads once both GEMMs are done (tile classes, mask hooks, score derivative,
-        // parameter gradients, dropout, on the same fragment layout).
+        // P^T and dS^T, then dV += P^T dO and dK += dS^T Q (wgmma, A from registers; B: dO / Q
+        // rows, N-major). The bare path with split waits (FLASHGEN_SM90_BWD_SPLIT=1; no score
+        // expression, no dropout, a tile without masked elements): P = exp2(S^T log2e scale -
+        // LSE log2e) while dP^T's GEMM runs, dV's GEMM issued at once, then dS = P (dP - D) while
+        // it runs (FlashAttention-3's order); the same arithmetic as the sm80 mainloop's bare
+        // path. Otherwise that mainloop's probs_grads once both GEMMs are done (tile classes,
+        // mask hooks, score derivative, parameter gradients with warp-aggregated fp32 atomics,
+        // dropout, on the same fragment layout). The dV and dK GEMMs are issued at one place
+        // after the branches: issued inside them, ptxas serialises every wgmma of the kernel
+        // (C7512, "insufficient register resources") to merge the in-flight accumulators.
         uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
         bool bare = false;
         if constexpr (!Variant::kHasScoreMod && !Variant::kHasDropout) bare = !need_mask && P.split_waits;
+        ptx::wgmma_wait<1>();
+        fence_acc(st);
         if (bare) {
-          ptx::wgmma_wait<1>();
-          fence_acc(st);
 #pragma unroll
           for (int j = 0; j < kBlockM / 8; ++j) {
             const float2 lse = *reinterpret_cast<const float2*>(sL + j * 8 + 2 * t);
@@ -611,38 +616,9 @@ struct Sm90Bwd {
 #pragma unroll
             for (int e = 0; e < 4; ++e) st[j][e] = cuda::ptx::exp2_approx(fmaf(st[j][e], p.scale_log2, -l[e & 1]));
           }
-          pack(st, ap);
-          fence_acc(dv);
-          fence_frag(ap);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int u = 0; u < kBlockM / 16; ++u) {
-            MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
-          }
-          ptx::wgmma_commit();
-          ptx::wgmma_wait<1>();  // dP^T (dV's GEMM may still run)
-          fence_acc(dpt);
-#pragma unroll
-          for (int j = 0; j < kBlockM / 8; ++j) {
-            const float2 dd = *reinterpret_cast<const float2*>(sD + j * 8 + 2 * t);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dd.y : dd.x));
-          }
-          pack(dpt, ads);
-          fence_acc(dk);
-          fence_frag(ads);
-          ptx::wgmma_fence();
-#pragma unroll
-          for (int u = 0; u < kBlockM / 16; ++u) {
-            MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
-          }
         } else {
           ptx::wgmma_wait<0>();
-          fence_acc(st);
           fence_acc(dpt);
-
-          // With parameter gradients (a tensor parameter that requires grad), the variant's
-          // param_grad on every in-bounds kept element (warp-aggregated fp32 atomics).
           if (Variant::kHasParamGrad && Variant::param_grad_enabled(p.vp)) {
             if constexpr (Variant::kHasParamGrad) {
               if (need_mask) {
@@ -660,23 +636,33 @@ struct Sm90Bwd {
             Base::template probs_grads<false, false>(p, st, dpt, sL, sD, it.b, h, q_lo, kv_row0, Range{0, 0}, 0,
                                                      lane);
           }
-          pack(st, ap);
-          pack(dpt, ads);
-
-          // dV += P^T dO, dK += dS^T Q (A from registers; B: dO / Q rows, N-major).
-          fence_acc(dv);
-          fence_acc(dk);
-          fence_frag(ap);
-          fence_frag(ads);
-          ptx::wgmma_fence();
+        }
+        pack(st, ap);
+        fence_acc(dv);
+        fence_frag(ap);
+        ptx::wgmma_fence();
 #pragma unroll
-          for (int u = 0; u < kBlockM / 16; ++u) {
-            MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
-          }
+        for (int u = 0; u < kBlockM / 16; ++u) {
+          MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
+        }
+        ptx::wgmma_commit();
+        ptx::wgmma_wait<1>();
+        fence_acc(dpt);
+        if (bare) {
 #pragma unroll
-          for (int u = 0; u < kBlockM / 16; ++u) {
-            MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+          for (int j = 0; j < kBlockM / 8; ++j) {
+            const float2 dd = *reinterpret_cast<const float2*>(sD + j * 8 + 2 * t);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dpt[j][e] = st[j][e] * (dpt[j][e] - ((e & 1) ? dd.y : dd.x));
           }
+        }
+        pack(dpt, ads);
+        fence_acc(dk);
+        fence_frag(ads);
+        ptx::wgmma_fence();
+#pragma unroll
+        for (int u = 0; u < kBlockM / 16; ++u) {
+          MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
         }
         ptx::wgmma_commit();
 
@@ -899,6 +885,22 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
+namespace detail {
+// A diagnostic switch: environment variable `name` unset -> `dflt`, `off` -> 0, `on` -> 1;
+// anything else is FG_ERR_BAD_SHAPE naming the variable and its values.
+inline int switch_env(const char* name, const char* off, const char* on, bool dflt, int& value) {
+  const char* env = getenv(name);
+  if (!env) {
+    value = dflt;
+  } else if (strcmp(env, off) == 0 || strcmp(env, on) == 0) {
+    value = strcmp(env, on) == 0;
+  } else {
+    return cuda::detail::fail(FG_ERR_BAD_SHAPE, "%s=%s: expected %s or %s (or unset)", name, env, off, on);
+  }
+  return FG_OK;
+}
+}  // namespace detail
+
 // The defaults of the backward's diagnostic switches (each overridden per launch by its variable):
 // FLASHGEN_SM90_BWD_DQ=writer | atomic, FLASHGEN_SM90_BWD_SPLIT=1 | 0, FLASHGEN_SM90_BWD_ORDER=tile | lpt.
 constexpr bool kBwdDefaultDqWriter = false;  // until measured on a GPU (docs/perf-notes.md)
@@ -916,6 +918,12 @@ int launch_bwd(const FgBwdArgs& a) {
   // are the longest sequence's), batch strides unused, the fp32 per-row buffers [H, total]; the
   // tensor maps and the element-wise kernels see one batch of total rows.
   int st = cuda::detail::check_sizes(a, kHeadDim, kPacked, true);
+  if (st != FG_OK) return st;
+  // The diagnostic switches (A/B timing), read per launch, before anything is launched.
+  int lpt = 0, split = 0, writer = 0;
+  st = detail::switch_env("FLASHGEN_SM90_BWD_ORDER", "tile", "lpt", kBwdDefaultLpt, lpt);
+  if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_SPLIT", "0", "1", kBwdDefaultSplitWaits, split);
+  if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_DQ", "atomic", "writer", kBwdDefaultDqWriter, writer);
   if (st != FG_OK) return st;
   // Block sparsity: each key tile's q list at the kernel's tiles (the dq lists of the sm80
   // family's separate dq pass, args.kv_blocks, are not used here). The deterministic mode's
@@ -1051,12 +1059,8 @@ int launch_bwd(const FgBwdArgs& a) {
     b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
     const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
-    // Diagnostic switches for A/B timing, read per launch: the grid order (FLASHGEN_SM90_BWD_ORDER)
-    // and the bare path's split waits (FLASHGEN_SM90_BWD_SPLIT).
-    const char* order_env = getenv("FLASHGEN_SM90_BWD_ORDER");
-    p.lpt = order_env ? strcmp(order_env, "lpt") == 0 : kBwdDefaultLpt;
-    const char* split_env = getenv("FLASHGEN_SM90_BWD_SPLIT");
-    p.split_waits = split_env ? strcmp(split_env, "0") != 0 : kBwdDefaultSplitWaits;
+    p.lpt = lpt;  // the switches read above
+    p.split_waits = split;
     st = detail::make_tmap(&p.tk, a.k, kBf16, nb, a.heads_kv, rows_k, kHeadDim, bs * a.k_stride_b,
                            a.k_stride_h, a.k_stride_n, K::kBlockN, "k");
     if (st == FG_OK) {
@@ -1070,10 +1074,7 @@ int launch_bwd(const FgBwdArgs& a) {
         st = detail::make_tmap(&p.tdo, a.dout, kBf16, nb, a.heads_q, rows_q, kHeadDim, bs * a.do_stride_b,
                                a.do_stride_h, a.do_stride_n, K::kBlockM, "dout");
       }
-      // dQ partials by the writer warp's tensor reduce-adds unless FLASHGEN_SM90_BWD_DQ=atomic (a
-      // diagnostic switch for A/B timing, read per launch).
-      const char* dq_env = getenv("FLASHGEN_SM90_BWD_DQ");
-      p.dq_writer = dq_env ? strcmp(dq_env, "atomic") != 0 : kBwdDefaultDqWriter;
+      p.dq_writer = writer;  // dQ partials by the writer warp's tensor reduce-adds, or the consumers' atomics
       if (st == FG_OK && p.dq_writer) {
         st = detail::make_tmap_dq(&p.tdq, a.dq_accum, nb, a.heads_q, rows_q, kHeadDim);
       }
