@@ -242,14 +242,6 @@ def sdpa_peer(backend, q, k, v, mask) -> tuple[Callable | None, str]:
         return None, f"unavailable: {first_line(e, 160)}"
 
 
-def time_decode(fn: Callable[[], object], device: torch.device, *, reps: int = 10, warmup: int = 3,
-                flush: bool | None = None) -> float:
-    """Median milliseconds of one call of ``fn``: flashgen.bench.time_fn, on CUDA with its L2
-    flush (a 256 MiB buffer zeroed before each call, outside the events around it) when
-    ``flush``."""
-    return bench.time_fn(fn, device, warmup=warmup, reps=reps, flush_l2=bool(flush))
-
-
 def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: int, requested: int) -> str:
     """'num_splits N': the split count the decode call's family takes for this shape (families
     with decode kernels of their own, sm80); '' for those that do not split (cpu)."""
@@ -288,13 +280,13 @@ def _failed(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {lines[0][:80] if lines else ''}"
 
 
-def _time_row(row: DecodeRow, fn: Callable | None, device: torch.device, reps: int, flush) -> None:
+def _time_row(row: DecodeRow, fn: Callable | None, device: torch.device, reps: int) -> None:
     """Fill row.ms and row.gbps (row.bytes over the median time) from timing ``fn``; a failure
     goes into row.note, not raised; ``fn`` None: left untimed."""
     if fn is None:
         return
     try:
-        row.ms = time_decode(fn, device, reps=reps, flush=flush)
+        row.ms = bench.time_fn(fn, device, reps=reps, flush_l2=True)  # (no flush on the CPU)
         row.gbps = row.bytes / (row.ms * 1e-3) / 1e9
     except Exception as e:  # reported on its row, not fatal
         row.note = _failed(e)
@@ -317,7 +309,6 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
     _check_sizes(shapes, heads, kv_heads, seqlen_q, variants)
     tdtype = TORCH_DTYPE[dtype]
     H, Hkv, Sq = heads, kv_heads, seqlen_q
-    flush = device.type == "cuda"
     peer_names = [n for n in PEERS.get(device.type, ()) if not include or n in include]
     backends: dict = {"sdpa": None}
     if device.type == "cuda":
@@ -341,7 +332,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
             def record(name, fn, nb, note="", page_size=0):
                 row = DecodeRow(name, B, L, H, Hkv, Sq, d, dtype.value, op.spec.name, page_size, device.type, nb,
                                 None, None, note)
-                _time_row(row, fn, device, reps, flush)
+                _time_row(row, fn, device, reps)
                 group.append(row)
                 log(format_row(row))
 
@@ -428,7 +419,6 @@ def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: 
     uniform = min(capacity, (2 * sum(lengths) + batch) // (2 * batch))
     tdtype = TORCH_DTYPE[dtype]
     B, H, Hkv, Sq, d, L = batch, heads, kv_heads, seqlen_q, head_dim, capacity
-    flush = device.type == "cuda"
     summary = {"batch": B, "capacity": L, "seqlen_q": Sq, "seed": seed, "distribution": MIXED_DISTRIBUTION,
                "lengths": lengths, "uniform_length": uniform, "ratios": {}}
     rows: list[DecodeRow] = []
@@ -463,7 +453,7 @@ def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: 
                     extra = split_note(op, q, dtype, Hkv, L, s)
                     row.note += f"; {extra}" if extra else ""
                     kept = row.note
-                    _time_row(row, ours, device, reps, flush)  # a timing failure replaces the note
+                    _time_row(row, ours, device, reps)  # a timing failure replaces the note
                     row.note = kept if row.note == kept else f"{kept}; {row.note}"
                 except Exception as e:  # reported on its row, not fatal
                     row.note += f"; {_failed(e)}"

@@ -25,7 +25,7 @@ differs, not a failure).
 Cases: spec causal, Sq 1, --heads 32 query heads / --kv-heads 8, d 128, bf16, every sequence at
 the cache length (no append), num_splits 0 (the family's choice); flashgen.bench_decode's paged
 copy (page_size divides L; pages shuffled, seed 0), its GB/s definition (K and V bytes of the
-attended positions per second) and timing (time_decode: L2 flushed before each call, CUDA
+attended positions per second) and timing (flashgen.bench.time_fn: L2 flushed before each call, CUDA
 events, median of --reps calls after 3 warm-up calls). --device cpu with tiny shapes runs the
 same code on the CPU family (which ignores the switches) for the tests.
 
@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from flashgen import bench_decode  # noqa: E402
+from flashgen import bench, bench_decode  # noqa: E402
 from flashgen.lang import ir  # noqa: E402
 from flashgen.ops import TORCH_DTYPE  # noqa: E402
 
@@ -112,7 +112,6 @@ def main(argv=None) -> int:
     tdtype = TORCH_DTYPE[dtype]
     op = flashgen.compile(ROOT / "specs" / "causal.attn")
     family = "sm80" if dev.type == "cuda" else "cpu"
-    flush = dev.type == "cuda"
     H, Hkv, d = a.heads, a.kv_heads, a.head_dim
     checks, rows, summary = [], [], []
     ok = True
@@ -150,7 +149,7 @@ def main(argv=None) -> int:
                 for ps, fn in calls.items():
                     for arm in ARMS:
                         with arm_env(arm):
-                            times[ps, arm].append(bench_decode.time_decode(fn, dev, reps=a.reps, flush=flush))
+                            times[ps, arm].append(bench.time_fn(fn, dev, reps=a.reps, flush_l2=True))
             gbps = {}
             for (ps, arm), ms in times.items():
                 med = statistics.median(ms)

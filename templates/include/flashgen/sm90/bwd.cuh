@@ -464,6 +464,15 @@ struct Sm90Bwd {
     }
   }
 
+  // The deterministic mode's semaphore of query tile m of head h (its first row's entry; q0: the
+  // sequence's first packed row) and this key tile's rank among the key tiles that add to it:
+  // its index minus the first tile of the query tile's closed-form key range.
+  static __device__ __forceinline__ int32_t* dq_semaphore(const Params& P, const BaseParams& p, const Item& it, int h,
+                                                          int m, int q0, int& rank) {
+    rank = it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN;
+    return P.sem + q0 + Base::q_rows(p, it.b, h) + m * kBlockM;
+  }
+
   // A consumer warp's part of its 64 x 64 dQ block into the staging buffer (sm90/tma.cuh's
   // make_tmap_dq boxes: 64 rows of 128 bytes, 16-byte chunk c of row r at c ^ (r % 8)); each
   // warp's 8-byte stores fill every bank twice, the minimum.
@@ -740,8 +749,9 @@ struct Sm90Bwd {
             slot->h = h;
             slot->b = kPacked ? 0 : it.b;
             slot->done = 0;
-            slot->sem = P.sem != nullptr ? P.sem + q0 + Base::q_rows(p, it.b, h) + q_lo : nullptr;
-            slot->rank = P.sem != nullptr ? it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN : 0;
+            int rank = 0;
+            slot->sem = P.sem != nullptr ? dq_semaphore(P, p, it, h, m, q0, rank) : nullptr;
+            slot->rank = rank;
           }
           stage_dq(dq, s0, wg, warp_in_wg, g, t);
           ptx::fence_proxy_async();  // the generic-proxy writes before the writer's TMA reads
@@ -754,8 +764,8 @@ struct Sm90Bwd {
           // intersect the tile's key range; FlashAttention-3's ordered dQ). Inside the CTA the
           // warpgroups' adds are disjoint (d 128) or ordered by a named barrier (d 64, where
           // both add to the whole tile); the count is released after all of them.
-          int32_t* sem = P.sem + q0 + Base::q_rows(p, it.b, h) + q_lo;
-          const int rank = it.n_tile - Base::kv_range(p, it.b, h, m).begin / kBlockN;
+          int rank;
+          int32_t* sem = dq_semaphore(P, p, it, h, m, q0, rank);
           if (wg == 0 && warp_in_wg == 0 && lane == 0) {
             while (ptx::ld_acquire_gpu(sem) != rank) __nanosleep(32);
           }
