@@ -10,7 +10,8 @@ H·d = 2048; FLOPs 3.5x the forward's), with SDPA cuDNN timed the same way in th
 Also the deterministic mode (--det) in both arms. The arms' gradients are compared (allclose
 at bf16 tolerances; the deterministic arms bitwise across two calls each).
 
-    python3 scripts/ab_bwd_dq.py [--rounds 5] [--seqlens 1024 4096 16384] [--head-dims 64 128] [--json F]
+    python3 scripts/ab_bwd_dq.py [--rounds 5] [--seqlens 1024 4096 16384] [--head-dims 64 128]
+                                 [--specs dense causal] [--det | --det-only] [--sm80] [--json F]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen
 from flashgen import bench, flops
+from flashgen.params import example_params
 
 ROOT = Path(__file__).resolve().parent.parent
 # arm -> (FLASHGEN_SM90_BWD_DQ, FLASHGEN_SM90_BWD_ORDER, FLASHGEN_SM90_BWD_SPLIT)
@@ -42,7 +44,9 @@ def main() -> int:
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--specs", nargs="+", default=["dense", "causal"])
-    ap.add_argument("--det", action="store_true", help="also the deterministic mode (both arms)")
+    ap.add_argument("--det", action="store_true", help="also the deterministic mode (every arm)")
+    ap.add_argument("--det-only", action="store_true", help="the deterministic mode alone")
+    ap.add_argument("--sm80", action="store_true", help="also the sm80 family's backward (the same call)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -57,11 +61,12 @@ def main() -> int:
                 q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", generator=g, dtype=torch.bfloat16)
                                  for _ in range(4))
                 q, k, v = (t.requires_grad_() for t in (q, k, v))
-                fl = flops.call_flops(op.spec, n, n, d, batch=b, heads=h, kind="fwd+bwd")
-                modes = (False, True) if a.det else (False,)
+                pv = example_params(op.spec, b, h, n, n, dev, g)
+                fl = flops.call_flops(op.spec, n, n, d, batch=b, heads=h, kind="fwd+bwd", **pv)
+                modes = (True,) if a.det_only else (False, True) if a.det else (False,)
                 for det in modes:
                     res = {arm: [] for arm, _ in ARMS}
-                    res["cudnn"] = []
+                    res["cudnn"], res["sm80"] = [], []
                     grads = {}
                     with flashgen.use_family("sm90"):
                         for _ in range(a.rounds):
@@ -73,7 +78,7 @@ def main() -> int:
                                         os.environ[var] = x
 
                                 def step(det=det):
-                                    return torch.autograd.grad(op(q, k, v, deterministic=det), (q, k, v), dout)
+                                    return torch.autograd.grad(op(q, k, v, deterministic=det, **pv), (q, k, v), dout)
 
                                 grads[arm] = step()
                                 if det:
@@ -81,8 +86,15 @@ def main() -> int:
                                     grads[arm + "-repeat"] = all(torch.equal(x, y) for x, y in zip(grads[arm], again))
                                 ms = bench.time_fn(step, dev, warmup=2, reps=a.reps, flush_l2=True, min_ms=30)
                                 res[arm].append(fl / ms / 1e9)
-                            if not det:
-                                ms = bench.time_fn(lambda: torch.autograd.grad(cudnn(q, k, v, {}), (q, k, v), dout),
+                            if a.sm80:
+                                for var in VARS:
+                                    os.environ.pop(var, None)
+                                with flashgen.use_family("sm80"):
+                                    grads["sm80"] = step()
+                                    ms = bench.time_fn(step, dev, warmup=2, reps=a.reps, flush_l2=True, min_ms=30)
+                                res["sm80"].append(fl / ms / 1e9)
+                            if not det and cudnn is not None:
+                                ms = bench.time_fn(lambda: torch.autograd.grad(cudnn(q, k, v, pv), (q, k, v), dout),
                                                    dev, warmup=2, reps=a.reps, flush_l2=True, min_ms=30)
                                 res["cudnn"].append(fl / ms / 1e9)
                     for var in VARS:
@@ -91,15 +103,16 @@ def main() -> int:
                                 for arm, _ in ARMS[1:] for x, y in zip(grads["writer"], grads[arm]))
                     row = {"spec": name, "d": d, "n": n, "deterministic": det, "close": close,
                            **{arm: statistics.median(res[arm]) for arm, _ in ARMS}}
-                    if res["cudnn"]:
-                        row["cudnn"] = statistics.median(res["cudnn"])
+                    for peer in ("cudnn", "sm80"):
+                        if res[peer]:
+                            row[peer] = statistics.median(res[peer])
                     if det:
                         row["repeatable"] = {arm: grads[arm + "-repeat"] for arm, _ in ARMS}
                     row["ratio"] = row["writer"] / row["atomic"]
                     rows.append(row)
                     print(f"{name:7s} d{d:<4d} N{n:<6d} det {int(det)}  writer {row['writer']:6.1f}  atomic "
                           f"{row['atomic']:6.1f}  lpt {row['writer-lpt']:6.1f}  nosplit {row['writer-nosplit']:6.1f}  ratio {row['ratio']:.3f}  "
-                          f"cudnn {row.get('cudnn', float('nan')):6.1f}  close {close}  {row.get('repeatable', '')}",
+                          f"cudnn {row.get('cudnn', float('nan')):6.1f}  sm80 {row.get('sm80', float('nan')):6.1f}  close {close}  {row.get('repeatable', '')}",
                           flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))

@@ -70,7 +70,7 @@ EVERY_SPEC = sorted(p.stem for p in SPECS.glob("*.attn"))
 def test_sm90_backward_serves_every_spec(name, d, dtype):
     """The sm90 backward serves every spec (masks, score expressions, parameters, dropout) at head
     dims 64 and 128, fp16/bf16, in the padded and packed layouts, GQA or not, deterministic or
-    not (deterministic ones: chosen when forced; the automatic choice defers them to sm80). Its
+    not (deterministic ones too: the automatic choice takes sm90 for them). Its
     instantiations (padded and packed) carry the backward unit."""
     spec = flashgen.compile(SPECS / f"{name}.attn").spec
     feats = BWD | ({"dropout"} if spec.dropout else set())
@@ -78,9 +78,7 @@ def test_sm90_backward_serves_every_spec(name, d, dtype):
         call = families.Call("cuda", "sm_90a", dtype, d, frozenset(feats | ({"varlen"} if packed else set())), gqa, det)
         assert families.choose(spec, call, "sm90").family.name == "sm90"
         choice = families.choose(spec, call)
-        assert choice.family.name == ("sm80" if det else "sm90"), choice.why()
-        if det:
-            assert choice.tried[0][0] == "sm90" and "defers deterministic" in choice.tried[0][1], choice.why()
+        assert choice.family.name == "sm90" and not choice.tried, choice.why()
     for packed, sparse in itertools.product((False, True), repeat=2):
         inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed, sparse=sparse)
         cfg = dict(inst.config)
@@ -130,9 +128,9 @@ def test_sm90_backward_choice_through_the_op(causal):
         pick = lambda **kw: causal.choose_family(dev, ir.DType.BF16, 128, False, False, False, backward=True,  # noqa: E731
                                                  **kw).family.name
         assert pick() == "sm90" and pick(gqa=True) == "sm90"
-        # deterministic reaches the Call: served by sm90 when forced, deferred to sm80 otherwise
-        assert pick(deterministic=True) == "sm80" and pick(gqa=True, deterministic=True) == "sm80"
-        assert pick(deterministic=True, family="sm90") == "sm90"
+        # deterministic reaches the Call: sm90 serves it, without block lists
+        assert pick(deterministic=True) == "sm90" and pick(gqa=True, deterministic=True) == "sm90"
+        assert pick(deterministic=True, family="sm80") == "sm80"
         assert causal.choose_family(dev, ir.DType.BF16, 128, False, True, False, backward=True,
                                     deterministic=True).family.name == "sm80"  # block lists
         # the forward ignores both

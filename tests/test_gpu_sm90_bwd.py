@@ -64,11 +64,9 @@ def test_sm90_serves_the_padded_backward(ops):
                 assert ops[name].family_for("cuda", dt, d, backward=True, gqa=True).family.name == "sm90"
                 for kw in ({"layout": "packed"}, {"sparse": True}):
                     assert ops[name].family_for("cuda", dt, d, backward=True, **kw).family.name == "sm90"
-                # deterministic: served, but deferred to sm80's faster query-major dQ pass
-                choice = ops[name].family_for("cuda", dt, d, backward=True, deterministic=True)
-                assert choice.family.name == "sm80" and "defers" in choice.tried[0][1], choice.why()
-                assert ops[name].family_for("cuda", dt, d, backward=True, deterministic=True,
-                                            family="sm90").family.name == "sm90"
+                # deterministic: served (the dQ writer orders each query tile's adds)
+                assert ops[name].family_for("cuda", dt, d, backward=True,
+                                            deterministic=True).family.name == "sm90"
     choice = ops["causal"].family_for("cuda", torch.bfloat16, 128, backward=True, sparse=True, deterministic=True)
     assert choice.family.name == "sm80" and choice.tried[0][0] == "sm90", choice.why()
     assert ops["causal"].family_for("cuda", torch.bfloat16, 256, backward=True).family.name == "sm80"
@@ -368,8 +366,8 @@ def test_fwd_bwd_peak_memory_at_most_sdpa_flash(ops, hkv):
 
 
 # dQ partials: the writer warp's tensor reduce-adds from shared-memory staging
-# (FLASHGEN_SM90_BWD_DQ=writer) and the consumers' fp32 atomics (=atomic; read per launch; the
-# default is kBwdDefaultDqWriter in sm90/bwd.cuh) both give the
+# (FLASHGEN_SM90_BWD_DQ=writer, the default: kBwdDefaultDqWriter in sm90/bwd.cuh) and the
+# consumers' fp32 atomics (=atomic; read per launch) both give the
 # reference's gradients: padded with query tiles cut by seqlen_q, GQA, packed (whose partial last
 # query tiles keep the atomics), and deterministic (the writer waits on the semaphores).
 # Also the grid order with the key tiles slowest (FLASHGEN_SM90_BWD_ORDER=lpt) and the bare path

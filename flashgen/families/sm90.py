@@ -7,8 +7,7 @@ classifier makes per call) in the padded and the packed (varlen) layout at every
 256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
 GQA/MQA too, block lists too, at head dims 64 and 128 in the padded and the packed layout
 (``backward_reason``);
-deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not,
-though the automatic choice defers deterministic backwards to sm80 (``defers``: measured faster);
+deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not;
 every other backward (other head dims; block lists with ``deterministic=True``) runs on ``sm80``
 (a backward recomputes from q, k, v, out and LSE, which both families define alike, so an sm90
 forward pairs with the sm80 backward)."""
@@ -394,15 +393,6 @@ class Sm90Family(Family):
             return super().declines(spec, call)
         why = super().declines(spec, replace(call, features=call.features - {"backward"}))
         return why or backward_reason(spec, call)
-
-    def defers(self, spec: ir.Spec, call) -> str | None:
-        # Measured on the H200 (bf16, d 128, B 4, H 16, N 4K, forward+backward TFLOP/s): causal 155
-        # here against sm80's 213 deterministic, document 17 (no block lists: the semaphores order
-        # every query tile) against 65; docs/perf-notes.md. Forced (use_family) it still runs.
-        if "backward" in call.features and call.deterministic:
-            return ("defers deterministic backwards to sm80 (its query-major dQ pass ran 1.4-3.8x faster "
-                    "than this family's semaphore-ordered dQ adds on the H200)")
-        return None
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:

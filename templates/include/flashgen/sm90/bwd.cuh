@@ -18,8 +18,9 @@
 //     the query tiles of every query head of its share of the kv head's group: dK, dV of its
 //     keys summed over those heads in registers and written directly (or, with the group split
 //     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
-//     by the consumers' fp32 atomics or (FLASHGEN_SM90_BWD_DQ=writer) the dQ writer warp's TMA
-//     tensor reduce-adds (the defaults: kBwdDefault* below);
+//     by the dQ writer warp's TMA tensor reduce-adds (the default) or, under
+//     FLASHGEN_SM90_BWD_DQ=atomic, the consumers' fp32 atomics (the defaults: kBwdDefault* and
+//     bwd_default_lpt below);
 //  3. the sm80 family's bwd_convert_kernel: dq = scale · dq_accum in the input dtype (and dk, dv
 //     from their workspaces when the group was split).
 //
@@ -141,7 +142,8 @@ struct Sm90BwdParams {  // 64-byte aligned through CUtensorMap
   int dq_writer;
   // The order of the CTAs' items in blockIdx: 0 = key tile fastest (the CTAs running at once
   // share a head's Q and dO in L2); 1 = key tile slowest (every head's first key tiles first:
-  // with causal masks the longest walks start first). FLASHGEN_SM90_BWD_ORDER=tile | lpt.
+  // with causal masks the longest walks start first; the default for deterministic calls of
+  // specs with a mask). FLASHGEN_SM90_BWD_ORDER=tile | lpt.
   int lpt;
   // The bare path's split waits (P during dP^T's GEMM, dS during dV's): 1, or 0 under
   // FLASHGEN_SM90_BWD_SPLIT=0 (a diagnostic switch for A/B timing).
@@ -913,9 +915,17 @@ inline int switch_env(const char* name, const char* off, const char* on, bool df
 
 // The defaults of the backward's diagnostic switches (each overridden per launch by its variable):
 // FLASHGEN_SM90_BWD_DQ=writer | atomic, FLASHGEN_SM90_BWD_SPLIT=1 | 0, FLASHGEN_SM90_BWD_ORDER=tile | lpt.
-constexpr bool kBwdDefaultDqWriter = false;  // until measured on a GPU (docs/perf-notes.md)
-constexpr bool kBwdDefaultSplitWaits = false;  // likewise
-constexpr bool kBwdDefaultLpt = false;
+// Measured on the H100 (docs/perf-notes.md, scripts/ab_bwd_dq.py): the writer 1.30-1.70x the
+// consumers' atomics on dense and causal d 64/128, N 1K-16K, deterministic or not; the split waits
+// within noise of none (off); the key tiles slowest in the grid 1.08-1.40x for deterministic causal
+// (the longest semaphore chains start first) but 0.69-1.01x elsewhere (Q/dO lose their L2 reuse
+// across the key tiles of one head), so by default only deterministic calls of masked specs take it.
+constexpr bool kBwdDefaultDqWriter = true;
+constexpr bool kBwdDefaultSplitWaits = false;
+template <class Variant>
+constexpr bool bwd_default_lpt(bool deterministic) {
+  return deterministic && Variant::kHasMask;
+}
 
 template <class Variant, class Element, int kHeadDim, class Tile, bool kPacked = false, bool kSparse = false>
 int launch_bwd(const FgBwdArgs& a) {
@@ -931,7 +941,8 @@ int launch_bwd(const FgBwdArgs& a) {
   if (st != FG_OK) return st;
   // The diagnostic switches (A/B timing), read per launch, before anything is launched.
   int lpt = 0, split = 0, writer = 0;
-  st = detail::switch_env("FLASHGEN_SM90_BWD_ORDER", "tile", "lpt", kBwdDefaultLpt, lpt);
+  st = detail::switch_env("FLASHGEN_SM90_BWD_ORDER", "tile", "lpt", bwd_default_lpt<Variant>(a.deterministic != 0),
+                          lpt);
   if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_SPLIT", "0", "1", kBwdDefaultSplitWaits, split);
   if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_DQ", "atomic", "writer", kBwdDefaultDqWriter, writer);
   if (st != FG_OK) return st;
