@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--decode", action="store_true",
                     help="time decode calls (op.with_kvcache, every sequence holding --cache-len keys) instead of the "
                          "prefill: GB/s of the attended K and V bytes, next to SDPA on the same cache and a read-only "
-                         "pass over the same bytes (row read-only, the ceiling)")
+                         "pass over the same bytes (row read-only: the ceiling on CUDA; on the CPU only a reference, as "
+                         "torch.sum there does not reach the memory bandwidth)")
     be.add_argument("--cache-len", nargs="+", type=int, help="--decode: cached keys per sequence (default cpu: 1024 "
                     "4096; cuda: 1024 4096 8192 32768)")
     be.add_argument("--kv-heads", type=int, help="--decode: KV heads (default: --heads // 4 where 4 divides it, else "
