@@ -7,7 +7,9 @@ classifier makes per call) in the padded and the packed (varlen) layout at every
 256. Its backward (sm90/bwd.cuh) serves every spec (parameter gradients and dropout included),
 GQA/MQA too, block lists too, at head dims 64 and 128 in the padded and the packed layout
 (``backward_reason``);
-deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not;
+deterministic (``deterministic=True``: each query tile's dQ adds ordered by a semaphore) or not,
+though the automatic choice defers deterministic backwards of masks without a closed-form key
+range (document ids) to sm80, whose deterministic pass takes the per-call block lists (``defers``);
 every other backward (other head dims; block lists with ``deterministic=True``) runs on ``sm80``
 (a backward recomputes from q, k, v, out and LSE, which both families define alike, so an sm90
 forward pairs with the sm80 backward)."""
@@ -393,6 +395,23 @@ class Sm90Family(Family):
             return super().declines(spec, call)
         why = super().declines(spec, replace(call, features=call.features - {"backward"}))
         return why or backward_reason(spec, call)
+
+    def defers(self, spec: ir.Spec, call) -> str | None:
+        # A deterministic backward here walks every query tile of each key tile's range (its
+        # ordered dQ takes no block lists), while sm80's deterministic backward takes the block
+        # lists the classifier makes per call for masks without a closed-form key range per row
+        # (document ids): on the H200, before the dQ writer, document d 128 at 4K ran 17 TFLOP/s
+        # here against 65 there. No mask, or closed-form ranges (causal, windows), are not
+        # deferred: with the dQ writer, dense and causal d 128 ran 1.0-1.9x sm80's deterministic
+        # backward on an H100 (docs/perf-notes.md). Forced (use_family) it still runs.
+        if "backward" in call.features and call.deterministic and spec.mask is not None and env.auto_block_mask():
+            from ..codegen import variant
+
+            if not variant.hook_bodies(spec)["row_exact"]:
+                return ("defers deterministic backwards of masks without a closed-form key range to sm80 "
+                        "(its deterministic pass skips the tiles the block classifier rules out; this "
+                        "family's ordered dQ walks them all)")
+        return None
 
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
