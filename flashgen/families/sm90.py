@@ -22,6 +22,7 @@ import torch
 
 from .. import env
 from ..build import artifact
+from ..codegen import variant
 from ..lang import expr, ir
 from ..tune import store as tune_store
 from . import sm80, sm90_schedule
@@ -405,8 +406,6 @@ class Sm90Family(Family):
         # deferred: with the dQ writer, dense and causal d 128 ran 1.0-1.9x sm80's deterministic
         # backward on an H100 (docs/perf-notes.md). Forced (use_family) it still runs.
         if "backward" in call.features and call.deterministic and spec.mask is not None and env.auto_block_mask():
-            from ..codegen import variant
-
             if not variant.hook_bodies(spec)["row_exact"]:
                 return ("defers deterministic backwards of masks without a closed-form key range to sm80 "
                         "(its deterministic pass skips the tiles the block classifier rules out; this "
