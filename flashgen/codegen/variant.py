@@ -46,6 +46,13 @@ def param_fields(spec: ir.Spec) -> list[Field]:
     return out
 
 
+def mask_without_row_range(spec: ir.Spec) -> bool:
+    """Whether ``spec`` has a mask whose kept keys per query row have no closed-form range (e.g.
+    document ids): the CUDA families then classify tiles per call (block lists) instead of
+    bounding each row's keys, and the sm90 family defers its deterministic backward."""
+    return spec.mask is not None and not keyrange.key_range(spec).exact
+
+
 def hook_bodies(spec: ir.Spec) -> dict[str, str]:
     """C++ return expressions / statements of every hook (see include/flashgen/variant.h)."""
     cx = expr.Cxx(spec)

@@ -405,8 +405,8 @@ class Sm90Family(Family):
         # here against 65 there. No mask, or closed-form ranges (causal, windows), are not
         # deferred: with the dQ writer, dense and causal d 128 ran 1.0-1.9x sm80's deterministic
         # backward on an H100 (docs/perf-notes.md). Forced (use_family) it still runs.
-        if "backward" in call.features and call.deterministic and spec.mask is not None and env.auto_block_mask():
-            if not variant.hook_bodies(spec)["row_exact"]:
+        if "backward" in call.features and call.deterministic and env.auto_block_mask():
+            if variant.mask_without_row_range(spec):
                 return ("defers deterministic backwards of masks without a closed-form key range to sm80 "
                         "(its deterministic pass skips the tiles the block classifier rules out; this "
                         "family's ordered dQ walks them all)")

@@ -679,7 +679,7 @@ class AttentionOp:
         """Whether CUDA calls without a block_mask build block lists per call: the spec's mask
         has no closed-form key range per row (e.g. document ids), so the tiles it rules out are
         found by the classifier instead of being visited."""
-        return self.spec.mask is not None and not variant.hook_bodies(self.spec)["row_exact"]
+        return variant.mask_without_row_range(self.spec)
 
     def auto_blocks(self, fam: families.Family, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
         """Block lists classified per call, or None (runtime/blocks.py)."""
