@@ -455,8 +455,45 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
+def loss_band(report: dict) -> dict | None:
+    """How the flashgen loss curve sits against the band of the SDPA curves (issue 19's training
+    check): None without one fgen curve and at least two sdpa curves of the same length. Per step
+    the band is [min, max] of the SDPA losses; ``inside`` counts the steps where fgen's loss lies
+    in it, ``excursion_max`` / ``excursion_median`` how far the others lie outside; ``same_seed``
+    is |fgen - sdpa| of the SDPA run with fgen's seed (same initialisation and batches: the
+    numerical difference alone), ``seed_spread`` the SDPA curves' max - min (what a change of
+    seed does); ``last100`` the means over the last 100 steps."""
+    curves = [r for r in report["runs"] if r.get("curve") and r.get("losses")]
+    fgen = [r for r in curves if r["impl"] == "fgen"]
+    sdpa = [r for r in curves if r["impl"] == "sdpa"]
+    if len(fgen) != 1 or len(sdpa) < 2:
+        return None
+    f = fgen[0]["losses"]
+    n = min(len(f), *(len(r["losses"]) for r in sdpa))
+    lo = [min(r["losses"][i] for r in sdpa) for i in range(n)]
+    hi = [max(r["losses"][i] for r in sdpa) for i in range(n)]
+    out = [max(lo[i] - f[i], f[i] - hi[i]) for i in range(n) if not lo[i] <= f[i] <= hi[i]]
+    twin = next((r for r in sdpa if r["seed"] == fgen[0]["seed"]), None)
+    same = [abs(f[i] - twin["losses"][i]) for i in range(n)] if twin else []
+    spread = [hi[i] - lo[i] for i in range(n)]
+    tail = slice(max(0, n - 100), n)
+    return {"steps": n, "sdpa_seeds": [r["seed"] for r in sdpa], "inside": n - len(out),
+            "excursion_max": max(out, default=0.0), "excursion_median": sorted(out)[len(out) // 2] if out else 0.0,
+            "same_seed_max": max(same, default=None), "same_seed_mean_last100": (sum(same[tail]) / len(same[tail]))
+            if same else None, "seed_spread_max": max(spread), "seed_spread_mean_last100":
+            sum(spread[tail]) / len(spread[tail]), "val_loss": {f"{r['impl']}:{r['seed']}": r.get("val_loss")
+                                                               for r in fgen + sdpa}}
+
+
 def finish(report: dict, out: Path, tag: str, plt) -> None:
-    """The table (with ratios to sdpa and to uncompiled eager at each length) and the plots."""
+    """The table (with ratios to sdpa and to uncompiled eager at each length), the loss band
+    (``loss_band``, also into the report) and the plots."""
+    report["loss_band"] = band = loss_band(report)
+    if band:
+        print(f"loss band over {band['steps']} steps: fgen inside the SDPA seeds' band at {band['inside']}; "
+              f"outside by at most {band['excursion_max']:.4f} (median {band['excursion_median']:.4f}); "
+              f"|fgen - sdpa, same seed| max {band['same_seed_max']:.4f}; SDPA seeds' spread max "
+              f"{band['seed_spread_max']:.4f}, mean over the last 100 steps {band['seed_spread_mean_last100']:.4f}")
     runs = [r for r in report["runs"] if r["seed"] == 0]
     seqlens = sorted({r["seqlen"] for r in runs})
     for r in runs:  # ratios to sdpa compiled alike, and to uncompiled eager, at the same length

@@ -97,3 +97,25 @@ def test_bad_arguments_are_named(tmp_path, script, argv, needle):
 def test_no_cuda_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
         load("e2e_gemma2").main(["--out", str(tmp_path), "--device", "cuda"])
+
+
+def test_gpt2_loss_band():
+    """loss_band: steps inside the SDPA seeds' band, the excursions of the others, the
+    same-seed difference and the seeds' spread, on hand-made curves; None without two SDPA
+    curves and one fgen curve."""
+    band = load("e2e_gpt2").loss_band
+
+    def run(impl, seed, losses):
+        return {"impl": impl, "seed": seed, "curve": True, "losses": losses, "val_loss": losses[-1]}
+
+    report = {"runs": [run("fgen", 0, [3.0, 2.5, 2.0, 1.9]), run("sdpa", 0, [3.0, 2.4, 2.1, 1.8]),
+                       run("sdpa", 1, [3.2, 2.6, 2.2, 1.85]),
+                       {"impl": "fgen", "seed": 0, "curve": False, "losses": [9.0]}]}
+    b = band(report)
+    assert b["steps"] == 4 and b["sdpa_seeds"] == [0, 1]
+    assert b["inside"] == 2  # steps 1 (3.0 in [3.0, 3.2]) and 2 (2.5 in [2.4, 2.6])
+    assert b["excursion_max"] == pytest.approx(0.1)  # step 3: 2.0 below 2.1
+    assert b["same_seed_max"] == pytest.approx(0.1)
+    assert b["seed_spread_max"] == pytest.approx(0.2)
+    assert b["val_loss"] == {"fgen:0": 1.9, "sdpa:0": 1.8, "sdpa:1": 1.85}
+    assert band({"runs": report["runs"][:2]}) is None
