@@ -235,8 +235,14 @@ extern "C" int check(uint64_t seed, uint64_t offset, uint32_t thr, uint32_t bh, 
           const int q = q0 + g + (e >> 1) * 8, kv = kv0 + jp * 16 + i * 8 + 2 * t + (e & 1);
           bad += ((b8 >> (4 * i + e)) & 1u) != (uint32_t)fg_dropout_keep(seed, offset, bh, q, kv, thr);
         }
+      // the lane pairs' shared calls (dropout_bits_kv_pair), the shuffle from lane ^ 4 emulated
+      uint32_t own, other, p_own, p_other, pair[2];
+      cuda::dropout_kv_pair_halves(k, q0 + jp * 16 + 2 * t, kv0 + g, own, other);
+      cuda::dropout_kv_pair_halves(k, q0 + jp * 16 + 2 * t, kv0 + (g ^ 1), p_own, p_other);
+      cuda::dropout_kv_pair_bits(kv0 + g, own, p_other, pair);
       for (int e0 = 0; e0 < 2; ++e0) {
         const uint32_t b4 = cuda::dropout_bits_kv(k, q0 + jp * 16 + 2 * t + e0, kv0 + g);
+        bad += pair[e0] != b4;
         for (int w = 0; w < 4; ++w) {
           const int q = q0 + jp * 16 + 2 * t + e0 + (w & 1) * 8, kv = kv0 + g + (w >> 1) * 8;
           bad += ((b4 >> w) & 1u) != (uint32_t)fg_dropout_keep(seed, offset, bh, q, kv, thr);
@@ -251,7 +257,8 @@ extern "C" int check(uint64_t seed, uint64_t offset, uint32_t thr, uint32_t bh, 
 
 def test_cuda_fragment_bits_match_philox_h(tmp_path):
     """dropout.cuh's forward (8 elements per call) and backward (kv parity) bit layouts name the
-    elements fg_dropout_keep decides, at the fragment positions the kernels read (host build)."""
+    elements fg_dropout_keep decides, at the fragment positions the kernels read (host build);
+    the backward's lane-pair sharing (FLASHGEN_DROPOUT_BWD_SHARE=1) gives the same bits."""
     import shutil
 
     nvcc = shutil.which("nvcc")

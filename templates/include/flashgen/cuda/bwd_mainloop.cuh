@@ -331,11 +331,16 @@ struct BwdMainloop {
       if (drop) {
         zs = p.dropout.scale;
         const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
+        if (p.dropout.pair_share) {  // warp-uniform
 #pragma unroll
-        for (int jp = 0; jp < kMBlocks / 2; ++jp) {
+          for (int jp = 0; jp < kMBlocks / 2; ++jp) dropout_bits_kv_pair(key, q_lo + jp * 16 + 2 * t, kv_row0 + g, keep[jp]);
+        } else {
 #pragma unroll
-          for (int e0 = 0; e0 < 2; ++e0) {
-            keep[jp][e0] = dropout_bits_kv(key, q_lo + jp * 16 + 2 * t + e0, kv_row0 + g);
+          for (int jp = 0; jp < kMBlocks / 2; ++jp) {
+#pragma unroll
+            for (int e0 = 0; e0 < 2; ++e0) {
+              keep[jp][e0] = dropout_bits_kv(key, q_lo + jp * 16 + 2 * t + e0, kv_row0 + g);
+            }
           }
         }
       }

@@ -29,6 +29,7 @@ struct DropoutArgs {
   const int64_t* state;  // {seed, offset}
   uint32_t threshold;    // keep iff the element's 16-bit half >= threshold (round(p * 2^16))
   float scale;           // 1 / (1 - p)
+  int pair_share;        // backward: lanes g, g ^ 1 share their Philox calls (dropout_bits_kv_pair)
 };
 
 struct DropoutKey {
@@ -96,6 +97,44 @@ __host__ __device__ __forceinline__ uint32_t dropout_bits_kv(const DropoutKey& k
   for (int w = 0; w < 4; ++w) bits |= uint32_t(byte_perm0(r.x[w], sel) >= k.threshold) << w;
   return bits;
 }
+
+// dropout_bits_kv for e0 = 0 and 1 (q_base = q0 + e0) at half the Philox calls, by the lane
+// pairs that need the same two groups: lanes 4g + t and 4(g ^ 1) + t of a warp hold keys kv and
+// kv ^ 1 (kv_row0 even) and the same query columns, so both need the groups (q0, kv & ~1) and
+// (q0 + 1, kv & ~1), each taking the other half of every word. The lane of key parity e computes
+// the group q0 + e (dropout_kv_pair_halves: the four bits of its own half and the four of the
+// other half) and hands the other half's bits to its partner (one shuffle); dropout_kv_pair_bits
+// puts its own and the partner's bits in e0 order. bits[e0] equals dropout_bits_kv(k, q0 + e0,
+// kv) bit for bit (tests/test_dropout.py checks it on the host with the shuffle emulated).
+// Off unless DropoutArgs::pair_share (FLASHGEN_DROPOUT_BWD_SHARE=1), pending its A/B.
+__host__ __device__ __forceinline__ void dropout_kv_pair_halves(const DropoutKey& k, int q0, int kv, uint32_t& own,
+                                                               uint32_t& other) {
+  const uint32_t odd = uint32_t(kv) & 1u;
+  const FgPhilox4 r = fg_dropout_group(k.seed, k.offset, k.bh, uint32_t(q0) + odd, uint32_t(kv) & ~1u);
+  const uint32_t own_sel = odd ? 0x4432u : 0x4410u, other_sel = odd ? 0x4410u : 0x4432u;
+  own = other = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    own |= uint32_t(byte_perm0(r.x[w], own_sel) >= k.threshold) << w;
+    other |= uint32_t(byte_perm0(r.x[w], other_sel) >= k.threshold) << w;
+  }
+}
+
+// `got`: the partner's `other` (its group q0 + (kv & 1 ^ 1), this lane's half).
+__host__ __device__ __forceinline__ void dropout_kv_pair_bits(int kv, uint32_t own, uint32_t got, uint32_t (&bits)[2]) {
+  const bool odd = kv & 1;
+  bits[0] = odd ? got : own;
+  bits[1] = odd ? own : got;
+}
+
+#if defined(__CUDA_ARCH__)
+// Every lane of the warp must call it (the shuffle's mask is the whole warp).
+__device__ __forceinline__ void dropout_bits_kv_pair(const DropoutKey& k, int q0, int kv, uint32_t (&bits)[2]) {
+  uint32_t own, other;
+  dropout_kv_pair_halves(k, q0, kv, own, other);
+  dropout_kv_pair_bits(kv, own, __shfl_xor_sync(0xffffffffu, other, 4), bits);
+}
+#endif
 
 }  // namespace cuda
 }  // namespace flashgen

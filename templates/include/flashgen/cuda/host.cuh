@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <atomic>
@@ -157,6 +158,13 @@ inline void fill_common(P& p, const Args& a, const FgBlockLists& lists) {
   p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
   p.dropout.threshold = a.dropout_threshold;
   p.dropout.scale = a.dropout_scale;
+  p.dropout.pair_share = 0;
+  if constexpr (Variant::kHasDropout) {
+    // FLASHGEN_DROPOUT_BWD_SHARE=1: the backward's lane pairs share their Philox calls
+    // (dropout.cuh, dropout_bits_kv_pair); the same keep mask. Off by default until measured.
+    const char* share = getenv("FLASHGEN_DROPOUT_BWD_SHARE");
+    p.dropout.pair_share = share && share[0] == '1';
+  }
   p.blk = block_lists(lists);
   copy_variant_params(p.vp, a.params);
 }
