@@ -85,3 +85,26 @@ def test_cuda_deterministic_backward_with_dropout(name):
     assert gc.ok, f"{name}: deterministic backward {gc}"
     c = fwd_bwd(op, q, k, v, dout, **kw)
     torch.testing.assert_close(a[1].float(), c[1].float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("family", ["sm90", "sm80"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cuda_backward_pair_shared_philox_is_the_same_mask(family, d, monkeypatch):
+    """FLASHGEN_DROPOUT_BWD_SHARE=1 (lane pairs share their Philox calls in the backward) gives
+    bitwise the gradients of the default path (whose gradients test_cuda_matches_reference
+    checks against the float64 reference): the same keep mask, the same arithmetic order
+    (deterministic=True), on both CUDA families."""
+    import flashgen
+
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm90 needs compute capability 9.0")
+    op = spec_op("dropout")
+    q, k, v, dout = (t.cuda().bfloat16() for t in inputs(2, 4, 2, 333, d))
+    with flashgen.use_family(family):
+        monkeypatch.setenv("FLASHGEN_DROPOUT_BWD_SHARE", "0")
+        a = fwd_bwd(op, q, k, v, dout, dropout_p=0.3, dropout_seed=11, deterministic=True)
+        monkeypatch.setenv("FLASHGEN_DROPOUT_BWD_SHARE", "1")
+        b = fwd_bwd(op, q, k, v, dout, dropout_p=0.3, dropout_seed=11, deterministic=True)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+    assert not torch.equal(a[1], torch.zeros_like(a[1]))
