@@ -633,6 +633,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.num_n_tiles = num_n_tiles;
       p.total_work = int64_t(num_n_tiles) * splits * Hkv * a.batch;
       detail::fill_common<Variant>(p, a, a.q_blocks);
+      detail::fill_dropout_share<Variant>(p);
       kernel<<<detail::grid_for(p.total_work, kMaxGrid), K::kThreads, K::kSmem, stream>>>(p);
       const cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "backward kernel launch", e);

@@ -135,6 +135,7 @@ struct BwdParams {
   int seqlen_q, seqlen_k, num_m_tiles, num_n_tiles;
   float scale, scale_log2;
   DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
+  int dropout_pair_share;  // dropout_bits_kv_pair (FLASHGEN_DROPOUT_BWD_SHARE=1; host.cuh)
   BlockLists blk;       // kSparse: q lists, a row per key tile (args.h)
   VParams vp;
 };
@@ -331,7 +332,7 @@ struct BwdMainloop {
       if (drop) {
         zs = p.dropout.scale;
         const DropoutKey key = dropout_key(p.dropout, int64_t(b) * p.heads_q + h);
-        if (p.dropout.pair_share) {  // warp-uniform
+        if (p.dropout_pair_share) {  // warp-uniform
 #pragma unroll
           for (int jp = 0; jp < kMBlocks / 2; ++jp) dropout_bits_kv_pair(key, q_lo + jp * 16 + 2 * t, kv_row0 + g, keep[jp]);
         } else {

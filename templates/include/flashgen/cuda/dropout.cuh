@@ -29,7 +29,6 @@ struct DropoutArgs {
   const int64_t* state;  // {seed, offset}
   uint32_t threshold;    // keep iff the element's 16-bit half >= threshold (round(p * 2^16))
   float scale;           // 1 / (1 - p)
-  int pair_share;        // backward: lanes g, g ^ 1 share their Philox calls (dropout_bits_kv_pair)
 };
 
 struct DropoutKey {
@@ -106,7 +105,8 @@ __host__ __device__ __forceinline__ uint32_t dropout_bits_kv(const DropoutKey& k
 // other half) and hands the other half's bits to its partner (one shuffle); dropout_kv_pair_bits
 // puts its own and the partner's bits in e0 order. bits[e0] equals dropout_bits_kv(k, q0 + e0,
 // kv) bit for bit (tests/test_dropout.py checks it on the host with the shuffle emulated).
-// Off unless DropoutArgs::pair_share (FLASHGEN_DROPOUT_BWD_SHARE=1), pending its A/B.
+// Off unless the backward's Params::dropout_pair_share (FLASHGEN_DROPOUT_BWD_SHARE=1), pending
+// its A/B.
 __host__ __device__ __forceinline__ void dropout_kv_pair_halves(const DropoutKey& k, int q0, int kv, uint32_t& own,
                                                                uint32_t& other) {
   const uint32_t odd = uint32_t(kv) & 1u;

@@ -158,15 +158,21 @@ inline void fill_common(P& p, const Args& a, const FgBlockLists& lists) {
   p.dropout.state = Variant::kHasDropout ? a.dropout_state : nullptr;
   p.dropout.threshold = a.dropout_threshold;
   p.dropout.scale = a.dropout_scale;
-  p.dropout.pair_share = 0;
-  if constexpr (Variant::kHasDropout) {
-    // FLASHGEN_DROPOUT_BWD_SHARE=1: the backward's lane pairs share their Philox calls
-    // (dropout.cuh, dropout_bits_kv_pair); the same keep mask. Off by default until measured.
-    const char* share = getenv("FLASHGEN_DROPOUT_BWD_SHARE");
-    p.dropout.pair_share = share && share[0] == '1';
-  }
   p.blk = block_lists(lists);
   copy_variant_params(p.vp, a.params);
+}
+
+// The backward main kernel's Params (both CUDA families): FLASHGEN_DROPOUT_BWD_SHARE=1 has its
+// lane pairs share their Philox calls (dropout.cuh, dropout_bits_kv_pair; the same keep mask).
+// Off by default until measured. A field of the backward's Params only: the forwards' parameter
+// layout, and so their register allocation, stays as it was.
+template <class Variant, class P>
+inline void fill_dropout_share(P& p) {
+  p.dropout_pair_share = 0;
+  if constexpr (Variant::kHasDropout) {
+    const char* share = getenv("FLASHGEN_DROPOUT_BWD_SHARE");
+    p.dropout_pair_share = share && share[0] == '1';
+  }
 }
 
 // Raise a kernel's dynamic shared-memory limit once per (kernel, device).

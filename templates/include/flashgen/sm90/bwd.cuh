@@ -1079,6 +1079,7 @@ int launch_bwd(const FgBwdArgs& a) {
     b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
     b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
+    cuda::detail::fill_dropout_share<Variant>(b);
     const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
     p.lpt = lpt;  // the switches read above
     p.split_waits = split;
