@@ -32,7 +32,11 @@ done
 # cached load of causal d 128, forward and forward+backward, each in a new process on a fresh cache),
 # "profile" (Nsight Compute sections of the forward next to SDPA cuDNN at the shapes in PROFILE_CASES,
 # "spec:head_dim:seqlen[:bwd] ..."), "window64k" (sliding window 1024/4096/16384 and dense at N = 64K, with
-# block masks, next to FlexAttention), "ab-paged" (the paged decode gather's A/B, scripts/ab_paged_decode.py).
+# block masks, next to FlexAttention; WINDOW_BWD=1 times forward+backward), "ab-paged" (the paged decode
+# gather's A/B, scripts/ab_paged_decode.py), "bwd-flex" (forward+backward of every example spec at N 4K and
+# 16K next to FlexAttention, block masks built once), "dropout-share" (FLASHGEN_DROPOUT_BWD_SHARE's GPU
+# tests, then four alternated bench processes with it 0 and 1 next to SDPA cuDNN), "d64-tile" (the sm90
+# backward's 128-row query tile at d 64 against the 64-row default, one bench process per arm).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -69,17 +73,44 @@ for extra in ${EXTRA-}; do
       done
       grep -c . "$out/ncu.csv" ;;
     window64k)
+      wb=$([ "${WINDOW_BWD:-0}" = 1 ] && echo --backward)
       for w in 1024 4096 16384; do
         FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/sliding_window.attn --device cuda \
           --seqlen 65536 --batch 1 --heads 16 --head-dim 128 --param window=$w --block-mask --peers flex \
-          --reps 10 --json "$out/window64k-$w.json" 2>&1 | grep -v Warning | tee -a "$out/window64k.txt"
+          --reps 10 $wb --json "$out/window64k-$w.json" 2>&1 | grep -v Warning | tee -a "$out/window64k.txt"
       done
       FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/dense.attn --device cuda --seqlen 65536 \
-        --batch 1 --heads 16 --head-dim 128 --peers flex --reps 5 --json "$out/window64k-dense.json" 2>&1 \
+        --batch 1 --heads 16 --head-dim 128 --peers flex --reps 5 $wb --json "$out/window64k-dense.json" 2>&1 \
         | grep -v Warning | tee -a "$out/window64k.txt" ;;
+    bwd-flex)
+      for s in sliding_window document alibi prefix_lm key_padding gemma softcap relative_bias bias; do
+        FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/$s.attn --device cuda --backward \
+          --head-dim 128 --seqlen 4096 16384 --peers flex --block-mask --json "$out/bwd-flex-$s.json" 2>&1 \
+          | grep -v Warning | tee -a "$out/bwd-flex.txt"
+      done ;;
+    dropout-share)
+      FLASHGEN_DROPOUT_BWD_SHARE=1 FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q \
+        tests/test_gpu_dropout.py tests/test_gpu_sm90_bwd.py -k dropout 2>&1 | tail -5 | tee "$out/dropout-share.txt"
+      for share in 0 1 0 1; do
+        FLASHGEN_DROPOUT_BWD_SHARE=$share FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench \
+          specs/dropout.attn --device cuda --backward --head-dim 128 --seqlen 4096 16384 --dropout-p 0.1 \
+          --peers sdpa-cudnn --json "$out/dropout-share-$share-$RANDOM.json" 2>&1 | grep -v Warning \
+          | sed "s/^/share=$share /" | tee -a "$out/dropout-share.txt"
+      done ;;
+    d64-tile)
+      for bm in 64 128 64 128; do
+        for s in causal dense; do
+          FLASHGEN_CACHE_DIR=.fgcache-tests python3 -c "import sys; import flashgen.families.sm90 as f
+f.BWD_BLOCK_M[64] = $bm  # before the first build: the tile is part of the library's key
+from flashgen.cli import main
+sys.exit(main(['bench', 'specs/$s.attn', '--device', 'cuda', '--backward', '--head-dim', '64',
+               '--seqlen', '4096', '--peers', 'sdpa-cudnn']))" 2>&1 | grep -v Warning | sed "s/^/bm=$bm /" \
+            | tee -a "$out/d64-tile.txt"
+        done
+      done ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile)" >&2 ;;
   esac
 done
