@@ -416,7 +416,7 @@ class AttentionOp:
         gqa, deterministic = bool(backward and gqa), bool(backward and deterministic)
         key = (device.type, device.index, dtype, head_dim, packed, sparse, dropout, family,
                families.forced_block(), env.library_selection()[0], _generation[0], backward, decode, gqa,
-               deterministic)
+               deterministic, deterministic and env.auto_block_mask())  # sm90's deferral reads the latter
         hit = self._choices.get(key)
         if hit is None:
             arch = artifact.cuda_arch_of(_index(device)) if device.type == "cuda" else None
