@@ -482,6 +482,8 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
     st = detail::check_tile_lists(a.kv_blocks, kSparse, "kv_blocks", a.seqlen_q, a.seqlen_k,
                                   KQ::kBlockM, KQ::kBlockN);
   }
+  int pair_share = 0;
+  if (st == FG_OK) st = detail::dropout_share_env<Variant>(pair_share);
   if (st != FG_OK) return st;
   if (a.batch == 0 || a.heads_q == 0 || (a.seqlen_q == 0 && a.seqlen_k == 0)) return FG_OK;
 
@@ -633,7 +635,7 @@ int launch_bwd_tiled(const FgBwdArgs& a) {
       p.num_n_tiles = num_n_tiles;
       p.total_work = int64_t(num_n_tiles) * splits * Hkv * a.batch;
       detail::fill_common<Variant>(p, a, a.q_blocks);
-      detail::fill_dropout_share<Variant>(p);
+      p.dropout_pair_share = pair_share;
       kernel<<<detail::grid_for(p.total_work, kMaxGrid), K::kThreads, K::kSmem, stream>>>(p);
       const cudaError_t e = cudaGetLastError();
       if (e != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "backward kernel launch", e);

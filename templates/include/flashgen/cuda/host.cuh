@@ -162,17 +162,30 @@ inline void fill_common(P& p, const Args& a, const FgBlockLists& lists) {
   copy_variant_params(p.vp, a.params);
 }
 
-// The backward main kernel's Params (both CUDA families): FLASHGEN_DROPOUT_BWD_SHARE=1 has its
-// lane pairs share their Philox calls (dropout.cuh, dropout_bits_kv_pair; the same keep mask).
-// Off by default until measured. A field of the backward's Params only: the forwards' parameter
-// layout, and so their register allocation, stays as it was.
-template <class Variant, class P>
-inline void fill_dropout_share(P& p) {
-  p.dropout_pair_share = 0;
-  if constexpr (Variant::kHasDropout) {
-    const char* share = getenv("FLASHGEN_DROPOUT_BWD_SHARE");
-    p.dropout_pair_share = share && share[0] == '1';
+// A diagnostic switch (A/B timing), read per launch before anything is launched: environment
+// variable `name` unset -> `dflt`, `off` -> 0, `on` -> 1; anything else is FG_ERR_BAD_SHAPE
+// naming the variable and its values.
+inline int switch_env(const char* name, const char* off, const char* on, bool dflt, int& value) {
+  const char* env = getenv(name);
+  if (!env) {
+    value = dflt;
+  } else if (strcmp(env, off) == 0 || strcmp(env, on) == 0) {
+    value = strcmp(env, on) == 0;
+  } else {
+    return fail(FG_ERR_BAD_SHAPE, "%s=%s: expected %s or %s (or unset)", name, env, off, on);
   }
+  return FG_OK;
+}
+
+// The backwards' (both CUDA families) FLASHGEN_DROPOUT_BWD_SHARE=1 | 0: lane pairs share their
+// Philox calls (dropout.cuh, dropout_bits_kv_pair; the same keep mask); off by default until
+// measured; 0 (unread) without dropout. It goes into the backward's Params only
+// (dropout_pair_share): the forwards' parameter layout, and so their register allocation, stays.
+template <class Variant>
+inline int dropout_share_env(int& value) {
+  value = 0;
+  if constexpr (Variant::kHasDropout) return switch_env("FLASHGEN_DROPOUT_BWD_SHARE", "0", "1", false, value);
+  return FG_OK;
 }
 
 // Raise a kernel's dynamic shared-memory limit once per (kernel, device).

@@ -897,22 +897,6 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 #endif
 }
 
-namespace detail {
-// A diagnostic switch: environment variable `name` unset -> `dflt`, `off` -> 0, `on` -> 1;
-// anything else is FG_ERR_BAD_SHAPE naming the variable and its values.
-inline int switch_env(const char* name, const char* off, const char* on, bool dflt, int& value) {
-  const char* env = getenv(name);
-  if (!env) {
-    value = dflt;
-  } else if (strcmp(env, off) == 0 || strcmp(env, on) == 0) {
-    value = strcmp(env, on) == 0;
-  } else {
-    return cuda::detail::fail(FG_ERR_BAD_SHAPE, "%s=%s: expected %s or %s (or unset)", name, env, off, on);
-  }
-  return FG_OK;
-}
-}  // namespace detail
-
 // The defaults of the backward's diagnostic switches (each overridden per launch by its variable):
 // FLASHGEN_SM90_BWD_DQ=writer | atomic, FLASHGEN_SM90_BWD_SPLIT=1 | 0, FLASHGEN_SM90_BWD_ORDER=tile | lpt.
 // Measured on the H100 (docs/perf-notes.md, scripts/ab_bwd_dq.py): the writer 1.30-1.70x the
@@ -941,10 +925,12 @@ int launch_bwd(const FgBwdArgs& a) {
   if (st != FG_OK) return st;
   // The diagnostic switches (A/B timing), read per launch, before anything is launched.
   int lpt = 0, split = 0, writer = 0;
-  st = detail::switch_env("FLASHGEN_SM90_BWD_ORDER", "tile", "lpt", bwd_default_lpt<Variant>(a.deterministic != 0),
+  st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_ORDER", "tile", "lpt", bwd_default_lpt<Variant>(a.deterministic != 0),
                           lpt);
-  if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_SPLIT", "0", "1", kBwdDefaultSplitWaits, split);
-  if (st == FG_OK) st = detail::switch_env("FLASHGEN_SM90_BWD_DQ", "atomic", "writer", kBwdDefaultDqWriter, writer);
+  if (st == FG_OK) st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_SPLIT", "0", "1", kBwdDefaultSplitWaits, split);
+  if (st == FG_OK) st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_DQ", "atomic", "writer", kBwdDefaultDqWriter, writer);
+  int pair_share = 0;
+  if (st == FG_OK) st = cuda::detail::dropout_share_env<Variant>(pair_share);
   if (st != FG_OK) return st;
   // Block sparsity: each key tile's q list at the kernel's tiles (the dq lists of the sm80
   // family's separate dq pass, args.kv_blocks, are not used here). The deterministic mode's
@@ -1079,7 +1065,7 @@ int launch_bwd(const FgBwdArgs& a) {
     b.num_n_tiles = int((a.seqlen_k + K::kBlockN - 1) / K::kBlockN);
     b.total_work = int64_t(b.num_n_tiles) * splits * a.heads_kv * a.batch;
     cuda::detail::fill_common<Variant>(b, a, a.q_blocks);
-    cuda::detail::fill_dropout_share<Variant>(b);
+    b.dropout_pair_share = pair_share;
     const int64_t bs = kPacked ? 0 : 1;  // packed: one batch of total rows, batch strides unused
     p.lpt = lpt;  // the switches read above
     p.split_waits = split;
