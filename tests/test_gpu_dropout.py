@@ -90,10 +90,10 @@ def test_cuda_deterministic_backward_with_dropout(name):
 @pytest.mark.parametrize("family", ["sm90", "sm80"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_cuda_backward_pair_shared_philox_is_the_same_mask(family, d, monkeypatch):
-    """FLASHGEN_DROPOUT_BWD_SHARE=1 (lane pairs share their Philox calls in the backward) gives
-    bitwise the gradients of the default path (whose gradients test_cuda_matches_reference
-    checks against the float64 reference): the same keep mask, the same arithmetic order
-    (deterministic=True), on both CUDA families."""
+    """FLASHGEN_DROPOUT_BWD_SHARE=1 (the default: lane pairs share their Philox calls in the
+    backward, the path whose gradients test_cuda_matches_reference checks against the float64
+    reference) gives bitwise the gradients of =0 (every lane computes its own groups): the same
+    keep mask, the same arithmetic order (deterministic=True), on both CUDA families."""
     import flashgen
 
     if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):

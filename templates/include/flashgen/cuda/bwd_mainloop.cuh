@@ -135,7 +135,7 @@ struct BwdParams {
   int seqlen_q, seqlen_k, num_m_tiles, num_n_tiles;
   float scale, scale_log2;
   DropoutArgs dropout;  // read only with Variant::kHasDropout (state null: off)
-  int dropout_pair_share;  // dropout_bits_kv_pair (FLASHGEN_DROPOUT_BWD_SHARE=1; host.cuh)
+  int dropout_pair_share;  // dropout_bits_kv_pair (FLASHGEN_DROPOUT_BWD_SHARE, default 1; host.cuh)
   BlockLists blk;       // kSparse: q lists, a row per key tile (args.h)
   VParams vp;
 };

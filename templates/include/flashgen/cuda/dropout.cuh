@@ -105,8 +105,8 @@ __host__ __device__ __forceinline__ uint32_t dropout_bits_kv(const DropoutKey& k
 // other half) and hands the other half's bits to its partner (one shuffle); dropout_kv_pair_bits
 // puts its own and the partner's bits in e0 order. bits[e0] equals dropout_bits_kv(k, q0 + e0,
 // kv) bit for bit (tests/test_dropout.py checks it on the host with the shuffle emulated).
-// Off unless the backward's Params::dropout_pair_share (FLASHGEN_DROPOUT_BWD_SHARE=1), pending
-// its A/B.
+// Used when the backward's Params::dropout_pair_share is set (FLASHGEN_DROPOUT_BWD_SHARE, default 1;
+// 0 computes every group per lane, dropout_bits_kv).
 __host__ __device__ __forceinline__ void dropout_kv_pair_halves(const DropoutKey& k, int q0, int kv, uint32_t& own,
                                                                uint32_t& other) {
   const uint32_t odd = uint32_t(kv) & 1u;
