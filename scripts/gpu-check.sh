@@ -36,7 +36,9 @@ done
 # gather's A/B, scripts/ab_paged_decode.py), "bwd-flex" (forward+backward of every example spec at N 4K and
 # 16K next to FlexAttention, block masks built once), "dropout-share" (FLASHGEN_DROPOUT_BWD_SHARE's GPU
 # tests, then four alternated bench processes with it 0 and 1 next to SDPA cuDNN), "d64-tile" (the sm90
-# backward's 128-row query tile at d 64 against the 64-row default, one bench process per arm).
+# backward's 128-row query tile at d 64 against the 64-row default, one bench process per arm), "trace"
+# (scripts/trace_kernels.py: kernel tables of document ids forward+backward at 4K, with and without
+# a block mask, next to FlexAttention, and of the sliding-window decode at cache 4K and 32K).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -108,9 +110,15 @@ sys.exit(main(['bench', 'specs/$s.attn', '--device', 'cuda', '--backward', '--he
             | tee -a "$out/d64-tile.txt"
         done
       done ;;
+    trace)
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/trace_kernels.py --spec document --seqlen 4096 \
+        --backward --impls flashgen,flashgen-bm,flex 2>&1 | grep -v "Warning\|USDT" | tee "$out/trace-document.txt"
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/trace_kernels.py --spec sliding_window \
+        --decode 1x4096,1x32768,16x4096,16x32768 --param window=4096 2>&1 | grep -v "Warning\|USDT" \
+        | tee "$out/trace-window-decode.txt" ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged bwd-flex dropout-share d64-tile)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile trace)" >&2 ;;
   esac
 done
