@@ -179,7 +179,7 @@ inline int switch_env(const char* name, const char* off, const char* on, bool df
 
 // The backwards' (both CUDA families) FLASHGEN_DROPOUT_BWD_SHARE=1 | 0: lane pairs share their
 // Philox calls (dropout.cuh, dropout_bits_kv_pair; the same keep mask); on by default (H100, d 128,
-// causal, p 0.1: forward+backward 1.06-1.08x the unshared form, gradients bit-equal); 0 (unread)
+// causal, p 0.1: forward+backward 1.05-1.08x the unshared form, gradients bit-equal); 0 (unread)
 // without dropout. It goes into the backward's Params only
 // (dropout_pair_share): the forwards' parameter layout, and so their register allocation, stays.
 template <class Variant>
