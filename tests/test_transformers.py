@@ -207,9 +207,11 @@ def test_greedy_generation_matches_eager(name, cache, padding, capsys):
     m = model(name)
     ids, mask = batch(padding, n=8, seed=5)
     before = sum(fg_hf.call_counts[s] for s in fg_hf.SPECS)
+    decodes = sum(fg_hf.kvcache_calls.values())
     ref, ref_logits = greedy(m, "eager", ids, mask, cache)
     ours, _ = greedy(m, "fgen", ids, mask, cache)
     assert sum(fg_hf.call_counts[s] for s in fg_hf.SPECS) - before == 2 * 20  # prefill + 19 steps, 2 layers
+    assert sum(fg_hf.kvcache_calls.values()) - decodes == 2 * 19  # the steps ran op.with_kvcache
     top2 = ref_logits.topk(2, dim=-1).values
     margin = top2[..., 0] - top2[..., 1]
     for row in range(ids.shape[0]):
@@ -221,6 +223,26 @@ def test_greedy_generation_matches_eager(name, cache, padding, capsys):
                 print(f"\n{name}/{cache}/{padding}: row {row} differs from step {step}, where eager's top-2 margin is "
                       f"{margin[row, step]:.2g}")
     assert len(set(ref.flatten().tolist())) > 2  # the model does not just repeat one token
+
+
+def test_compiled_generation_on_a_static_cache_decodes_through_with_kvcache():
+    """Greedy generation with a static cache and the model's forward under torch.compile (as
+    transformers compiles decoding steps), Mistral's sliding window on a left-padded batch: every
+    step after the prefill runs op.with_kvcache (the split-KV decode kernels on CUDA) inside the
+    compiled graph and gives eager's tokens."""
+    m = model("mistral")
+    ids, mask = batch("left", n=8, seed=5)
+    ref, _ = greedy(m, "eager", ids, mask, "static")
+    forward = m.forward
+    m.forward = torch.compile(forward, backend="aot_eager")  # dynamo traces as with inductor
+    try:
+        decodes = sum(fg_hf.kvcache_calls.values())
+        ours, _ = greedy(m, "fgen", ids, mask, "static")
+        assert sum(fg_hf.kvcache_calls.values()) - decodes == 2 * 19
+    finally:
+        m.forward = forward
+        torch._dynamo.reset()
+    assert torch.equal(ref, ours)
 
 
 def test_fallbacks_warn_once_and_match_eager():

@@ -28,7 +28,10 @@ arguments. The 2-D mask is one of
   (varlen) call of them.
 
 Queries are the last ``seqlen_q`` positions of the keys (causal masks bottom-right aligned, as in
-FlashAttention ≥ 2.1 and transformers' caches). Explicit ``cu_seq_lens_q`` / ``cu_seq_lens_k``
+FlashAttention ≥ 2.1 and transformers' caches). A decoding step (at most ``DECODE_MAX_QUERIES``
+queries against more keys, no dropout, nothing recording a gradient) is the same call on
+``op.with_kvcache`` with every key slot counted as cached: its split-KV decode kernels spread
+the keys over the GPU where the prefill kernels would give each (sequence, head) one CTA. Explicit ``cu_seq_lens_q`` / ``cu_seq_lens_k``
 (with ``max_length_q`` / ``max_length_k``) make a packed call as well.
 
 Falls back, with one warning per reason naming it, to transformers' SDPA attention (or the
@@ -70,6 +73,13 @@ SPECS = ("transformers", "transformers_window", "transformers_packed")
 # Calls per path since the process started: spec names, and "fallback:<function>" (for tests and
 # for checking which path a model's layers take).
 call_counts: Counter[str] = Counter()
+# Of those calls, the ones that ran as decoding steps through op.with_kvcache, per spec name.
+kvcache_calls: Counter[str] = Counter()
+
+# At most this many queries per row go to op.with_kvcache (split-KV decode kernels) when they
+# are fewer than the keys; longer calls (a prefill, chunked prefill beyond it) take the prefill
+# kernels, which parallelise over query tiles.
+DECODE_MAX_QUERIES = 16
 
 _ops: dict[str, AttentionOp] = {}
 _ops_lock = threading.Lock()
@@ -96,16 +106,17 @@ _RESERVED = ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":",
 
 def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> None:
     """Compile the backend's specs for ``device`` ahead of the first model call, all at once (in
-    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts too; no
-    decode kernels: the model's attention calls are prefill calls, cached keys included).
+    parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts and the
+    decode kernels of ``op.with_kvcache``, which decoding steps of up to DECODE_MAX_QUERIES
+    queries run on, too; not for the packed sequence ids of training under torch.compile).
 
     Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
     from concurrent.futures import ThreadPoolExecutor
 
     layouts = ("padded", "packed")
     with ThreadPoolExecutor(len(SPECS)) as pool:
-        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts, decode=False),
-                      SPECS))
+        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts,
+                                            decode=n != "transformers_packed"), SPECS))
 
 
 def register(name: str = "fgen") -> str:
@@ -333,6 +344,18 @@ def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
     return False, UNBOUNDED, UNBOUNDED
 
 
+def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: int, nk: int, dropout) -> bool:
+    """Whether a padded call is a decoding step for ``op.with_kvcache``: at most
+    DECODE_MAX_QUERIES queries and more keys than queries, no dropout, nothing that records a
+    gradient (decoding is inference only), and on CUDA a head dim the decode kernels take
+    (multiples of 16; the others run the prefill kernels, with the same result)."""
+    if nq > DECODE_MAX_QUERIES or nq >= nk or dropout:
+        return False
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return False
+    return query.device.type == "cpu" or query.shape[-1] % 16 == 0
+
+
 def _packed_from_ids(ids: torch.Tensor):
     """(cu_seqlens int32 [n + 1], max_seqlen) of packed sequence ids [batch, seqlen], flattened
     row-major; one host read per ids tensor (cached)."""
@@ -449,6 +472,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
         params.update(key_mask=mask, softcap=float(softcap) if softcap else 0.0)
     call_counts[name] += 1
+    if packed is None and seq_ids is None and _decodes(query, key, value, nq, nk, dropout):
+        # The last nq positions of nk keys: exactly with_kvcache's call with nk cached keys and
+        # no append (positions, the window and the key mask index the same slots as the prefill
+        # call's bottom-right alignment), on the split-KV decode kernels.
+        kvcache_calls[name] += 1
+        lens = torch.full((batch,), nk, dtype=torch.int32, device=query.device)
+        out = op(name).with_kvcache(query, key, value, cache_seqlens=lens, scale=scaling, **params)
+        return out.transpose(1, 2), None
     out = op(name)(q, k, v, **run, **params)
     if packed is not None:
         return out.view(batch, nq, heads, d), None
