@@ -133,10 +133,11 @@ def build_fgen(device: torch.device, dtype: torch.dtype, head_dim: int) -> float
 
 
 def fgen_calls() -> dict:
-    """flashgen's per-path call counts so far (kernel calls and fallbacks)."""
+    """flashgen's per-path call counts so far: kernel calls per spec, "kvcache:<spec>" for those
+    of them that were decoding steps on op.with_kvcache, and "fallback:<function>"."""
     import flashgen.integrations.transformers as fg_hf
 
-    return dict(fg_hf.call_counts)
+    return dict(fg_hf.call_counts) | {f"kvcache:{k}": v for k, v in fg_hf.kvcache_calls.items()}
 
 
 def fgen_note(calls: dict) -> str | None:

@@ -70,10 +70,16 @@ def test_gemma2_smoke(tmp_path):
     report = json.loads((tmp_path / "gemma2-smoke.json").read_text())
     check_environment(report)
     assert {r["impl"] for r in report["train"]} == {r["impl"] for r in report["generate"]} == {"fgen", "eager", "sdpa"}
+    for part in ("train", "generate"):
+        for r in report[part]:
+            assert r["status"] == "ok" and r["tokens_per_s"] > 0, r
+            if r["impl"] == "fgen" and part == "train":
+                assert set(r["fgen_calls"]) == {"transformers"}  # softcap: the general spec, no fallback
+            elif r["impl"] == "fgen":  # decoding steps only (no prefill), each on op.with_kvcache
+                calls = r["fgen_calls"]
+                assert set(calls) == {"transformers", "kvcache:transformers"}, calls
+                assert calls["kvcache:transformers"] == calls["transformers"] > 0, calls
     for r in report["train"] + report["generate"]:
-        assert r["status"] == "ok" and r["tokens_per_s"] > 0, r
-        if r["impl"] == "fgen":
-            assert set(r["fgen_calls"]) == {"transformers"}  # softcap: the general spec, no fallback
         if r["impl"] == "sdpa":
             assert "different math" in r["label"]
     gen = {r["impl"]: r for r in report["generate"]}
