@@ -59,6 +59,7 @@ from .lang import ir
 from .ops import TORCH_DTYPE, AttentionOp
 from .params import example_params
 from .runtime import launch
+from .runtime.decode import key_span
 from .sparsity import mask_extents
 
 # The peers timed next to ours on each device type.
@@ -242,9 +243,12 @@ def sdpa_peer(backend, q, k, v, mask) -> tuple[Callable | None, str]:
         return None, f"unavailable: {first_line(e, 160)}"
 
 
-def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: int, requested: int) -> str:
-    """'num_splits N': the split count the decode call's family takes for this shape (families
-    with decode kernels of their own, sm80); '' for those that do not split (cpu)."""
+def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: int, requested: int,
+               params: dict | None = None) -> str:
+    """'num_splits N': the split count the decode call's family takes for this shape and the
+    call's parameters ``params`` (a sliding window's width bounds it; runtime/decode.py
+    key_span) on families with decode kernels of their own (sm80); '' for those that do not split
+    (cpu)."""
     B, H, Sq, d = q.shape
     fam = op.choose_family(q.device, dtype, d, False, False, False, decode=True).family
     lib = op.decode_library(fam, q.device, dtype, d, L)
@@ -252,7 +256,9 @@ def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: i
         return ""
     a = FgFwdArgs(batch=B, heads_q=H, heads_kv=Hkv, seqlen_q=Sq, num_sms=launch.num_sms(q))
     a.kv_cache.capacity = L
-    return f"num_splits {op.launch_fields(lib).kv_splits(a, lib.instantiation, requested)}"
+    values = [(params or {}).get(p.name) for p in op.spec.params]
+    keys = key_span(op.spec, values, L, Sq)
+    return f"num_splits {op.launch_fields(lib).kv_splits(a, lib.instantiation, requested, keys)}"
 
 
 def _check_sizes(shapes, heads: int, kv_heads: int, seqlen_q: int, variants) -> None:
@@ -345,7 +351,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
                 note = ""
                 try:
                     ours()  # built and loaded before the timing
-                    note = split_note(op, q, dtype, Hkv, L, s)
+                    note = split_note(op, q, dtype, Hkv, L, s, pv)
                 except Exception as e:
                     record(variant_name(ps, s), None, nbytes, _failed(e), ps)
                     continue
@@ -450,7 +456,7 @@ def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: 
 
                 try:
                     ours()  # built and loaded before the timing
-                    extra = split_note(op, q, dtype, Hkv, L, s)
+                    extra = split_note(op, q, dtype, Hkv, L, s, pv)
                     row.note += f"; {extra}" if extra else ""
                     kept = row.note
                     _time_row(row, ours, device, reps)  # a timing failure replaces the note

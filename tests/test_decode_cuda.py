@@ -79,6 +79,34 @@ def test_split_count_from_host_shapes():
     assert sm80.decode_splits(64, 8, 1, 32768, **h200, requested=1) == 1
 
 
+def test_split_count_follows_the_keys_a_window_keeps():
+    """A sliding window in a long cache is split as the window alone would be: ``keys`` (the
+    host-known bound on a row tile's keys, runtime/decode.py key_span) replaces the capacity in
+    the one-split-per-tile limit and the SPLIT_KEYS floor; without a bound nothing changes."""
+    h200 = dict(block_n=64, sms=132, per_sm=2)
+    assert sm80.decode_splits(16, 8, 1, 32768, **h200) == 8  # the floor: one split per 4096 keys
+    assert sm80.decode_splits(16, 8, 1, 32768, **h200, keys=4096) == sm80.decode_splits(16, 8, 1, 4096, **h200) == 2
+    assert sm80.decode_splits(1, 8, 1, 32768, **h200, keys=4096) == sm80.decode_splits(1, 8, 1, 4096, **h200)
+    assert sm80.decode_splits(1, 8, 1, 32768, **h200, keys=10**6) == sm80.decode_splits(1, 8, 1, 32768, **h200)
+    assert sm80.decode_splits(1, 8, 1, 32768, **h200, keys=100, requested=7) == 2  # 2 tiles of 64 keys
+    assert sm80.decode_splits(1, 8, 1, 32768, **h200, keys=0) == 1
+
+
+def test_key_span_of_a_window_and_of_specs_without_one():
+    from flashgen.runtime.decode import key_span
+
+    window = op_of("sliding_window").spec
+    assert key_span(window, [4096], 32768, 1) == 4096
+    assert key_span(window, [4096], 32768, 4) == 4099  # four rows at consecutive positions
+    assert key_span(window, [4096], 2048, 1) == 2048  # never beyond the capacity
+    assert key_span(window, [-3], 2048, 1) == 0
+    assert key_span(window, [object()], 2048, 1) == 2048  # not a host int (a symbolic one under torch.compile)
+    tw = op_of("transformers_window").spec
+    assert key_span(tw, [99, 0], 32768, 1) == 100  # window(left, right): left + right + 1
+    for name, values in (("causal", []), ("alibi", [torch.ones(32)])):
+        assert key_span(op_of(name).spec, values, 32768, 1) == 32768
+
+
 def test_decode_tile_fits_and_keeps_two_ctas_per_sm():
     for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "any"):
         optin = flashgen.tiles.arch_info("sm_90a" if arch == "any" else arch).smem_optin

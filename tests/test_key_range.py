@@ -83,3 +83,48 @@ def test_explain_takes_its_bounds_from_key_range(monkeypatch):
     assert after.visible_pairs < before.visible_pairs
     lo, hi = ex.row_bounds(spec, 256, 256, 1, 1, {"window": 32})
     assert int(hi[0, 0, 100]) == 100 - 9  # min(q + 1, q - 9)
+
+
+def test_row_width_of_the_example_specs():
+    """keyrange.row_width: the bounded widths the closed forms give (a sliding window's
+    ``window``; window(left, right)'s ``left + right + 1``), none for masks whose rows grow with
+    q (causal, ALiBi, prefix-LM) or that have no lower bound."""
+    width = {p.stem: keyrange.row_width(flashgen.compile(p).spec) for p in ALL_SPECS}
+    assert width["sliding_window"] == ({"window": 1},)
+    assert width["gemma"] == ({"window": 1},)
+    assert width["transformers_window"] == ({"left": 1, "right": 1, None: 1},)
+    for name in ("dense", "causal", "alibi", "prefix_lm", "document", "key_padding", "softcap"):
+        assert width[name] == (), name
+
+
+WIDTH_SPECS = [p for p in ALL_SPECS if keyrange.row_width(flashgen.compile(p).spec)]
+
+
+@pytest.mark.parametrize("path", WIDTH_SPECS, ids=lambda p: p.stem)
+def test_row_width_bounds_every_rows_kept_keys(path):
+    """The width forms bound the keys the reference mask keeps in every row, for random int
+    parameters, odd shapes and seqlen_q ≠ seqlen_k (what decode's key_span relies on)."""
+    spec = flashgen.compile(path).spec
+    forms = keyrange.row_width(spec)
+    gen = torch.Generator().manual_seed(7)
+    for nq, nk in ((1, 1), (7, 29), (40, 40), (33, 70)):
+        for _ in range(4):
+            params = random_params(spec, 2, 2, nq, nk, gen)
+            kept = reference.keep_mask(spec, nq, nk, batch=2, heads=2, **params).sum(-1).max().item()
+            for form in forms:
+                bound = sum(c * (1 if k is None else params[k]) for k, c in form.items())
+                assert kept <= max(0, bound), (nq, nk, params, form, kept)
+
+
+def test_row_width_of_unions_and_intersections():
+    """A union of a window and a prefix keeps more than the window: no width; an intersection of
+    two windows keeps at most the narrower: both widths; a window of length-dependent bounds
+    (left = seqlen_k / 2) is no host-known width."""
+    union = flashgen.compile("attention u {\n    param window: int\n    param prefix: int\n"
+                             "    mask = (kv <= q and kv > q - window) or kv < prefix\n}\n").spec
+    assert keyrange.row_width(union) == ()
+    both = flashgen.compile("attention i {\n    param w1: int\n    param w2: int\n"
+                            "    mask = kv <= q and kv > q - w1 and kv > q - w2\n}\n").spec
+    assert sorted(keyrange.row_width(both), key=str) == [{"w1": 1}, {"w2": 1}]
+    moving = flashgen.compile("attention m {\n    mask = kv <= q and kv > q - seqlen_k / 2\n}\n").spec
+    assert keyrange.row_width(moving) == ()

@@ -41,11 +41,12 @@ class LaunchFields:
     def bwd(self, args, values, config) -> None:
         pass
 
-    def kv_splits(self, args, inst, requested: int) -> int:
+    def kv_splits(self, args, inst, requested: int, keys: int | None = None) -> int:
         """A decode call's split-KV count (FgKvCache.num_splits, args.h) for the filled ``args``
         (sizes, capacity, ``num_sms``) on the decode library of instantiation ``inst``;
-        ``requested`` is the call's num_splits (0 chooses, 1 disables). This default does not
-        split."""
+        ``requested`` is the call's num_splits (0 chooses, 1 disables); ``keys``, where not None,
+        bounds the keys one row tile of the call can keep (below the capacity for a sliding
+        window). This default does not split."""
         return 1
 
     def fwd_packed(self, args, packed, config):

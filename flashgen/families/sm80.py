@@ -156,23 +156,28 @@ def decode_ctas_per_sm(arch: str, config: dict) -> int:
 
 
 def decode_splits(batch: int, heads_kv: int, m_tiles: int, capacity: int, block_n: int, sms: int, per_sm: int,
-                  requested: int = 0) -> int:
+                  requested: int = 0, keys: int | None = None) -> int:
     """The split-KV count of a decode call, from host-known shapes only (never the device-side
-    lengths): at most one split per ``block_n`` keys of the ``capacity`` and MAX_DECODE_SPLITS.
+    lengths): at most one split per ``block_n`` keys of the span and MAX_DECODE_SPLITS. The span
+    is the ``capacity``, or ``keys`` where smaller: a host-known bound on the keys one row tile
+    can keep (a sliding window's width plus Sq - 1; runtime/decode.py ``key_span``), which the
+    kernel's cut of the tile's own key range never exceeds, so that a window in a long cache is
+    split as it is in a cache of its own size.
     ``requested`` >= 1 (num_splits=n): n within those bounds (1: no split, out written
     directly). 0 chooses: with ``batch`` x ``heads_kv`` x ``m_tiles`` CTAs per split and
     ``sms`` x ``per_sm`` CTA slots per wave, the smallest count whose last wave is at least 85%
     as full as the best count's (FlashAttention's rule); 1 when the CTAs already fill the GPU;
-    and never fewer than one split per SPLIT_KEYS keys of the capacity, so that in a batch of
+    and never fewer than one split per SPLIT_KEYS keys of the span, so that in a batch of
     mixed lengths no CTA streams more than SPLIT_KEYS keys of one long sequence while the
     short ones have finished (the device gives a short sequence's surplus splits no work).
     The kernel then cuts each sequence's own key range into that many pieces on the device."""
-    limit = max(1, min(MAX_DECODE_SPLITS, -(-capacity // block_n)))
+    span = capacity if keys is None else max(0, min(capacity, keys))
+    limit = max(1, min(MAX_DECODE_SPLITS, -(-span // block_n)))
     if requested >= 1:
         return min(requested, limit)
     ctas = batch * heads_kv * m_tiles
     slots = max(1, sms) * max(1, per_sm)
-    floor = min(limit, max(1, -(-capacity // SPLIT_KEYS)))
+    floor = min(limit, max(1, -(-span // SPLIT_KEYS)))
     if ctas <= 0:
         return 1
     if ctas >= slots:
@@ -206,13 +211,13 @@ class GqaSplit(LaunchFields):
                                      args.num_sms)
 
 
-    def kv_splits(self, args, inst, requested: int) -> int:
+    def kv_splits(self, args, inst, requested: int, keys: int | None = None) -> int:
         cfg = dict(inst.config)
         hkv = args.heads_kv
         group = args.heads_q // hkv if hkv > 0 else 0
         m_tiles = -(-group * args.seqlen_q // _ROWS)
         return decode_splits(args.batch, hkv, m_tiles, args.kv_cache.capacity, cfg["decode_block_n"], args.num_sms,
-                             decode_ctas_per_sm(inst.target.arch, cfg), requested)
+                             decode_ctas_per_sm(inst.target.arch, cfg), requested, keys)
 
 
 TILE_KEYS = tile_rules.TILE_KEYS

@@ -8,6 +8,7 @@ explain evaluates over every row (flashgen/explain/geometry.py); ``monotonicity`
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from . import expr as X
@@ -291,3 +292,72 @@ def key_range(spec: ir.Spec) -> KeyRange:
         return _UNBOUNDED  # !=
 
     return go(spec.mask, False)
+
+
+def _linear(e: ir.Expr) -> dict[str | None, int] | None:
+    """``e`` as an integer linear form {name: coefficient, None: constant} over plain names (q,
+    seqlen_q, seqlen_k, b, h, int parameters), or None when it is not one (an index, a call, a
+    product of two names, a float)."""
+    if isinstance(e, ir.Num):
+        return {None: e.value} if isinstance(e.value, int) and not isinstance(e.value, bool) else None
+    if isinstance(e, ir.Name):
+        return {e.id: 1}
+    if isinstance(e, ir.Unary) and e.op == "-":
+        a = _linear(e.operand)
+        return None if a is None else {k: -c for k, c in a.items()}
+    if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
+        a, b = _linear(e.lhs), _linear(e.rhs)
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op == "+" else -1
+        out = dict(a)
+        for k, c in b.items():
+            out[k] = out.get(k, 0) + sign * c
+        return out
+    if isinstance(e, ir.BinOp) and e.op == "*":
+        for lin, k in ((e.lhs, e.rhs), (e.rhs, e.lhs)):
+            if isinstance(k, ir.Num) and isinstance(k.value, int) and not isinstance(k.value, bool):
+                a = _linear(lin)
+                if a is not None:
+                    return {n: c * k.value for n, c in a.items()}
+    return None
+
+
+_ROW_NAMES = frozenset({"q", "kv", "seqlen_q", "seqlen_k", "b", "h"})
+
+
+@functools.lru_cache(maxsize=256)
+def row_width(spec: ir.Spec) -> tuple[dict[str | None, int], ...]:
+    """Bounds on the number of keys any one query row can keep, as linear forms over the spec's
+    int parameters ({name: coefficient, None: constant}; the width is at most the smallest of
+    their values), from the closed-form range: hi(q) − lo(q) for an upper bound of hi and a lower
+    bound of lo (a min of bounds is below each, a max above each) whose difference is free of q,
+    the sequence lengths, b and h (a sliding window: ``window``). Empty when there is none (no
+    lower bound, as causal, or one that moves with the lengths). Sound for every row of every
+    call: a row keeps no key outside [lo(q), hi(q)) (key_range). Cached per spec (decode calls
+    read it per call); callers must not change the forms."""
+    rng = key_range(spec)
+
+    def sides(bound, op: str) -> list[RowBound]:
+        if bound is None:
+            return []
+        if isinstance(bound, RowBound):
+            return [bound]
+        if isinstance(bound, JoinBound) and bound.op == op:
+            return sides(bound.a, op) + sides(bound.b, op)
+        return []  # a switch, or a join that does not bound this side
+
+    out = []
+    for h in sides(rng.hi, "min"):
+        for lo in sides(rng.lo, "max"):
+            a, b = _linear(h.f), _linear(lo.f)
+            if a is None or b is None:
+                continue
+            diff = dict(a)
+            for k, c in b.items():
+                diff[k] = diff.get(k, 0) - c
+            diff[None] = diff.get(None, 0) + h.offset - lo.offset
+            diff = {k: c for k, c in diff.items() if c}
+            if not any(k in _ROW_NAMES for k in diff):
+                out.append(diff)
+    return tuple(out)

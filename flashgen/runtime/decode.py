@@ -20,6 +20,7 @@ from .. import families
 from ..abi import FgFwdArgs, FgKvCache
 from ..caches import Bounded
 from ..lang import expr as X
+from ..lang import keyrange
 from . import launch
 from .checks import IR_DTYPE, check_q_dtype, describe_tensor, ranges_text
 
@@ -103,7 +104,8 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         scale: softmax scale; default the spec's (1/sqrt(d) unless it sets ``scale``).
         return_lse: also return the log-sum-exp, fp32 [B, Hq, Sq], natural log.
         num_splits: split-KV count, an int ≥ 0: 0 chooses (sm80: from the batch, kv heads, Sq,
-            group, capacity and the device's multiprocessors, never from device-side lengths),
+            group, capacity (or a sliding window's width where int parameters bound it:
+            ``key_span``) and the device's multiprocessors, never from device-side lengths),
             1 disables splitting, n > 1 asks for n (at most one split per key tile of the
             capacity, 32 or 64 keys, and 128). The cpu family does not split (any value gives the same result).
         validate: check the device-side values on the host first (cache_seqlens, cache_leftpad,
@@ -315,6 +317,25 @@ def check_values(call: KvCall) -> None:
                              f"{call.num_pages} pages (k_cache.shape[0])")
 
 
+def key_span(spec, values, capacity: int, seqlen_q: int) -> int:
+    """At most how many keys one decode row tile keeps: the ``capacity``, or less for a spec whose
+    rows keep a bounded width of keys (keyrange.row_width: a sliding window's ``window``, or
+    ``left + right + 1`` of window(left, right)) given its int parameters' ``values`` (declaration
+    order), plus ``seqlen_q`` - 1 for the tile's rows at consecutive positions. What the split
+    count is chosen for (sm80 ``decode_splits``): a window in a long cache needs the splits of a
+    window, not of the cache. A symbolic int (torch.compile) leaves the capacity."""
+    forms = keyrange.row_width(spec)
+    if not forms:
+        return capacity
+    ints = {p.name: v for p, v in zip(spec.params, values, strict=True) if p.kind == "int" and type(v) is int}
+    span = capacity
+    for form in forms:
+        if all(k is None or k in ints for k in form):
+            width = sum(c * (1 if k is None else ints[k]) for k, c in form.items())
+            span = min(span, max(0, width) + max(1, seqlen_q) - 1)
+    return span
+
+
 def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
                    fam, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """out and lse of one decode launch of a validated call (appending k / v into the cache first),
@@ -359,7 +380,8 @@ def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, va
     fields.fwd(args, values)
     if own:
         args.num_sms = launch.num_sms(q)
-        splits = fields.kv_splits(args, lib.instantiation, int(num_splits))
+        splits = fields.kv_splits(args, lib.instantiation, int(num_splits),
+                                  key_span(op.spec, values, call.capacity, Sq))
         args.kv_cache.num_splits = splits
         if splits > 1:  # kept alive until the launches are enqueued (the allocator is stream-ordered)
             o_accum = q.new_empty((splits, B, Hq, Sq, d), dtype=torch.float32)
