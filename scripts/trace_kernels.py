@@ -13,7 +13,8 @@ H 16; example parameters of flashgen.params.example_params with ``--param`` over
 is one forward, or with ``--backward`` one forward and the gradients of q, k, v for a random
 dout. ``flashgen-bm`` is the op given ``flashgen.block_mask`` of the spec (block size 128),
 built before the trace. ``--decode BxL,...``: one ``op.with_kvcache`` call per step (Sq 1, a
-contiguous cache of L slots with L - 1 keys cached, H ``--heads`` / ``--kv-heads``) per shape;
+contiguous cache of L slots with L - 1 keys cached, H ``--heads`` / ``--kv-heads``, parameters
+sized for positions up to L as with_kvcache takes them) per shape;
 ``--impls`` is then ignored. Each table comes after ``--warmup`` untraced steps; the line above
 it gives the median wall time of a step measured with a device synchronisation around each of
 ``--steps`` steps (outside the trace, no cache flush: a diagnostic, not a benchmark figure).
@@ -68,6 +69,8 @@ def options(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args(argv)
     a.impl_list = [x for x in a.impls.split(",") if x]
+    if not a.impl_list:
+        ap.error(f"argument --impls: expected at least one of {', '.join(IMPLS)}")
     bad = [x for x in a.impl_list if x not in IMPLS]
     if bad:
         ap.error(f"argument --impls: unknown implementation {bad[0]!r} (expected some of {', '.join(IMPLS)})")
@@ -86,9 +89,19 @@ def options(argv=None) -> argparse.Namespace:
         a.params = fg_params.parse_params(a.op.spec, a.param)
     except ValueError as e:
         ap.error(f"argument {e}")
-    a.dev = torch.device(a.device)
+    try:
+        a.dev = torch.device(a.device)
+    except (RuntimeError, ValueError):
+        a.dev = None
+    if a.dev is None or a.dev.type not in ("cpu", "cuda"):
+        ap.error(f"argument --device: expected cpu or cuda[:N], got {a.device!r}")
     if a.dev.type == "cuda" and not torch.cuda.is_available():
         ap.error("argument --device: cuda is not available here")
+    dims = a.op.head_dims(a.dev.type)
+    if a.head_dim not in dims:
+        shown = ", ".join(map(str, dims)) if len(dims) <= 6 else f"{dims[0]}, {dims[1]}, ..., {dims[-1]}"
+        ap.error(f"argument --head-dim: {a.head_dim} is not a head dim of spec '{a.op.spec.name}' on "
+                 f"{a.dev.type} (it takes {shown or 'none'})")
     return a
 
 
@@ -168,7 +181,7 @@ def decode(a: argparse.Namespace) -> None:
         kc, vc = (torch.randn(B, a.kv_heads, L, d, device=dev, dtype=dtype, generator=gen) for _ in range(2))
         q = torch.randn(B, a.heads, 1, d, device=dev, dtype=dtype, generator=gen)
         lens = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
-        pv = fg_params.example_params(op.spec, B, a.heads, 1, L, dev, gen, **a.params)
+        pv = fg_params.example_params(op.spec, B, a.heads, L, L, dev, gen, **a.params)  # positions up to L
         print(f"# {op.name} decode B={B} cache={L} H={a.heads}/{a.kv_heads} d={d} on {dev}")
 
         def step():
@@ -178,10 +191,14 @@ def decode(a: argparse.Namespace) -> None:
 
 def main(argv=None) -> int:
     a = options(argv)
-    if a.decode:
-        decode(a)
-    else:
-        prefill(a)
+    try:
+        if a.decode:
+            decode(a)
+        else:
+            prefill(a)
+    except (TypeError, ValueError) as e:  # the op refused an argument (a parameter value, a shape)
+        print(f"trace_kernels.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -128,3 +128,26 @@ def test_row_width_of_unions_and_intersections():
     assert sorted(keyrange.row_width(both), key=str) == [{"w1": 1}, {"w2": 1}]
     moving = flashgen.compile("attention m {\n    mask = kv <= q and kv > q - seqlen_k / 2\n}\n").spec
     assert keyrange.row_width(moving) == ()
+    # rows whose range moves two keys per row, or differs per head: a row keeps w keys, but a
+    # decode tile of consecutive rows (or of a GQA group's heads) more than w + rows - 1
+    for mask in ("kv <= 2*q - seqlen_k and kv > 2*q - seqlen_k - w", "kv <= q - h and kv > q - h - w"):
+        spec = flashgen.compile("attention s {\n    param w: int\n    mask = %s\n}\n" % mask).spec
+        assert keyrange.row_width(spec) == (), mask
+
+
+@pytest.mark.parametrize("path", WIDTH_SPECS, ids=lambda p: p.stem)
+def test_row_width_bounds_a_tile_of_consecutive_rows(path):
+    """n consecutive rows, over every head, keep at most width + n - 1 keys in all: what decode's
+    key_span counts for a tile of the last Sq positions of a GQA group."""
+    spec = flashgen.compile(path).spec
+    gen = torch.Generator().manual_seed(11)
+    for n_rows in (1, 3, 16):
+        nk = 60
+        params = random_params(spec, 2, 4, nk, nk, gen)
+        keep = reference.keep_mask(spec, nk, nk, batch=2, heads=4, **params)
+        keep = torch.broadcast_to(keep, (2, 4, nk, nk))
+        for end in range(n_rows, nk + 1, 7):
+            union = keep[:, :, end - n_rows:end].any(2).any(1).sum(-1).max().item()
+            for form in keyrange.row_width(spec):
+                bound = sum(c * (1 if k is None else params[k]) for k, c in form.items())
+                assert union <= max(0, bound) + n_rows - 1, (end, n_rows, params, form, union)

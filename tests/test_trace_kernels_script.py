@@ -22,6 +22,10 @@ _spec.loader.exec_module(script)
     (["--heads", "6", "--kv-heads", "4", "--device", "cpu"], "--kv-heads: 4 does not divide 6"),
     (["--steps", "0", "--device", "cpu"], "--steps: expected >= 1"),
     (["--spec", "sliding_window", "--param", "nope=3", "--device", "cpu"], "has no parameter 'nope'"),
+    (["--device", "3"], "--device: expected cpu or cuda[:N], got '3'"),
+    (["--device", "meta"], "--device: expected cpu or cuda[:N], got 'meta'"),
+    (["--device", "cpu", "--head-dim", "7"], "--head-dim: 7 is not a head dim of spec 'causal' on cpu"),
+    (["--device", "cpu", "--impls", ","], "--impls: expected at least one"),
 ])
 def test_bad_options_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -42,6 +46,23 @@ def test_prefill_trace_names_the_forward_and_backward_operators(capsys):
     assert "flashgen::causal_" in ours and "_bwd" in ours  # the forward op and the backward op ran, traced
     theirs = out.split("=== sdpa:")[1].split("=== flex")[0]
     assert "flashgen::" not in theirs and "scaled_dot_product" in theirs
+
+
+def test_a_refused_parameter_value_is_a_one_line_error(tmp_path, capsys):
+    spec = tmp_path / "chunks.attn"
+    spec.write_text("attention chunks {\n    param n: int\n    mask = chunked(n)\n}\n")
+    assert script.main(["--device", "cpu", "--spec", str(spec), "--seqlen", "32", "--head-dim", "16",
+                        "--param", "n=0", "--impls", "flashgen", "--steps", "1", "--warmup", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trace_kernels.py: error: n: 0"), err
+
+
+def test_decode_of_a_spec_with_query_positions_in_a_parameter(capsys):
+    """A parameter with a seqlen_q dim (bias[b, h, q, kv]) is sized for positions up to the
+    capacity, as with_kvcache takes it."""
+    assert script.main(["--device", "cpu", "--spec", "bias", "--decode", "1x16", "--head-dim", "16", "--heads",
+                        "4", "--kv-heads", "2", "--steps", "1", "--warmup", "0", "--rows", "40"]) == 0
+    assert "flashgen::bias_" in capsys.readouterr().out
 
 
 def test_decode_trace_names_the_kvcache_operator(capsys):

@@ -245,6 +245,23 @@ def test_compiled_generation_on_a_static_cache_decodes_through_with_kvcache():
     assert torch.equal(ref, ours)
 
 
+def test_decoding_step_follows_autocast_as_the_prefill_call_does():
+    """A one-query step of fp32 q, k, v under a bf16 autocast computes in bf16 as the prefill op
+    does (with_kvcache would keep the cache's fp32), so it takes the prefill path; without
+    autocast, or with q already in autocast's dtype, it takes op.with_kvcache."""
+    layer = torch.nn.Module()
+    layer.is_causal = True
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, n, 16, generator=gen) for h, n in ((4, 1), (2, 12), (2, 12)))
+    with torch.no_grad():
+        for autocast, dtype, decodes in ((False, torch.float32, 1), (True, torch.float32, 0), (True, torch.bfloat16, 1)):
+            before = sum(fg_hf.kvcache_calls.values())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out, _ = fg_hf.attention_forward(layer, q.to(dtype), k.to(dtype), v.to(dtype), None)
+            assert sum(fg_hf.kvcache_calls.values()) - before == decodes
+            assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
 def test_fallbacks_warn_once_and_match_eager():
     """A user's 4-D float mask and output_attentions=True leave flashgen's kernels with a warning
     naming the reason, and give eager's result."""

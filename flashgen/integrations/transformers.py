@@ -347,13 +347,18 @@ def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
 def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: int, nk: int, dropout) -> bool:
     """Whether a padded call is a decoding step for ``op.with_kvcache``: at most
     DECODE_MAX_QUERIES queries and more keys than queries, no dropout, nothing that records a
-    gradient (decoding is inference only), and on CUDA a head dim the decode kernels take
-    (multiples of 16; the others run the prefill kernels, with the same result)."""
+    gradient (decoding is inference only), not under an autocast whose dtype differs from the
+    query's (the prefill op follows autocast; with_kvcache computes in the cache's dtype, as it
+    writes the cache), and on CUDA a head dim the decode kernels take (multiples of 16; the
+    others run the prefill kernels, with the same result)."""
     if nq > DECODE_MAX_QUERIES or nq >= nk or dropout:
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         return False
-    return query.device.type == "cpu" or query.shape[-1] % 16 == 0
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and query.dtype != torch.get_autocast_dtype(device):
+        return False  # the prefill op computes in autocast's dtype; with_kvcache in the cache's
+    return device == "cpu" or query.shape[-1] % 16 == 0
 
 
 def _packed_from_ids(ids: torch.Tensor):

@@ -326,16 +326,25 @@ def _linear(e: ir.Expr) -> dict[str | None, int] | None:
 _ROW_NAMES = frozenset({"q", "kv", "seqlen_q", "seqlen_k", "b", "h"})
 
 
+def _slides(form: dict[str | None, int] | None) -> bool:
+    """Whether a bound's linear form is q + (terms free of q, b and h): it moves one key per row
+    and is the same for every batch row and head."""
+    return form is not None and form.get("q") == 1 and not form.get("b") and not form.get("h")
+
+
 @functools.lru_cache(maxsize=256)
 def row_width(spec: ir.Spec) -> tuple[dict[str | None, int], ...]:
-    """Bounds on the number of keys any one query row can keep, as linear forms over the spec's
-    int parameters ({name: coefficient, None: constant}; the width is at most the smallest of
-    their values), from the closed-form range: hi(q) − lo(q) for an upper bound of hi and a lower
-    bound of lo (a min of bounds is below each, a max above each) whose difference is free of q,
-    the sequence lengths, b and h (a sliding window: ``window``). Empty when there is none (no
-    lower bound, as causal, or one that moves with the lengths). Sound for every row of every
-    call: a row keeps no key outside [lo(q), hi(q)) (key_range). Cached per spec (decode calls
-    read it per call); callers must not change the forms."""
+    """Bounds on the number of keys a query row can keep, as linear forms over the spec's int
+    parameters ({name: coefficient, None: constant}; the width is at most the smallest of their
+    values), from the closed-form range: hi(q) − lo(q) for an upper bound of hi and a lower bound
+    of lo (a min of bounds is below each, a max above each), both of the form q + (terms free of
+    q, b and h), whose difference is free of the sequence lengths too (a sliding window:
+    ``window``; window(left, right): left + right + 1). Such a range slides one key per row and is
+    the same for every head, so the rows at n consecutive positions, in any heads, keep at most
+    width + n − 1 keys in all (what decode's key_span takes). Empty when there is none (no lower
+    bound, as causal; a bound that moves with the lengths, by 2q, or with b or h). Sound: a row
+    keeps no key outside [lo(q), hi(q)) (key_range). Cached per spec (decode calls read it per
+    call); callers must not change the forms."""
     rng = key_range(spec)
 
     def sides(bound, op: str) -> list[RowBound]:
@@ -351,7 +360,7 @@ def row_width(spec: ir.Spec) -> tuple[dict[str | None, int], ...]:
     for h in sides(rng.hi, "min"):
         for lo in sides(rng.lo, "max"):
             a, b = _linear(h.f), _linear(lo.f)
-            if a is None or b is None:
+            if not (_slides(a) and _slides(b)):
                 continue
             diff = dict(a)
             for k, c in b.items():
