@@ -43,6 +43,7 @@ CPU: perf_counter around each call, median (no cache flush).
 
 from __future__ import annotations
 
+import argparse
 import math
 from contextlib import nullcontext
 from collections.abc import Callable
@@ -259,6 +260,18 @@ def split_note(op: AttentionOp, q: torch.Tensor, dtype: ir.DType, Hkv: int, L: i
     values = [(params or {}).get(p.name) for p in op.spec.params]
     keys = key_span(op.spec, values, L, Sq)
     return f"num_splits {op.launch_fields(lib).kv_splits(a, lib.instantiation, requested, keys)}"
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """An argparse type for batch x cache shapes: comma-separated ``BxL`` (B, L >= 1) -> [(B, L)];
+    argparse.ArgumentTypeError otherwise (the scripts' --shapes / --decode)."""
+    try:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected BxL,... (comma-separated, B and L >= 1), got {text!r}")
+    return shapes
 
 
 def _check_sizes(shapes, heads: int, kv_heads: int, seqlen_q: int, variants) -> None:

@@ -77,23 +77,12 @@ def arm_env(arm: str):
                 os.environ[k] = v
 
 
-def shape_list(text: str) -> list[tuple[int, int]]:
-    """--shapes: comma-separated BxL."""
-    try:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise argparse.ArgumentTypeError(f"expected comma-separated BxL with B, L >= 1, got {text!r}")
-    return shapes
-
-
 def options(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="write the JSON here")
     ap.add_argument("--rounds", type=int, default=7, help="alternations per arm (>= 5 for a report)")
     ap.add_argument("--reps", type=int, default=40, help="timed calls per measurement (their median)")
-    ap.add_argument("--shapes", type=shape_list, default=shape_list("128x1024,32x4096,16x8192,4x32768"))
+    ap.add_argument("--shapes", type=bench_decode.shape_list, default=bench_decode.shape_list("128x1024,32x4096,16x8192,4x32768"))
     ap.add_argument("--paged", default="0,16,256", help="page sizes, 0: the contiguous cache (always timed)")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=8)

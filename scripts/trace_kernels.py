@@ -33,20 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flashgen  # noqa: E402
-from flashgen import bench, paths  # noqa: E402
+from flashgen import bench, bench_decode, paths  # noqa: E402
 from flashgen import params as fg_params  # noqa: E402
 
 IMPLS = ("flashgen", "flashgen-bm", "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "flex", "sdpa", "eager")
-
-
-def shapes_arg(text: str) -> list[tuple[int, int]]:
-    try:
-        out = [tuple(int(x) for x in s.lower().split("x")) for s in text.split(",")]
-    except ValueError:
-        out = []
-    if not out or any(len(s) != 2 or min(s) < 1 for s in out):
-        raise argparse.ArgumentTypeError(f"expected BxL,... with values >= 1, got {text!r}")
-    return out
 
 
 def options(argv=None) -> argparse.Namespace:
@@ -59,7 +49,7 @@ def options(argv=None) -> argparse.Namespace:
     ap.add_argument("--impls", default="flashgen,flashgen-bm,flex",
                     help=f"comma-separated, of {', '.join(IMPLS)} (peers unavailable here are reported and skipped)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE")
-    ap.add_argument("--decode", type=shapes_arg, default=None, metavar="BxL,...",
+    ap.add_argument("--decode", type=bench_decode.shape_list, default=None, metavar="BxL,...",
                     help="trace op.with_kvcache at these batch x cache shapes instead")
     ap.add_argument("--heads", type=int, default=32, help="query heads of --decode")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of --decode")

@@ -63,6 +63,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import paths
 from ..runtime.op import AttentionOp
+from ..families.sm80 import DECODE_HEAD_DIMS
 from ..runtime.op import compile as _compile
 
 # A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
@@ -344,13 +345,14 @@ def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
     return False, UNBOUNDED, UNBOUNDED
 
 
-def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: int, nk: int, dropout) -> bool:
+def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout) -> bool:
     """Whether a padded call is a decoding step for ``op.with_kvcache``: at most
     DECODE_MAX_QUERIES queries and more keys than queries, no dropout, nothing that records a
     gradient (decoding is inference only), not under an autocast whose dtype differs from the
     query's (the prefill op follows autocast; with_kvcache computes in the cache's dtype, as it
-    writes the cache), and on CUDA a head dim the decode kernels take (multiples of 16; the
-    others run the prefill kernels, with the same result)."""
+    writes the cache), and on CUDA a head dim the decode kernels take (sm80's DECODE_HEAD_DIMS;
+    the others run the prefill kernels, with the same result)."""
+    nq, nk = query.shape[2], key.shape[2]
     if nq > DECODE_MAX_QUERIES or nq >= nk or dropout:
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
@@ -358,7 +360,7 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, nq: in
     device = query.device.type
     if torch.is_autocast_enabled(device) and query.dtype != torch.get_autocast_dtype(device):
         return False  # the prefill op computes in autocast's dtype; with_kvcache in the cache's
-    return device == "cpu" or query.shape[-1] % 16 == 0
+    return device == "cpu" or query.shape[-1] in DECODE_HEAD_DIMS
 
 
 def _packed_from_ids(ids: torch.Tensor):
@@ -477,7 +479,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
         params.update(key_mask=mask, softcap=float(softcap) if softcap else 0.0)
     call_counts[name] += 1
-    if packed is None and seq_ids is None and _decodes(query, key, value, nq, nk, dropout):
+    if packed is None and seq_ids is None and _decodes(query, key, value, dropout):
         # The last nq positions of nk keys: exactly with_kvcache's call with nk cached keys and
         # no append (positions, the window and the key mask index the same slots as the prefill
         # call's bottom-right alignment), on the split-KV decode kernels.
