@@ -43,8 +43,9 @@ def options(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--spec", default="causal", help="a spec name in specs/, or a .attn file")
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--head-dim", type=int, default=128, help="head dim of q, k, v")
+    ap.add_argument("--seqlen", type=int, default=4096,
+                    help="N of a prefill step (batch 16384 // N, 16 heads, as flashgen bench)")
     ap.add_argument("--backward", action="store_true", help="forward and backward per step")
     ap.add_argument("--impls", default="flashgen,flashgen-bm,flex",
                     help=f"comma-separated, of {', '.join(IMPLS)} (peers unavailable here are reported and skipped)")
@@ -53,10 +54,10 @@ def options(argv=None) -> argparse.Namespace:
                     help="trace op.with_kvcache at these batch x cache shapes instead")
     ap.add_argument("--heads", type=int, default=32, help="query heads of --decode")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of --decode")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps, then traced steps")
+    ap.add_argument("--warmup", type=int, default=5, help="untraced steps first")
     ap.add_argument("--rows", type=int, default=12, help="table rows per implementation")
-    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--device", default="cuda", help="cpu or cuda[:N]")
     a = ap.parse_args(argv)
     a.impl_list = [x for x in a.impls.split(",") if x]
     if not a.impl_list:
