@@ -134,17 +134,23 @@ def build_fgen(device: torch.device, dtype: torch.dtype, head_dim: int) -> float
 
 def fgen_calls() -> dict:
     """flashgen's per-path call counts so far: kernel calls per spec, "kvcache:<spec>" for those
-    of them that were decoding steps on op.with_kvcache, and "fallback:<function>"."""
+    of them that were decoding steps on op.with_kvcache, and "fallback:<function>". Eager calls
+    only: the backend counts nothing while torch.compile traces (a counter there would recompile
+    the model at every step), so a compiled run's calls are not in them."""
     import flashgen.integrations.transformers as fg_hf
 
     return dict(fg_hf.call_counts) | {f"kvcache:{k}": v for k, v in fg_hf.kvcache_calls.items()}
 
 
-def fgen_note(calls: dict) -> str | None:
+def fgen_note(calls: dict, messages: list[str] | None = None) -> str | None:
     """What a status says when flashgen's layers left its kernels: calls that fell back to
-    transformers' attention functions (their reasons are in the run's warnings)."""
+    transformers' attention functions (their reasons are in the run's warnings). Compiled calls
+    are not counted (``fgen_calls``): for them a fallback shows in the run's warning ``messages`` only."""
     back = {k: v for k, v in calls.items() if k.startswith("fallback:")}
     if not back:
+        if any("attention for such calls instead" in m for m in messages or ()):
+            return ("flashgen fell back to transformers' attention for some attention calls (compiled calls are not "
+                    "counted; the reasons are in the warnings): not a flashgen figure")
         return None
     kernels = sum(v for k, v in calls.items() if not k.startswith("fallback:"))
     return (f"flashgen fell back for {sum(back.values())} of {sum(calls.values())} attention calls "

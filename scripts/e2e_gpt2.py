@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec.update(train_run(args, r, data, device, budget))
                 if caught.messages:
                     rec["warnings"] = caught.messages
-                note = common.fgen_note(rec.get("fgen_calls", {}))
+                note = common.fgen_note(rec.get("fgen_calls", {}), rec.get("warnings"))
                 if note:
                     rec["status"] += "; " + note
             except Exception as e:  # noqa: BLE001 (recorded; the other runs go on)

@@ -1,7 +1,7 @@
 """The end-to-end scripts (scripts/e2e_gpt2.py, scripts/e2e_gemma2.py) in their --smoke mode:
-tiny models on the CPU, a few steps, uncompiled; they run, every measurement completes, the
-flashgen runs take flashgen's kernels (no fallback), and the JSON and plots are written. The
-figures themselves measure nothing here; the GPU runs are not tested."""
+tiny models on the CPU, a few steps, uncompiled (and GPT-2's compiled by dynamo alone); they run,
+every measurement completes, the flashgen runs take flashgen's kernels (no fallback), and the JSON
+and plots are written. The figures themselves measure nothing here; the GPU runs are not tested."""
 
 import importlib.util
 import json
@@ -61,6 +61,23 @@ def test_gpt2_smoke(tmp_path):
     assert runs["fgen", 0]["losses"][0] == pytest.approx(runs["sdpa", 0]["losses"][0], rel=1e-4)  # same init, data
     for png in ("tokens", "loss"):
         assert (tmp_path / f"gpt2-smoke-{png}.png").stat().st_size > 0
+
+
+def test_gpt2_compiled_smoke(tmp_path):
+    """--smoke with compiled runs (dynamo only: --compile-backend eager): flashgen's timed steps
+    recompile nothing (the status would say "recompiled inside the timed steps"), without a
+    fallback warning, and flashgen adds no graph break to those SDPA's run has (transformers' own);
+    compiled calls are not counted in fgen_calls."""
+    mod = load("e2e_gpt2")
+    rc = mod.main(["--smoke", "--out", str(tmp_path), "--data-cache", str(tmp_path / "data"), "--seqlens", "32",
+                   "--runs", "fgen,sdpa", "--curve", "none", "--steps", "6", "--warmup", "2",
+                   "--compile-backend", "eager"])
+    assert rc == 0
+    runs = {r["impl"]: r for r in json.loads((tmp_path / "gpt2-smoke.json").read_text())["runs"]}
+    for r in runs.values():
+        assert r["compiled"] and r["status"] == "ok" and r["tokens_per_s"] > 0 and "warnings" not in r, r
+    assert runs["fgen"]["graph_breaks"] <= runs["sdpa"]["graph_breaks"], runs
+    assert runs["fgen"]["fgen_calls"] == {}
 
 
 def test_gemma2_smoke(tmp_path):

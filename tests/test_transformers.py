@@ -4,6 +4,7 @@ same models with attn_implementation="eager": logits and gradients at the non-pa
 greedy generation with dynamic and static caches, and the fallbacks."""
 
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -89,6 +90,34 @@ def run(m, impl: str, ids, mask, weights, **kw):
     return logits.detach()[keep], grads
 
 
+class GraphCalls:
+    """A torch.compile backend (aot_eager underneath: dynamo traces as for inductor) that counts the
+    flashgen ops of the graphs it compiles each time a graph runs, by spec name ("kvcache:<spec>"
+    for op.with_kvcache's op): the calls of compiled models, which fg_hf.call_counts leaves out."""
+
+    def __init__(self):
+        self.calls = Counter()
+        self.sdpa = 0  # graphs calling torch's SDPA (transformers' fallback)
+
+    def __call__(self, gm, example_inputs):
+        ops = Counter()
+        for node in gm.graph.nodes:
+            target = str(node.target) if node.op == "call_function" else ""
+            self.sdpa += "scaled_dot_product_attention" in target
+            for name in fg_hf.SPECS:
+                qual = fg_hf.op(name).name.split("::")[1]
+                if target.startswith(f"flashgen.{qual}."):
+                    ops[name] += 1
+                elif target.startswith(f"flashgen.{qual}_kvcache."):
+                    ops[f"kvcache:{name}"] += 1
+        compiled = torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        def run(*args):
+            self.calls.update(ops)
+            return compiled(*args)
+        return run
+
+
 def assert_same(ref, ours, what: str, tol: float = 2e-5):
     scale = ref.abs().max().item() + 1e-6
     err = (ref - ours).abs().max().item()
@@ -153,7 +182,10 @@ def test_training_under_torch_compile_runs_flashgen(monkeypatch):
     """Under torch.compile transformers always builds packed sequence ids from position_ids in
     training (its packing check is data-dependent): the backend runs them as a padded call with
     per-token sequence ids (specs/transformers_packed.attn, no host read) instead of falling back;
-    logits and gradients equal eager attention's, packed rows included. The same ids path, forced
+    logits and gradients equal eager attention's, packed rows included. The model traces without a
+    graph break (the mask pattern is read from the mask function's torch calls, not its closure),
+    each attention call is the registered op in the graph, and nothing is added to call_counts
+    there (a counter read while tracing would recompile every step). The same ids path, forced
     outside compile, equals the varlen path it replaces."""
     m = model("mistral")
     ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -172,12 +204,16 @@ def test_training_under_torch_compile_runs_flashgen(monkeypatch):
 
     ref_logits, ref_grads = go("eager", m)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     fg_hf.call_counts.clear()
+    backend = GraphCalls()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        logits, grads = go("fgen", torch.compile(m, backend="aot_eager"))  # dynamo traces as with inductor
+        logits, grads = go("fgen", torch.compile(m, backend=backend))
     assert not [w for w in seen if "flashgen" in str(w.message)], [str(w.message) for w in seen]  # no fallback
-    assert dict(fg_hf.call_counts) == {"transformers_packed": 2}, dict(fg_hf.call_counts)  # two layers
+    assert backend.calls == {"transformers_packed": 2} and not backend.sdpa, backend.calls  # two layers, in graph
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert not fg_hf.call_counts, dict(fg_hf.call_counts)
     assert_same(ref_logits, logits, "logits")
     for n in ref_grads:
         assert_same(ref_grads[n], grads[n], f"grad of {n}")
@@ -186,6 +222,130 @@ def test_training_under_torch_compile_runs_flashgen(monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     padded, _ = go("fgen", m)
     assert_same(varlen, padded, "sequence ids against the varlen call")
+
+
+def compiled_training(name: str, impl: str, steps: int = 4):
+    """``steps`` AdamW steps of a fresh ``model(name)``-shaped model compiled with backend="eager"
+    (dynamo only, as scripts/e2e_gpt2.py --smoke), each on a new batch: the losses, and after each
+    step the frames dynamo has compiled and its graph breaks so far."""
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config(name), attn_implementation=impl)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    step = torch.compile(m, backend="eager")
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    losses, frames, breaks = [], [], []
+    for i in range(steps):
+        ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + i))
+        loss = step(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        frames.append(counters["frames"]["ok"])
+        breaks.append(sum(counters["graph_break"].values()))
+    torch._dynamo.reset()
+    return losses, frames, breaks
+
+
+@pytest.mark.parametrize("name", ["gpt2", "gemma2"])
+def test_compiled_training_does_not_recompile(name):
+    """Training steps of a compiled model compile in the first step and never again (a per-call
+    counter or anything else that changes from call to call in the attention or mask functions
+    recompiled every step, until dynamo's recompile limit left the model uncompiled); flashgen
+    adds no graph break to those of the model's own code (as compiled with eager attention), and
+    the losses equal eager attention's, uncompiled."""
+    fg_hf._warned.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        losses, frames, breaks = compiled_training(name, "fgen")
+    assert not [w for w in seen if "flashgen" in str(w.message)], [str(w.message) for w in seen]  # no fallback
+    assert frames[0] > 0 and frames[1:] == frames[:1] * (len(frames) - 1), frames  # no recompilation
+    _, _, eager_breaks = compiled_training(name, "eager")
+    assert breaks[-1] <= eager_breaks[-1], (breaks, eager_breaks)
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(config(name), attn_implementation="eager")
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    for i, loss in enumerate(losses):
+        ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(10 + i))
+        ref = m(input_ids=ids, labels=ids, use_cache=False).loss
+        ref.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert loss == pytest.approx(ref.item(), rel=1e-5, abs=1e-6), (i, losses)
+
+
+def _mask_functions(pos, ids):
+    """transformers' mask functions by name, with the pattern flashgen recognises in each:
+    (kind, whether packed sequence ids come with it), or None (falls back); and whether
+    torch.compile traces its recognition without a graph break (from its torch calls: not those of
+    the builtin abs, which dynamo does not show a torch function mode, nor a pattern that falls
+    back, both read from the closure outside the tracing)."""
+    mu = transformers.masking_utils
+    lp = torch.zeros(pos.shape[0], dtype=torch.long)
+
+    def packed(fn):
+        return mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
+
+    return {
+        "causal": (mu.causal_mask_function, ("causal", False), True),
+        "bidirectional": (mu.bidirectional_mask_function, ("bidirectional", False), True),
+        "sliding": (mu.sliding_window_causal_mask_function(4), ("causal", False), True),
+        "sliding bidirectional": (mu.sliding_window_bidirectional_mask_function(3), ("bidirectional", False), False),
+        "packed": (packed(mu.causal_mask_function), ("causal", True), True),
+        "packed sliding": (packed(mu.sliding_window_causal_mask_function(4)), ("causal", True), True),
+        "packed bidirectional": (packed(mu.bidirectional_mask_function), ("bidirectional", True), True),
+        "packed sliding bidirectional": (packed(mu.sliding_window_bidirectional_mask_function(2)),
+                                         ("bidirectional", True), False),
+        "chunked": (mu.chunked_causal_mask_function(4, lp), None, False),
+        "or overlay": (mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), None, False),
+        "and overlay": (mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv >= 1), None, False),
+        "padding": (mu.padding_mask_function(torch.ones_like(ids, dtype=torch.bool)), None, False),
+        "packed chunked": (packed(mu.chunked_causal_mask_function(4, lp)), None, False),
+        "block_sequence_ids": (packed(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids))), None,
+                               False),
+        "offsets": (mu.add_offsets_to_mask_function(mu.causal_mask_function, 2, 0), None, False),
+    }
+
+
+@pytest.mark.parametrize("which", list(_mask_functions(torch.zeros(1, 1), torch.zeros(1, 1))))
+def test_mask_pattern_read_from_torch_calls_as_from_closures(which):
+    """The mask pattern read from a mask function's torch calls on probe indices (as under
+    torch.compile, where closures are out of reach) is the one read from its closure cells (as in
+    eager mode); traced by dynamo, with the mask function built inside the compiled function as
+    transformers builds it, the pattern is the same, without a graph break where the torch calls
+    show it."""
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    fn, want, unbroken = _mask_functions(pos, ids)[which]
+
+    def read(got):
+        return None if got is None else (got[0], got[1] is not None)
+
+    closure = fg_hf._composed_pattern(fn) if fn.__qualname__.count("<locals>") else fg_hf._pattern(fn)
+    assert read(closure) == want
+    probe = fg_hf._traced_pattern(fn, "cpu")
+    assert read(probe) == want
+    if want is not None and want[1]:
+        assert probe[1] is ids and closure[1] is ids
+
+    def traced(pos, ids):
+        got = fg_hf._pattern(_mask_functions(pos, ids)[which][0], pos.device)
+        return (None, None) if got is None else got
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    kind, got_ids = torch.compile(traced, backend="eager")(pos, ids)
+    breaks = sum(counters["graph_break"].values())
+    torch._dynamo.reset()
+    assert (None if kind is None else (kind, got_ids is not None)) == want
+    if got_ids is not None:
+        assert torch.equal(got_ids, ids)
+    assert (breaks == 0) == unbroken, dict(counters["graph_break"])
 
 
 def greedy(m, impl, ids, mask, cache):
@@ -229,16 +389,19 @@ def test_compiled_generation_on_a_static_cache_decodes_through_with_kvcache():
     """Greedy generation with a static cache and the model's forward under torch.compile (as
     transformers compiles decoding steps), Mistral's sliding window on a left-padded batch: every
     step after the prefill runs op.with_kvcache (the split-KV decode kernels on CUDA) inside the
-    compiled graph and gives eager's tokens."""
+    compiled graph, without a graph break, and gives eager's tokens."""
     m = model("mistral")
     ids, mask = batch("left", n=8, seed=5)
     ref, _ = greedy(m, "eager", ids, mask, "static")
     forward = m.forward
-    m.forward = torch.compile(forward, backend="aot_eager")  # dynamo traces as with inductor
+    backend = GraphCalls()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    m.forward = torch.compile(forward, backend=backend)
     try:
-        decodes = sum(fg_hf.kvcache_calls.values())
         ours, _ = greedy(m, "fgen", ids, mask, "static")
-        assert sum(fg_hf.kvcache_calls.values()) - decodes == 2 * 19
+        assert backend.calls == {"transformers": 2, "kvcache:transformers": 2 * 19}, backend.calls
+        assert not backend.sdpa and not torch._dynamo.utils.counters["graph_break"]
     finally:
         m.forward = forward
         torch._dynamo.reset()

@@ -44,6 +44,12 @@ value head dims that differ from the query's, head dims flashgen does not build 
 Under torch.compile, transformers hands the mask function packed sequence ids for every
 training call (its check for packing is data-dependent, so it is skipped while tracing); those
 calls run in the padded layout with the ids as a per-token sequence mask, with no host read.
+Both functions trace without anything that changes from call to call (which would recompile
+the model at every step) and without a graph break: the mask pattern is recognised from the torch
+calls transformers' mask function makes on probe indices (dynamo cannot read its closure; only a
+bidirectional sliding window, and patterns that fall back, are read from it at a graph break),
+each attention call is its spec's registered torch op in the graph, and ``call_counts`` counts
+only calls that run eagerly.
 
 The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping),
 ``specs/transformers.attn`` (a key mask and ``softcap``) and ``specs/transformers_packed.attn``
@@ -59,6 +65,7 @@ import warnings
 from collections import Counter
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import paths
@@ -72,7 +79,10 @@ UNBOUNDED = 1 << 30
 SPECS = ("transformers", "transformers_window", "transformers_packed")
 
 # Calls per path since the process started: spec names, and "fallback:<function>" (for tests and
-# for checking which path a model's layers take).
+# for checking which path a model's layers take). Only calls that run eagerly count: while
+# torch.compile traces a call nothing is counted (see ``_count``), so the calls of a compiled
+# model are not in these counters (which path they take is in the compiled graph: the flashgen
+# op, or transformers' attention after a fallback warning).
 call_counts: Counter[str] = Counter()
 # Of those calls, the ones that ran as decoding steps through op.with_kvcache, per spec name.
 kvcache_calls: Counter[str] = Counter()
@@ -95,10 +105,23 @@ def op(name: str) -> AttentionOp:
     hit = _ops.get(name)  # compiled already: no lock (which torch.compile cannot trace through)
     if hit is not None:
         return hit
+    return _load(name)
+
+
+@torch.compiler.disable  # parsing the spec and registering its torch op is never traced
+def _load(name: str) -> AttentionOp:
     with _ops_lock:
         if name not in _ops:
             _ops[name] = _compile(paths.specs_dir() / f"{name}.attn")
         return _ops[name]
+
+
+def _count(counter: Counter[str], name: str) -> None:
+    """``counter[name] += 1``, except while torch.compile traces the call: dynamo would read the
+    count into the compiled code as a constant, guard on it and, since every call changes it,
+    compile the model afresh at every step (and, past its recompile limit, run it uncompiled)."""
+    if not torch.compiler.is_compiling():
+        counter[name] += 1
 
 
 # Substrings transformers gives a meaning of its own in implementation names.
@@ -125,7 +148,9 @@ def register(name: str = "fgen") -> str:
 
     After it, ``attn_implementation=name`` in ``from_pretrained`` / ``from_config``, or
     ``model.set_attn_implementation(name)``, runs the attention layers through flashgen.
-    Registering again (under any name) is harmless. Returns ``name``.
+    Registering again (under any name) is harmless. Also creates the backend's three ops (their
+    specs parsed and torch ops registered, milliseconds; no kernel is built), so that a model under
+    torch.compile never makes one while dynamo traces (a graph break). Returns ``name``.
 
     Raises TypeError when ``name`` is not a non-empty string, ValueError when it contains a part
     transformers interprets ("flash", "sdpa", "flex_attention", "eager", "paged", "|", "/", ":",
@@ -147,6 +172,8 @@ def register(name: str = "fgen") -> str:
                           f"and AttentionMaskInterface): {e}") from e
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
+    for spec in SPECS:  # the ops (parsed specs, torch ops; no kernel yet): none is made while dynamo traces
+        op(spec)
     return name
 
 
@@ -165,18 +192,38 @@ def _closure(fn) -> dict:
     return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
 
 
-@torch.compiler.disable  # closure cells cannot be read while dynamo traces (it would see no pattern)
-def _pattern(fn):
+def _pattern(fn, device="cpu"):
     """("causal" | "bidirectional", packed sequence ids or None) for the mask functions
     transformers builds for causal, sliding-window and bidirectional layers (windows come to the
-    attention function as ``sliding_window``), or None for any other pattern. Runs outside
-    torch.compile's tracing (one graph break per mask, i.e. per model call)."""
+    attention function as ``sliding_window``), or None for any other pattern.
+
+    transformers' own causal and bidirectional functions are recognised by identity. The
+    patterns it composes (sliding windows, packed sequences) are closures it builds at every
+    call, read from their closure cells (``_composed_pattern``). While torch.compile traces,
+    dynamo cannot read closure cells: the pattern is read first from the torch calls the
+    function makes on probe indices (``_traced_pattern``, on ``device``), which dynamo traces
+    without a graph break; only a function not recognised there is read from its closure, outside
+    the tracing (a graph break): one with a call dynamo does not pass to a torch function mode (the
+    builtin ``abs`` of a bidirectional sliding window), or a pattern that falls back anyway."""
     from transformers import masking_utils as mu
 
     if fn is mu.causal_mask_function:
         return "causal", None
     if fn is mu.bidirectional_mask_function:
         return "bidirectional", None
+    if torch.compiler.is_compiling():
+        traced = _traced_pattern(fn, device)
+        if traced is not None:
+            return traced
+    return _composed_pattern(fn)
+
+
+@torch.compiler.disable  # closure cells cannot be read while dynamo traces (it would see no pattern)
+def _composed_pattern(fn):
+    """``_pattern`` of a composed mask function (one of transformers' ``and_masks`` closures),
+    read from its closure cells, outside torch.compile's tracing."""
+    from transformers import masking_utils as mu
+
     qual = getattr(fn, "__qualname__", "")
     if qual == "and_masks.<locals>.and_mask":
         parts = _closure(fn).get("mask_functions")
@@ -198,6 +245,168 @@ def _pattern(fn):
     return None
 
 
+class _Recorder(TorchFunctionMode):
+    """Records the torch calls made under it: (name, args, kwargs, result), dunder names without
+    their underscores ("__and__" -> "and"; in-place calls keep their trailing one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name[:2] == "__" and name[-2:] == "__":  # (slices: dynamo does not trace str.startswith)
+            name = name[2:-2]
+        self.calls.append((name, args, kwargs, out))
+        return out
+
+
+def _term(x, calls, end: int, leaves, used: list):
+    """The expression that computed ``x`` by the first ``end`` of the recorded ``calls`` from the
+    probe tensors ``leaves`` ((name, tensor) pairs): (call name, *argument terms), a leaf's name,
+    ("tensor", t) for any other tensor (a closure's), ("const", v) for any other value, a tuple of
+    terms for a tuple or list; ("unknown",) for a call with keyword arguments (but new_ones).
+    Appends the indices of the calls it uses to ``used``."""
+    if isinstance(x, torch.Tensor):
+        for i in range(end - 1, -1, -1):  # the last call that returned x (an in-place one shows)
+            name, args, kwargs, out = calls[i]
+            if out is x:
+                used.append(i)
+                if kwargs and name != "new_ones":
+                    return ("unknown",)
+                return (name, *(_term(a, calls, i, leaves, used) for a in args))
+        for name, leaf in leaves:
+            if x is leaf:
+                return name
+        return ("tensor", x)
+    if isinstance(x, (tuple, list)):
+        return tuple(_term(a, calls, end, leaves, used) for a in x)
+    return ("const", x)
+
+
+def _same(a, b) -> bool:
+    """Terms ``a`` and ``b`` are the same (tensors: the same object)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _call(t, name: str, n: int) -> bool:
+    """Term ``t`` is a call of ``name`` with ``n`` arguments."""
+    return isinstance(t, tuple) and len(t) == n + 1 and t[0] == name
+
+
+def _const(t, kind) -> bool:
+    return _call(t, "const", 1) and type(t[1]) is kind
+
+
+def _conjuncts(t, out: list) -> list:
+    """The terms ``t`` ands together (``&`` flattened, ``.to(device)`` dropped, and without the
+    all-True ``new_ones`` that and_masks starts from), appended to ``out``."""
+    while _call(t, "to", 2) and _call(t[2], "const", 1) and isinstance(t[2][1], torch.device):
+        t = t[1]
+    if _call(t, "and", 2):
+        _conjuncts(t[1], out)
+        _conjuncts(t[2], out)
+    elif not (isinstance(t, tuple) and len(t) > 0 and t[0] == "new_ones"):
+        out.append(t)
+    return out
+
+
+def _base_kind(conj: list, q, kv):
+    """"causal" for the conjuncts [kv <= q] and [kv > q - w, kv <= q] (any order, any int w),
+    "bidirectional" for [q >= 0] and [|q - kv| <= w, q >= 0], None otherwise; ``q`` and ``kv``
+    are the terms of the query's and the key's positions."""
+    kinds = []
+    for c in conj:
+        if _same(c, ("le", kv, q)):
+            kinds.append("causal")
+        elif _call(c, "gt", 2) and _same(c[1], kv) and _call(c[2], "sub", 2) and _same(c[2][1], q) \
+                and _const(c[2][2], int):
+            kinds.append("window")
+        elif _same(c, ("ge", q, ("const", 0))):
+            kinds.append("bidirectional")
+        elif _call(c, "le", 2) and _call(c[1], "abs", 1) and _same(c[1][1], ("sub", q, kv)) and _const(c[2], int):
+            kinds.append("bidirectional window")
+        else:
+            return None
+    kinds = tuple(sorted(kinds))
+    if kinds in (("causal",), ("causal", "window")):
+        return "causal"
+    if kinds in (("bidirectional",), ("bidirectional", "bidirectional window")):
+        return "bidirectional"
+    return None
+
+
+def _indexed(t, pos: str):
+    """The tensor of the first term ``tensor[b, pos]`` within ``t``, or None."""
+    if not isinstance(t, tuple):
+        return None
+    if _call(t, "getitem", 2) and _call(t[1], "tensor", 1) and _same(t[2], ("b", pos)):
+        return t[1][1]
+    for part in t[1:]:
+        hit = _indexed(part, pos)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _sequence_ids(c):
+    """``ids`` for the term ``ids[b, q] == ids[b, kv]`` (either side first), else None."""
+    if not _call(c, "eq", 2):
+        return None
+    for x, y in ((c[1], c[2]), (c[2], c[1])):
+        ids = _indexed(x, "q")
+        if ids is not None and _same(x, ("getitem", ("tensor", ids), ("b", "q"))) \
+                and _same(y, ("getitem", ("tensor", ids), ("b", "kv"))):
+            return ids
+    return None
+
+
+def _traced_pattern(fn, device):
+    """``_pattern`` of a mask function from the torch calls it makes on probe indices (one-element
+    int64 tensors b, h, q, kv on ``device``; for torch.compile, which traces these calls, where the
+    closure cells that ``_composed_pattern`` reads are out of reach). Recognises the expressions of
+    transformers' causal, bidirectional, sliding-window and bidirectional-window functions, and
+    their packed-sequence form (positions remapped through one tensor ``p[b, q]``, ``p[b, kv]``,
+    and ``ids[b, q] == ids[b, kv]``); None for any other (a call it does not know, a keyword
+    argument, a tensor from elsewhere, an in-place call, a call other than an index read whose
+    result the returned mask does not use, such as a condition that picked the expression)."""
+    leaves = tuple((name, torch.zeros(1, dtype=torch.int64, device=device)) for name in ("b", "h", "q", "kv"))
+    recorder = _Recorder()
+    with recorder:
+        out = fn(*(t for _, t in leaves))
+    if not isinstance(out, torch.Tensor):
+        return None
+    used = []
+    term = _term(out, recorder.calls, len(recorder.calls), leaves, used)
+    for i, (name, _, _, _) in enumerate(recorder.calls):
+        # unused: index reads (a bidirectional mask ignores the remapped key position) and, outside
+        # torch.compile, attribute reads such as .device; any other call may have chosen the result
+        if i not in used and name not in ("getitem", "get"):
+            return None
+    conj = _conjuncts(term, [])
+    ids, rest = None, []
+    for c in conj:
+        same = _sequence_ids(c) if ids is None else None
+        if same is not None:
+            ids = same
+        else:
+            rest.append(c)
+    if ids is None:
+        kind = _base_kind(rest, "q", "kv")
+        return None if kind is None else (kind, None)
+    p = _indexed(rest[0], "q") if rest else None
+    if p is None:
+        return None
+    kind = _base_kind(rest, ("getitem", ("tensor", p), ("b", "q")), ("getitem", ("tensor", p), ("b", "kv")))
+    return None if kind is None else (kind, ids)
+
+
 def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function for flashgen (``AttentionMaskInterface``).
@@ -216,7 +425,8 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     from transformers import masking_utils as mu
 
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
-    pattern = _pattern(mask_function)
+    device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
+    pattern = _pattern(mask_function, device)
     if pattern is None:
         _warn_once("this mask pattern (an or/and overlay, chunked attention or block_sequence_ids) has no "
                    "flashgen spec", "sdpa")
@@ -227,7 +437,6 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     _, packed = pattern
     if packed is not None:
         return (-1 - packed).to(torch.int32)
-    device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
     if attention_mask is None:  # batch rows of one mask (models may view it as [batch_size, -1])
         if not isinstance(q_offset, torch.Tensor):
             seen = int(q_offset) + q_length - kv_offset
@@ -319,7 +528,7 @@ def _fallback(reason, module, query, key, value, attention_mask, *, dropout, sca
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
             attention_mask = torch.where(attention_mask, 0.0, torch.finfo(query.dtype).min).to(query.dtype)
         _warn_once(reason, "eager")
-        call_counts["fallback:eager"] += 1
+        _count(call_counts, "fallback:eager")
         extra = {"softcap": softcap} if softcap is not None else {}
         if s_aux is not None:
             extra["s_aux"] = s_aux
@@ -328,7 +537,7 @@ def _fallback(reason, module, query, key, value, attention_mask, *, dropout, sca
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     _warn_once(reason, "sdpa")
-    call_counts["fallback:sdpa"] += 1
+    _count(call_counts, "fallback:sdpa")
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=False if attention_mask is not None else is_causal, **kwargs)
 
@@ -478,12 +687,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             width = packed[3] if packed is not None else nk
             mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
         params.update(key_mask=mask, softcap=float(softcap) if softcap else 0.0)
-    call_counts[name] += 1
+    _count(call_counts, name)
     if packed is None and seq_ids is None and _decodes(query, key, value, dropout):
         # The last nq positions of nk keys: exactly with_kvcache's call with nk cached keys and
         # no append (positions, the window and the key mask index the same slots as the prefill
         # call's bottom-right alignment), on the split-KV decode kernels.
-        kvcache_calls[name] += 1
+        _count(kvcache_calls, name)
         lens = torch.full((batch,), nk, dtype=torch.int32, device=query.device)
         out = op(name).with_kvcache(query, key, value, cache_seqlens=lens, scale=scaling, **params)
         return out.transpose(1, 2), None
