@@ -52,6 +52,7 @@ on per context.
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
 import traceback
@@ -200,9 +201,12 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
     cache = static_cache(model, batch, slots, context, dtype, device)
     tok = torch.randint(3, args.vocab, (batch, 1), generator=torch.Generator().manual_seed(args.data_seed)).to(device)
     pos = torch.full((batch, 1), context, dtype=torch.long, device=device)
+    # the cache's argument: "cache" in newer transformers, "past_key_values" in 5.17 (where "cache"
+    # lands unused in **kwargs and every step would run on a fresh, empty cache)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def decode(tok, pos):
-        logits = model(input_ids=tok, position_ids=pos, cache=cache, use_cache=True, logits_to_keep=1).logits
+        logits = model(input_ids=tok, position_ids=pos, **{key: cache}, use_cache=True, logits_to_keep=1).logits
         return logits[:, -1:].argmax(-1)
 
     fn = torch.compile(decode, mode=args.gen_compile_mode, backend=args.compile_backend) if not args.no_compile else decode

@@ -165,7 +165,10 @@ def test_packed_sequences_match_eager(name):
     ref_logits, ref_grads = go("eager")
     whole, _ = go("eager", attention_mask=mask)  # not packed: one sequence per row
     assert (whole - ref_logits).abs().max() > 1e-3  # the packing changes the result
+    before = Counter(fg_hf.call_counts)
     logits, grads = go("fgen")
+    ran = fg_hf.call_counts - before
+    assert ran and not [k for k in ran if k.startswith("fallback")], ran  # the packed mask function recognised
     assert_same(ref_logits, logits, "logits")
     for n in ref_grads:
         assert_same(ref_grads[n], grads[n], f"grad of {n}")
@@ -286,29 +289,42 @@ def _mask_functions(pos, ids):
     back, both read from the closure outside the tracing)."""
     mu = transformers.masking_utils
     lp = torch.zeros(pos.shape[0], dtype=torch.long)
+    same = mu.packed_sequence_mask_function(ids)
+    remap = getattr(mu, "remap_positions_for_packed_sequence", None)
 
-    def packed(fn):
-        return mu.and_masks(mu.remap_positions_for_packed_sequence(fn, pos), mu.packed_sequence_mask_function(ids))
+    def packed(fn):  # newer transformers: the pattern on positions remapped into each sequence
+        return mu.and_masks(remap(fn, pos), same)
 
-    return {
+    def packed_rows(fn):  # transformers 5.17: the pattern on the row's own indices
+        return mu.and_masks(fn, same)
+
+    fns = {
         "causal": (mu.causal_mask_function, ("causal", False), True),
         "bidirectional": (mu.bidirectional_mask_function, ("bidirectional", False), True),
         "sliding": (mu.sliding_window_causal_mask_function(4), ("causal", False), True),
         "sliding bidirectional": (mu.sliding_window_bidirectional_mask_function(3), ("bidirectional", False), False),
-        "packed": (packed(mu.causal_mask_function), ("causal", True), True),
-        "packed sliding": (packed(mu.sliding_window_causal_mask_function(4)), ("causal", True), True),
-        "packed bidirectional": (packed(mu.bidirectional_mask_function), ("bidirectional", True), True),
-        "packed sliding bidirectional": (packed(mu.sliding_window_bidirectional_mask_function(2)),
-                                         ("bidirectional", True), False),
         "chunked": (mu.chunked_causal_mask_function(4, lp), None, False),
         "or overlay": (mu.or_masks(mu.causal_mask_function, mu.bidirectional_mask_function), None, False),
         "and overlay": (mu.and_masks(mu.causal_mask_function, lambda b, h, q, kv: kv >= 1), None, False),
         "padding": (mu.padding_mask_function(torch.ones_like(ids, dtype=torch.bool)), None, False),
-        "packed chunked": (packed(mu.chunked_causal_mask_function(4, lp)), None, False),
-        "block_sequence_ids": (packed(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids))), None,
-                               False),
         "offsets": (mu.add_offsets_to_mask_function(mu.causal_mask_function, 2, 0), None, False),
+        "and packed ids": (mu.and_masks(mu.padding_mask_function(torch.ones_like(ids, dtype=torch.bool)), same),
+                           None, False),
+        "block_sequence_ids, rows": (mu.or_masks(packed_rows(mu.causal_mask_function), mu.blockwise_overlay(ids)),
+                                     None, False),
     }
+    for suffix, form in (("", packed), (", rows", packed_rows)) if remap is not None else ((", rows", packed_rows),):
+        fns.update({
+            f"packed{suffix}": (form(mu.causal_mask_function), ("causal", True), True),
+            f"packed sliding{suffix}": (form(mu.sliding_window_causal_mask_function(4)), ("causal", True), True),
+            f"packed bidirectional{suffix}": (form(mu.bidirectional_mask_function), ("bidirectional", True), True),
+            f"packed sliding bidirectional{suffix}": (form(mu.sliding_window_bidirectional_mask_function(2)),
+                                                      ("bidirectional", True), False),
+            f"packed chunked{suffix}": (form(mu.chunked_causal_mask_function(4, lp)), None, False),
+            f"packed block_sequence_ids{suffix}": (
+                form(mu.or_masks(mu.causal_mask_function, mu.blockwise_overlay(ids))), None, False),
+        })
+    return fns
 
 
 @pytest.mark.parametrize("which", list(_mask_functions(torch.zeros(1, 1), torch.zeros(1, 1))))

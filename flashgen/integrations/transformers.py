@@ -235,9 +235,14 @@ def _composed_pattern(fn):
         if (a == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
                 and parts[1] is mu.bidirectional_mask_function):
             return "bidirectional", None
-        if (a == "remap_positions_for_packed_sequence.<locals>.inner_mask"
-                and b == "packed_sequence_mask_function.<locals>.inner_mask"):
-            inner = _pattern(_closure(parts[0]).get("mask_function"))
+        if b == "packed_sequence_mask_function.<locals>.inner_mask":
+            # packed sequences: the pattern on positions remapped into each sequence (newer
+            # transformers), or on the row's own indices (as transformers 5.17 builds it): the same
+            # mask, since a sequence's tokens are consecutive and its positions go up by one
+            base = parts[0]
+            if a == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+                base = _closure(parts[0]).get("mask_function")
+            inner = _pattern(base) if callable(base) else None
             ids = _closure(parts[1]).get("packed_sequence_mask")
             if inner is None or inner[1] is not None or not isinstance(ids, torch.Tensor):
                 return None
@@ -372,10 +377,13 @@ def _traced_pattern(fn, device):
     int64 tensors b, h, q, kv on ``device``; for torch.compile, which traces these calls, where the
     closure cells that ``_composed_pattern`` reads are out of reach). Recognises the expressions of
     transformers' causal, bidirectional, sliding-window and bidirectional-window functions, and
-    their packed-sequence form (positions remapped through one tensor ``p[b, q]``, ``p[b, kv]``,
-    and ``ids[b, q] == ids[b, kv]``); None for any other (a call it does not know, a keyword
-    argument, a tensor from elsewhere, an in-place call, a call other than an index read whose
-    result the returned mask does not use, such as a condition that picked the expression)."""
+    their packed-sequence forms (``ids[b, q] == ids[b, kv]`` and the pattern, either on the row's
+    indices ``q``, ``kv``, as transformers 5.17 builds it, or on positions remapped through one
+    tensor ``p[b, q]``, ``p[b, kv]``, as newer releases do; the same mask, since the tokens of a
+    sequence are consecutive and its positions go up by one); None for any other (a call it does
+    not know, a keyword argument, a tensor from elsewhere, an in-place call, a call other than an
+    index read whose result the returned mask does not use, such as a condition that picked the
+    expression)."""
     leaves = tuple((name, torch.zeros(1, dtype=torch.int64, device=device)) for name in ("b", "h", "q", "kv"))
     recorder = _Recorder()
     with recorder:
@@ -397,9 +405,9 @@ def _traced_pattern(fn, device):
             ids = same
         else:
             rest.append(c)
-    if ids is None:
-        kind = _base_kind(rest, "q", "kv")
-        return None if kind is None else (kind, None)
+    kind = _base_kind(rest, "q", "kv")
+    if ids is None or kind is not None:  # unpacked, or packed on the row's own indices
+        return None if kind is None else (kind, ids)
     p = _indexed(rest[0], "q") if rest else None
     if p is None:
         return None
