@@ -38,7 +38,9 @@ done
 # tests, then four alternated bench processes with it 0 and 1 next to SDPA cuDNN), "d64-tile" (the sm90
 # backward's 128-row query tile at d 64 against the 64-row default, one bench process per arm), "trace"
 # (scripts/trace_kernels.py: kernel tables of document ids forward+backward at 4K, with and without
-# a block mask, next to FlexAttention, and of the sliding-window decode at cache 4K and 32K).
+# a block mask, next to FlexAttention, and of the sliding-window decode at cache 4K and 32K), "e2e"
+# (transformers end to end: scripts/e2e_gpt2.py compiled at 1K with loss curves, scripts/e2e_gemma2.py
+# training and decoding at 4K; each script stops itself inside 10 minutes).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -116,9 +118,17 @@ sys.exit(main(['bench', 'specs/$s.attn', '--device', 'cuda', '--backward', '--he
       FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/trace_kernels.py --spec sliding_window \
         --decode 1x4096,1x32768,16x4096,16x32768 --param window=4096 2>&1 | grep -v "Warning\|USDT" \
         | tee "$out/trace-window-decode.txt" ;;
+    e2e)  # transformers end to end (issue 21): the kernels first (not timed), then each script in its limit
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 -c "import flashgen.integrations.transformers as f
+f.build('cuda', ['bf16'], [64, 256])" 2>&1 | tail -2 | tee "$out/e2e-build.txt"
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/e2e_gpt2.py --out "$out/e2e" --seqlens 1024 \
+        --tokenizer bytes --curve fgen:0,sdpa:0,sdpa:1 --tag s1024-compiled 2>&1 | grep -v Warning | tail -12 \
+        | tee "$out/e2e-gpt2.txt"
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/e2e_gemma2.py --out "$out/e2e" --part train,generate \
+        --train-seqlens 4096 --gen-contexts 4096 2>&1 | grep -v Warning | tail -16 | tee "$out/e2e-gemma2.txt" ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged bwd-flex dropout-share d64-tile trace)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile trace e2e)" >&2 ;;
   esac
 done
