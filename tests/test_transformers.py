@@ -425,20 +425,100 @@ def test_compiled_generation_on_a_static_cache_decodes_through_with_kvcache():
 
 
 def test_decoding_step_follows_autocast_as_the_prefill_call_does():
-    """A one-query step of fp32 q, k, v under a bf16 autocast computes in bf16 as the prefill op
-    does (with_kvcache would keep the cache's fp32), so it takes the prefill path; without
-    autocast, or with q already in autocast's dtype, it takes op.with_kvcache."""
+    """A one-query step of fp32 q, k, v under a bf16 autocast computes in bf16, as the prefill op
+    does: the backend casts q, k and v to autocast's dtype first (as SDPA sees them under
+    autocast), then takes op.with_kvcache; without autocast it computes in fp32."""
     layer = torch.nn.Module()
     layer.is_causal = True
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, n, 16, generator=gen) for h, n in ((4, 1), (2, 12), (2, 12)))
     with torch.no_grad():
-        for autocast, dtype, decodes in ((False, torch.float32, 1), (True, torch.float32, 0), (True, torch.bfloat16, 1)):
+        for autocast, dtype, decodes in ((False, torch.float32, 1), (True, torch.float32, 1), (True, torch.bfloat16, 1)):
             before = sum(fg_hf.kvcache_calls.values())
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 out, _ = fg_hf.attention_forward(layer, q.to(dtype), k.to(dtype), v.to(dtype), None)
             assert sum(fg_hf.kvcache_calls.values()) - before == decodes
             assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_autocast_mixed_dtypes_run_flashgen(name):
+    """Under a bf16 autocast a rotary model's query and key leave RoPE in fp32 while its value is
+    bf16: the backend casts the three to autocast's dtype (as SDPA's autocast rule does) and runs
+    its kernels, with no fallback, matching SDPA (Gemma 2: eager, which soft-caps) under the same
+    autocast to bf16 rounding."""
+    m = model(name)
+    ids, mask = batch("left")
+    keep = mask.bool()
+    ref_impl = "eager" if name == "gemma2" else "sdpa"
+    m.eval()
+    fg_hf._warned.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        m.set_attn_implementation(ref_impl)
+        ref = m(input_ids=ids, attention_mask=mask).logits.float()
+        m.set_attn_implementation("fgen")
+        before = sum(n for k, n in fg_hf.call_counts.items() if not k.startswith("fallback"))
+        fallbacks = sum(n for k, n in fg_hf.call_counts.items() if k.startswith("fallback"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback warning
+            ours = m(input_ids=ids, attention_mask=mask).logits.float()
+        m.set_attn_implementation("eager")
+    assert sum(n for k, n in fg_hf.call_counts.items() if not k.startswith("fallback")) - before == 2  # 2 layers
+    assert sum(n for k, n in fg_hf.call_counts.items() if k.startswith("fallback")) == fallbacks
+    assert_same(ref[keep], ours[keep], f"{name} logits under bf16 autocast", tol=3e-2)
+
+
+def test_fallback_under_compile_warns_without_a_graph_break():
+    """A fallback under torch.compile (here a user's 4-D bool mask) warns once, when dynamo
+    traces the call, costs no graph break (SDPA's model compiles with none either) and gives
+    SDPA's result uncompiled."""
+    m = model("llama")
+    ids, _ = batch("none")
+    n = ids.shape[1]
+    m4 = torch.tril(torch.ones(n, n, dtype=torch.bool))[None, None].expand(ids.shape[0], 1, n, n).clone()
+    m.eval()
+    m.set_attn_implementation("fgen")
+    fg_hf._warned.clear()
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    try:
+        cm = torch.compile(m, backend="eager")
+        with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+            warnings.simplefilter("always")
+            ours = [cm(input_ids=ids, attention_mask=m4).logits for _ in range(2)]
+        breaks, frames = sum(counters["graph_break"].values()), counters["frames"]["ok"]
+        m.set_attn_implementation("sdpa")  # (transformers' eager attention adds a bool mask as numbers)
+        with torch.no_grad():
+            ref = m(input_ids=ids, attention_mask=m4).logits
+    finally:
+        m.set_attn_implementation("eager")
+        torch._dynamo.reset()
+    assert len([w for w in seen if "4-D attention_mask" in str(w.message)]) == 1, [str(w.message) for w in seen]
+    assert breaks == 0 and frames == 1, (breaks, frames)
+    for out in ours:
+        assert_same(ref, out, "logits with a 4-D mask, compiled")
+
+
+def test_compiled_training_over_changing_lengths_recompiles_as_sdpa_does():
+    """Padded training batches of changing lengths under torch.compile: flashgen's model compiles
+    as many frames as SDPA's (the decode test on a training call read its length first, a guard
+    that recompiled when the length crossed 16)."""
+    frames = {}
+    for impl in ("fgen", "sdpa"):
+        torch.manual_seed(0)
+        m = transformers.AutoModelForCausalLM.from_config(config("llama"), attn_implementation=impl)
+        m.train()
+        torch._dynamo.reset()
+        counters = torch._dynamo.utils.counters
+        counters.clear()
+        cm = torch.compile(m, backend="eager")
+        for step, n in enumerate((8, 12, 16, 20, 24, 28)):
+            ids, mask = batch("left" if step % 2 else "right", n=n, seed=step)
+            cm(input_ids=ids, attention_mask=mask).logits.sum().backward()
+        frames[impl] = counters["frames"]["ok"]
+        torch._dynamo.reset()
+    assert frames["fgen"] <= frames["sdpa"], frames
 
 
 def test_fallbacks_warn_once_and_match_eager():

@@ -178,11 +178,29 @@ def register(name: str = "fgen") -> str:
 
 
 def _warn_once(reason: str, instead: str) -> None:
+    """Warn once per reason that calls fall back. While torch.compile traces, the warning is given
+    at trace time (``torch._dynamo.comptime``: no graph break, which ``warnings.warn`` in traced
+    code would cost at every fallback call), so a compiled model warns when it is compiled."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime
+
+        comptime(_warn_at_trace)  # reads this frame's reason and instead
+        return
+    _warn_now(reason, instead, stacklevel=5)
+
+
+def _warn_at_trace(ctx) -> None:
+    """``_warn_once``'s warning, run by dynamo while it traces (a comptime function: no closure)."""
+    _warn_now(ctx.get_local("reason").as_python_constant(), ctx.get_local("instead").as_python_constant(),
+              stacklevel=2)
+
+
+def _warn_now(reason: str, instead: str, stacklevel: int) -> None:
     if reason in _warned:
         return
     _warned.add(reason)
     warnings.warn(f"flashgen.integrations.transformers: {reason}; running transformers' {instead} attention "
-                  "for such calls instead (warned once)", stacklevel=4)
+                  "for such calls instead (warned once)", stacklevel=stacklevel)
 
 
 # --- the mask function ---------------------------------------------------------------------------
@@ -550,6 +568,20 @@ def _fallback(reason, module, query, key, value, attention_mask, *, dropout, sca
                                   is_causal=False if attention_mask is not None else is_causal, **kwargs)
 
 
+def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """query, key and value in autocast's dtype where an autocast is on for their device and one of
+    them is a floating tensor of another dtype (as SDPA, which autocast runs in its lower-precision
+    dtype, sees them: under bf16 autocast a rotary model's query and key come out of RoPE in fp32
+    while its value is bf16); unchanged otherwise."""
+    device = query.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return query, key, value
+    dt = torch.get_autocast_dtype(device)
+    if all(t.dtype == dt or not t.is_floating_point() for t in (query, key, value)):
+        return query, key, value
+    return tuple(t.to(dt) if t.is_floating_point() else t for t in (query, key, value))
+
+
 def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
     """(causal, left, right) of the kernels' window(left, right) for this layer."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
@@ -569,10 +601,12 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropou
     query's (the prefill op follows autocast; with_kvcache computes in the cache's dtype, as it
     writes the cache), and on CUDA a head dim the decode kernels take (sm80's DECODE_HEAD_DIMS;
     the others run the prefill kernels, with the same result)."""
-    nq, nk = query.shape[2], key.shape[2]
-    if nq > DECODE_MAX_QUERIES or nq >= nk or dropout:
+    # the gradient and dropout tests first: a training call never compares its lengths (under
+    # torch.compile with dynamic shapes, each comparison is a guard that may recompile)
+    if dropout or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return False
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    nq, nk = query.shape[2], key.shape[2]
+    if nq > DECODE_MAX_QUERIES or nq >= nk:
         return False
     device = query.device.type
     if torch.is_autocast_enabled(device) and query.dtype != torch.get_autocast_dtype(device):
@@ -628,6 +662,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     Raises ValueError naming the argument for a mask longer than the keys, or for a padding mask
     combined with ``cu_seq_lens_q``.
     """
+    query, key, value = _autocast_inputs(query, key, value)
     reason = _fallback_reason(module, query, key, value, attention_mask, s_aux, kwargs)
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
