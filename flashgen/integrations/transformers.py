@@ -597,10 +597,10 @@ def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
 def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout) -> bool:
     """Whether a padded call is a decoding step for ``op.with_kvcache``: at most
     DECODE_MAX_QUERIES queries and more keys than queries, no dropout, nothing that records a
-    gradient (decoding is inference only), not under an autocast whose dtype differs from the
-    query's (the prefill op follows autocast; with_kvcache computes in the cache's dtype, as it
-    writes the cache), and on CUDA a head dim the decode kernels take (sm80's DECODE_HEAD_DIMS;
-    the others run the prefill kernels, with the same result)."""
+    gradient (decoding is inference only), and on CUDA a head dim the decode kernels take (sm80's
+    DECODE_HEAD_DIMS; the others run the prefill kernels, with the same result). Under an
+    autocast the call's q, k and v are already in autocast's dtype (``_autocast_inputs``), so
+    with_kvcache, which computes in the cache's dtype, computes in it as the prefill op would."""
     # the gradient and dropout tests first: a training call never compares its lengths (under
     # torch.compile with dynamic shapes, each comparison is a guard that may recompile)
     if dropout or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
@@ -608,10 +608,7 @@ def _decodes(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropou
     nq, nk = query.shape[2], key.shape[2]
     if nq > DECODE_MAX_QUERIES or nq >= nk:
         return False
-    device = query.device.type
-    if torch.is_autocast_enabled(device) and query.dtype != torch.get_autocast_dtype(device):
-        return False  # the prefill op computes in autocast's dtype; with_kvcache in the cache's
-    return device == "cpu" or query.shape[-1] in DECODE_HEAD_DIMS
+    return query.device.type == "cpu" or query.shape[-1] in DECODE_HEAD_DIMS
 
 
 def _packed_from_ids(ids: torch.Tensor):
