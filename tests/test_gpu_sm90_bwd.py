@@ -401,6 +401,38 @@ def test_dq_paths(ops, monkeypatch, path, d):
         grads_of(ops["causal"], q, k, v, torch.ones_like(q))
 
 
+# The tile scheduler's persistent grid (FLASHGEN_SM90_BWD_PERSIST=1; off by default) with the
+# multiprocessor count the launches see cut to 3 or 7, so that each CTA loops over many items:
+# items whose walks are empty between ones that load K and V (causal with seqlen_q < seqlen_k,
+# windows), GQA with and without the group split, packed sequences (key tiles past a sequence
+# skipped by every role), block lists and dropout, against the float64 reference; and one CTA
+# per item (=0) on the same shapes.
+@pytest.mark.parametrize("persist,sms", [("1", 3), ("1", 7), ("0", 7)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_persistent_backward_many_items_per_cta(ops, monkeypatch, persist, sms, d):
+    import sparsity_cases
+    import varlen_cases
+
+    from flashgen.runtime import launch
+
+    monkeypatch.setenv("FLASHGEN_SM90_BWD_PERSIST", persist)
+    monkeypatch.setattr(launch, "_sms", {torch.cuda.current_device(): sms})
+    gen = torch.Generator(device="cuda").manual_seed(5100 + d + sms)
+    for name, b, hq, hkv, nq, nk in [("causal", 2, 4, 4, 300, 900), ("causal", 3, 8, 2, 700, 700),
+                                     ("dense", 2, 4, 1, 333, 1000), ("causal", 1, 6, 6, 1000, 129)]:
+        q, k, v = make(b, hq, hkv, nq, nk, d, torch.bfloat16, False, gen)
+        dout = torch.randn(q.shape, device="cuda", generator=gen).bfloat16()
+        check_grads(ops[name], q, k, v, dout)
+    with flashgen.use_family("sm90"):
+        varlen_cases.run_case(variant_cases.op("causal"), *PACKED_LENS, 4, 2, d, torch.bfloat16, device="cuda",
+                              seed=96, variant=0, dlse=False)
+        variant_cases.run_case("sliding_window", 2, 4, 2, 900, 900, d, torch.bfloat16, device="cuda", seed=97)
+        sparsity_cases.run_case("dense", 2, 4, 2, 300, 640, d, torch.bfloat16, device="cuda", pattern=0.5,
+                                seed=98)
+        sparsity_cases.run_case("dropout", 1, 2, 1, 600, 600, d, torch.float16, device="cuda", pattern=0.5,
+                                dropout_p=0.2, seed=99)
+
+
 @pytest.mark.parametrize("family", ["sm90", "sm80"])
 def test_single_query_with_strongly_negative_scores(ops, family):
     """edge-cases C12 (cuDNN returned NaN dK/dV for Sq = 1, Sk = 128, LSE about -122.5): one

@@ -14,8 +14,10 @@
 // Launch sequence (all on args.stream):
 //  1. the sm80 family's bwd_preprocess_kernel (cuda/bwd.cuh): D = rowsum(dO ∘ O) − dlse in fp32
 //     into softmax_d, dq_accum (and with a GQA split dk_accum, dv_accum) zero-filled;
-//  2. Sm90Bwd (below), one CTA per (key tile of 128 keys, GQA split, kv head, batch), walking
-//     the query tiles of every query head of its share of the kv head's group: dK, dV of its
+//  2. Sm90Bwd (below), one item per (key tile of 128 keys, GQA split, kv head, batch), each
+//     CTA looping over its items (a persistent grid of one CTA per multiprocessor, or one CTA
+//     per item: ``work_of``), an item walking the query tiles of every query head of its share
+//     of the kv head's group: dK, dV of its
 //     keys summed over those heads in registers and written directly (or, with the group split
 //     over args.gqa_splits CTAs, added into dk_accum / dv_accum), dQ partials added to dq_accum
 //     by the dQ writer warp's TMA tensor reduce-adds (the default) or, under
@@ -181,7 +183,7 @@ struct Sm90Bwd {
   static constexpr int kOffL = kOffDQ + kDqBufs * kDqBuf;
   static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
-  static constexpr int kNumBars = 5 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail, dq_full, dq_empty
+  static constexpr int kNumBars = 6 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail, dq_full, dq_empty, kv_empty
   static constexpr int kOffSlot = kOffBar + 8 * kNumBars;  // the dQ writer's step (DqSlot)
   static constexpr int kSmem = kOffSlot + 32 + 1024;        // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
@@ -219,6 +221,15 @@ struct Sm90Bwd {
     // empty when the writer's reduce-adds have read it (1 arrival).
     __device__ uint32_t dq_full() const { return base + 24 + 16 * kStages; }
     __device__ uint32_t dq_empty() const { return base + 32 + 16 * kStages; }
+    // K and V of an item are read (every consumer thread arrives after its item's last GEMM): the
+    // producer may load the next item's.
+    __device__ uint32_t kv_empty() const { return base + 40 + 16 * kStages; }
+  };
+  // What the roles count across the items of a persistent CTA (each role its own copy): Q/dO
+  // stages consumed (cnt), packed tail copies (tails), K/V tiles loaded (kvn), dQ blocks staged
+  // for the writer (dcnt). Barrier phases follow from them.
+  struct Counters {
+    uint32_t cnt = 0, tails = 0, kvn = 0, dcnt = 0;
   };
 
   // What the dQ writer adds where, written by the first consumer thread with each staged block
@@ -255,11 +266,10 @@ struct Sm90Bwd {
   struct Item {
     int b, hkv, h0, n_heads, n_tile, kv0;
   };
-  static __device__ __forceinline__ Item item(const Params& P, const BaseParams& p) {
+  static __device__ __forceinline__ Item item(const Params& P, const BaseParams& p, int w) {
     Item it;
-    int64_t w = blockIdx.x;
     if (P.lpt) {
-      const int64_t rest = P.base.total_work / P.base.num_n_tiles;  // splits x kv heads x batch
+      const int rest = int(P.base.total_work / P.base.num_n_tiles);  // splits x kv heads x batch
       it.n_tile = int(w / rest);
       w %= rest;
     } else {
@@ -274,6 +284,35 @@ struct Sm90Bwd {
     it.h0 = it.hkv * p.group + split * it.n_heads;
     it.kv0 = it.n_tile * kBlockN;
     return it;
+  }
+
+  // The tile scheduler: a CTA runs the work indices of its column of rounds of gridDim.x items,
+  // CTAs in reverse order in odd rounds (the forward's serpentine, sm90/fwd.cuh ``work_of``). A
+  // grid of total_work CTAs (one item each, the hardware's dispatch order) or a persistent one of
+  // one CTA per multiprocessor (the launch's choice: FLASHGEN_SM90_BWD_PERSIST), where the
+  // producer loads the next item's K and V while the consumers write the previous item's dK, dV.
+  // (32-bit: the host launches only total_work < 2^31, so every index of a CTA's rounds that
+  // is still inside it, and the first past it, fits.)
+  static __device__ __forceinline__ int work_of(int iter) {
+    const int g = int(cuda::ptx::nctaid_x()), c = int(cuda::ptx::ctaid_x());
+    return iter * g + ((iter & 1) ? g - 1 - c : c);
+  }
+  // f(p, sp, w) for each of the CTA's items, in order, with the item's Params (packed: localized
+  // to its sequence; a key tile past its sequence's keys is skipped by every role alike).
+  template <class F>
+  static __device__ __forceinline__ void for_each_item(const Params& P, F&& f) {
+    for (int iter = 0;; ++iter) {
+      const int w = work_of(iter);
+      if (w >= P.base.total_work || w < 0) break;
+      if constexpr (kPacked) {
+        const Item it = item(P, P.base, w);
+        const cuda::SeqSpan sp = cuda::seq_span(P.base.cu_q, P.base.cu_k, it.b, P.base.seqlen_q, P.base.seqlen_k);
+        if (it.kv0 >= sp.len_k) continue;
+        f(localize(P.base, sp), sp, w);
+      } else {
+        f(P.base, cuda::SeqSpan{0, 0, P.base.seqlen_q, P.base.seqlen_k}, w);
+      }
+    }
   }
 
   // The (query head, query tile) pairs that see key tile kv0 (every warp computes it alike; a
@@ -340,14 +379,19 @@ struct Sm90Bwd {
   // Producer: warp 0 of warpgroup 0 (lane 0 issues the copies; the whole warp loads LSE / D and
   // zero-fills).
   static __device__ __forceinline__ void produce(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
-                                                 unsigned char* smem, uint32_t s0, const Bars& bar, int lane) {
-    const Item it = item(P, p);
+                                                 int wi, unsigned char* smem, uint32_t s0, const Bars& bar,
+                                                 int lane, Counters& c) {
+    const Item it = item(P, p, wi);
     const int tb = kPacked ? 0 : it.b;  // the tensor maps' batch coordinate
     const Walk w = scan(p, it, lane);
     if (w.m_first > w.m_last) return;
+    // The previous item's K and V are read (persistent CTAs) before this item's replace them.
+    if (c.kvn > 0) ptx::mbar_wait(bar.kv_empty(), (c.kvn - 1) & 1);
     if (lane == 0) {
-      ptx::prefetch_tmap(&P.tq);
-      ptx::prefetch_tmap(&P.tdo);
+      if (c.kvn == 0) {
+        ptx::prefetch_tmap(&P.tq);
+        ptx::prefetch_tmap(&P.tdo);
+      }
       ptx::mbar_arrive_expect_tx(bar.full_kv(), 2 * kKBytes);
 #pragma unroll
       for (int pn = 0; pn < kPanels; ++pn) {
@@ -358,7 +402,8 @@ struct Sm90Bwd {
     // Rows of the tile inside the tensor but outside every visible key range: zeros (masked
     // there, but dQ = dS K would take 0 x NaN from them). Packed: the rows past the sequence's
     // keys are the next sequence's, zeroed too.
-    ptx::mbar_wait(bar.full_kv(), 0);
+    ptx::mbar_wait(bar.full_kv(), c.kvn & 1);
+    ++c.kvn;
     const int in_hi = kPacked ? it.kv0 + kBlockN : imin(it.kv0 + kBlockN, p.seqlen_k);
     if (w.vis_lo > it.kv0 || w.vis_hi < in_hi) {
       const uint4 zero = make_uint4(0, 0, 0, 0);
@@ -378,8 +423,8 @@ struct Sm90Bwd {
     }
     ptx::mbar_arrive(bar.kv_ready());  // every lane, after its own zero stores
 
-    uint32_t cnt = 0;
-    [[maybe_unused]] uint32_t tails = 0;
+    uint32_t& cnt = c.cnt;
+    [[maybe_unused]] uint32_t& tails = c.tails;
     for (Step st = first_step(p, it, w); st.gi < it.n_heads; next_step(p, it, w, st), ++cnt) {
       const int h = it.h0 + st.gi, m = st.m;
       const int64_t row0 = Base::q_rows(p, it.b, h);
@@ -539,9 +584,10 @@ struct Sm90Bwd {
     ptx::bulk_wait<0>();
   }
   // Consumers: warpgroup wg (0, 1) owns keys [kv0 + 64 wg, kv0 + 64 wg + 64).
-  static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, unsigned char* smem,
-                                                 uint32_t s0, const Bars& bar, int wg, int warp_in_wg, int lane) {
-    const Item it = item(P, p);
+  static __device__ __forceinline__ void consume(const Params& P, const BaseParams& p, int q0, int wi,
+                                                 unsigned char* smem, uint32_t s0, const Bars& bar, int wg,
+                                                 int warp_in_wg, int lane, Counters& c) {
+    const Item it = item(P, p, wi);
     const Walk w = scan(p, it, lane);
     const int Nq = p.seqlen_q, Nk = p.seqlen_k;
     const int g = lane >> 2, t = lane & 3;
@@ -551,20 +597,25 @@ struct Sm90Bwd {
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
     }
-    uint32_t dcnt = 0;  // blocks handed to the dQ writer
+    uint32_t& dcnt = c.dcnt;  // blocks handed to the dQ writer
     if (w.m_first <= w.m_last) {
-      ptx::mbar_wait(bar.kv_ready(), 0);
+      ptx::mbar_wait(bar.kv_ready(), c.kvn & 1);
+      ++c.kvn;
       const uint32_t sK = s0 + kOffK + wg * (64 * 128);  // this warpgroup's 64 key rows
       const uint32_t sV = s0 + kOffV + wg * (64 * 128);
       const int kv_row0 = it.kv0 + 64 * wg + 16 * warp_in_wg;  // this warp's first key
       const float* sLall = reinterpret_cast<const float*>(smem + kOffL);
       const float* sDall = reinterpret_cast<const float*>(smem + kOffDs);
-      uint32_t cnt = 0;
-      for (Step sw = first_step(p, it, w); sw.gi < it.n_heads; next_step(p, it, w, sw), ++cnt) {
+      uint32_t& cnt = c.cnt;
+      for (Step sw = first_step(p, it, w); __shfl_sync(0xffffffffu, int(sw.gi < it.n_heads), 0);
+           next_step(p, it, w, sw), ++cnt) {
         const int h = it.h0 + sw.gi, m = sw.m;
         float* dqa = p.dq_accum + Base::q_rows(p, it.b, h) * kHeadDim;
-        const int stage = int(cnt % kStages);
-        const uint32_t phase = (cnt / kStages) & 1;
+        // The step count through a shuffle: warp-uniform to the compiler (the walk's exit test is not),
+        // so the stage's addresses and descriptors below stay in uniform registers.
+        const uint32_t cu = __shfl_sync(0xffffffffu, cnt, 0);
+        const int stage = int(cu % kStages);
+        const uint32_t phase = (cu / kStages) & 1;
         const int q_lo = m * kBlockM;
         const uint32_t sQ = s0 + kOffQ + stage * kQBytes;
         const uint32_t sdO = s0 + kOffDO + stage * kQBytes;
@@ -586,19 +637,21 @@ struct Sm90Bwd {
         fence_acc(st);
         fence_acc(dpt);
         ptx::wgmma_fence();
+        const uint64_t dK0 = ptx::sw128_desc(sK, 16, 1024), dV0 = ptx::sw128_desc(sV, 16, 1024);
+        const uint64_t dQ0 = ptx::sw128_desc(sQ, 16, 1024), dO0 = ptx::sw128_desc(sdO, 16, 1024);
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
           const uint32_t off = (ks % 4) * 32;
-          const uint64_t da = ptx::sw128_desc(sK + (ks / 4) * kKPanel + off, 16, 1024);
-          const uint64_t db = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
+          const uint64_t da = ptx::desc_advance(dK0, (ks / 4) * kKPanel + off);
+          const uint64_t db = ptx::desc_advance(dQ0, (ks / 4) * kQPanel + off);
           MmaS::template ss<0>(da, db, st, ks > 0 ? 1 : 0);
         }
         ptx::wgmma_commit();  // S^T alone, so that P can start while dP^T's GEMM runs
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks) {
           const uint32_t off = (ks % 4) * 32;
-          const uint64_t da = ptx::sw128_desc(sV + (ks / 4) * kKPanel + off, 16, 1024);
-          const uint64_t db = ptx::sw128_desc(sdO + (ks / 4) * kQPanel + off, 16, 1024);
+          const uint64_t da = ptx::desc_advance(dV0, (ks / 4) * kKPanel + off);
+          const uint64_t db = ptx::desc_advance(dO0, (ks / 4) * kQPanel + off);
           MmaS::template ss<0>(da, db, dpt, ks > 0 ? 1 : 0);
         }
         ptx::wgmma_commit();
@@ -652,9 +705,10 @@ struct Sm90Bwd {
         fence_acc(dv);
         fence_frag(ap);
         ptx::wgmma_fence();
+        const uint64_t dOt = ptx::sw128_desc(sdO, kQPanel, 1024), dQt = ptx::sw128_desc(sQ, kQPanel, 1024);
 #pragma unroll
         for (int u = 0; u < kBlockM / 16; ++u) {
-          MmaKV::template rs<1>(ap[u], ptx::sw128_desc(sdO + u * 16 * 128, kQPanel, 1024), dv, 1);
+          MmaKV::template rs<1>(ap[u], ptx::desc_advance(dOt, u * 16 * 128), dv, 1);
         }
         ptx::wgmma_commit();
         ptx::wgmma_wait<1>();
@@ -673,13 +727,13 @@ struct Sm90Bwd {
         ptx::wgmma_fence();
 #pragma unroll
         for (int u = 0; u < kBlockM / 16; ++u) {
-          MmaKV::template rs<1>(ads[u], ptx::sw128_desc(sQ + u * 16 * 128, kQPanel, 1024), dk, 1);
+          MmaKV::template rs<1>(ads[u], ptx::desc_advance(dQt, u * 16 * 128), dk, 1);
         }
         ptx::wgmma_commit();
 
         // dS (rows q, keys contiguous) into this step's buffer: the warp's 16 keys are 16-byte
         // chunks 2 warp_in_wg and 2 warp_in_wg + 1 of panel wg.
-        const uint32_t sS = s0 + kOffS + (cnt & 1) * kSBytes;
+        const uint32_t sS = s0 + kOffS + (cu & 1) * kSBytes;
         {
           const int mat = lane >> 3, i = lane & 7;
           const int chunk = 2 * warp_in_wg + (mat & 1);
@@ -699,19 +753,21 @@ struct Sm90Bwd {
         ptx::wgmma_fence();
         if constexpr (kDqKeySplit) {
           const uint32_t sA = sS + wg * kSPanel;  // dS columns of this warpgroup's keys
+          const uint64_t dA0 = ptx::sw128_desc(sA, 16, 1024), dB0 = ptx::sw128_desc(sK, kKPanel, 1024);
 #pragma unroll
           for (int ks = 0; ks < 4; ++ks) {
-            const uint64_t da = ptx::sw128_desc(sA + ks * 32, 16, 1024);
-            const uint64_t db = ptx::sw128_desc(sK + ks * 16 * 128, kKPanel, 1024);
+            const uint64_t da = ptx::desc_advance(dA0, ks * 32);
+            const uint64_t db = ptx::desc_advance(dB0, ks * 16 * 128);
             MmaQ::template ss<1>(da, db, dq, ks > 0 ? 1 : 0);
           }
         } else {
           const uint32_t sA = sS + kDqRows * wg * 128;
           const uint32_t sB = s0 + kOffK + (kDqCols * wg / 64) * kKPanel;
+          const uint64_t dA0 = ptx::sw128_desc(sA, 16, 1024), dB0 = ptx::sw128_desc(sB, kKPanel, 1024);
 #pragma unroll
           for (int ks = 0; ks < kBlockN / 16; ++ks) {
-            const uint64_t da = ptx::sw128_desc(sA + (ks / 4) * kSPanel + (ks % 4) * 32, 16, 1024);
-            const uint64_t db = ptx::sw128_desc(sB + ks * 16 * 128, kKPanel, 1024);
+            const uint64_t da = ptx::desc_advance(dA0, (ks / 4) * kSPanel + (ks % 4) * 32);
+            const uint64_t db = ptx::desc_advance(dB0, ks * 16 * 128);
             MmaQ::template ss<1>(da, db, dq, ks > 0 ? 1 : 0);
           }
         }
@@ -786,18 +842,14 @@ struct Sm90Bwd {
           }
         }
       }
-    }
-
-    if (P.dq_writer) {  // the walk's end, for the dQ writer
-      if (dcnt > 0) ptx::mbar_wait(bar.dq_empty(), (dcnt - 1) & 1);
-      if (wg == 0 && warp_in_wg == 0 && lane == 0) reinterpret_cast<volatile DqSlot*>(smem + kOffSlot)->done = 1;
-      ptx::mbar_arrive(bar.dq_full());
+      // Every GEMM of the walk has completed (wgmma_wait<0> each step): K and V may be replaced.
+      ptx::mbar_arrive(bar.kv_empty());
     }
 
     // Epilogue: dK (scaled) and dV of the warp's 16 keys, straight from the accumulators. The
     // item decoded again from an opaque copy of the lane: its addresses are computed here.
     const int ln = ptx::opaque(lane);
-    const Item ie = item(P, p);
+    const Item ie = item(P, p, wi);
     const int gg = ln >> 2, tt = ln & 3;
     if (p.num_splits > 1) {
       // A GQA split: this CTA's heads' dK (scaled), dV added into the fp32 workspaces (the
@@ -839,11 +891,14 @@ struct Sm90Bwd {
 
   static __device__ __forceinline__ void run(const Params& P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    // The 1024-byte aligned base as an offset into smem_raw (not an integer round trip), so that
+    // the compiler still knows the pointer is shared memory: LDS/STS instead of generic LD/ST.
+    unsigned char* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
     const uint32_t s0 = ptx::smem_addr(smem);
     const Bars bar{s0 + kOffBar};
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+    // wg through a shuffle: the compiler then knows it is warp-uniform, and the shared-memory
+    // addresses and wgmma descriptors derived from it live in uniform registers.
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (tid == 0) {
       ptx::mbar_init(bar.full_kv(), 1);
       ptx::mbar_init(bar.kv_ready(), 32);  // one per producer lane after its zero stores
@@ -856,33 +911,32 @@ struct Sm90Bwd {
       ptx::mbar_init(bar.q_tail(), 1);
       ptx::mbar_init(bar.dq_full(), 32 * kConsumerWarps);  // one per consumer thread
       ptx::mbar_init(bar.dq_empty(), 1);                   // the writer's lane 0
+      ptx::mbar_init(bar.kv_empty(), 32 * kConsumerWarps);  // one per consumer thread
       ptx::fence_barrier_init();
     }
     __syncthreads();
-    if constexpr (kPacked) {
-      // Key tiles are counted up to max_seqlen_k: one past its sequence's keys has nothing to
-      // do (its keys' dK, dV come from the CTAs that hold them).
-      const Item it = item(P, P.base);
-      const cuda::SeqSpan sp = cuda::seq_span(P.base.cu_q, P.base.cu_k, it.b, P.base.seqlen_q, P.base.seqlen_k);
-      if (it.kv0 >= sp.len_k) return;
-      dispatch(P, localize(P.base, sp), sp, smem, s0, bar, wg, warp, lane);
-    } else {
-      dispatch(P, P.base, cuda::SeqSpan{0, 0, P.base.seqlen_q, P.base.seqlen_k}, smem, s0, bar, wg, warp, lane);
-    }
-  }
-  static __device__ __forceinline__ void dispatch(const Params& P, const BaseParams& p, const cuda::SeqSpan& sp,
-                                                  unsigned char* smem, uint32_t s0, const Bars& bar, int wg, int warp,
-                                                  int lane) {
     if (wg == 0) {
       ptx::reg_dealloc<Tile::kProducerRegs>();
       if (warp == 0) {
-        produce(P, p, sp, smem, s0, bar, lane);
+        Counters c;
+        for_each_item(P, [&](const BaseParams& p, const cuda::SeqSpan& sp, int wi) {
+          produce(P, p, sp, wi, smem, s0, bar, lane, c);
+        });
       } else if (warp == 1 && lane == 0 && P.dq_writer) {  // one thread issues and waits
         write_dq(P, smem, s0, bar);
       }
     } else {
       ptx::reg_alloc<Tile::kConsumerRegs>();
-      consume(P, p, sp.q0, smem, s0, bar, wg - 1, warp % 4, lane);
+      const int cwg = wg - 1, warp_in_wg = warp % 4;
+      Counters c;
+      for_each_item(P, [&](const BaseParams& p, const cuda::SeqSpan& sp, int wi) {
+        consume(P, p, sp.q0, wi, smem, s0, bar, cwg, warp_in_wg, lane, c);
+      });
+      if (P.dq_writer) {  // the last item's end, for the dQ writer
+        if (c.dcnt > 0) ptx::mbar_wait(bar.dq_empty(), (c.dcnt - 1) & 1);
+        if (cwg == 0 && warp_in_wg == 0 && lane == 0) reinterpret_cast<volatile DqSlot*>(smem + kOffSlot)->done = 1;
+        ptx::mbar_arrive(bar.dq_full());
+      }
     }
   }
 };
@@ -906,6 +960,16 @@ __global__ void __launch_bounds__(Kernel::kThreads, 1)
 // across the key tiles of one head), so by default only deterministic calls of masked specs take it.
 constexpr bool kBwdDefaultDqWriter = true;
 constexpr bool kBwdDefaultSplitWaits = false;
+// FLASHGEN_SM90_BWD_PERSIST=1 | 0: a persistent grid (one CTA per multiprocessor looping over the
+// items, Sm90Bwd::work_of) or one CTA per item (the default). Measured on the H100
+// (docs/perf-notes.md), causal d 128 forward+backward: persistent 1.03x at N 1K, 1.00x at 4K, but
+// 0.77x at 16K, where the items' walks range from 1 to 256 query tiles and the static rounds leave
+// CTAs idle that the hardware's dispatch of one CTA per item keeps busy; dense within 1%. It stays
+// off by default until a one-time failure of its many-items GPU test (1 of 43 runs, not
+// reproduced since) is understood. Deterministic calls always take one CTA per item: their dQ
+// semaphores wait on lower key tiles, which a persistent CTA could hold unstarted behind the item
+// it spins in if the grid were not all resident.
+constexpr bool kBwdDefaultPersist = false;
 template <class Variant>
 constexpr bool bwd_default_lpt(bool deterministic) {
   return deterministic && Variant::kHasMask;
@@ -929,6 +993,8 @@ int launch_bwd(const FgBwdArgs& a) {
                           lpt);
   if (st == FG_OK) st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_SPLIT", "0", "1", kBwdDefaultSplitWaits, split);
   if (st == FG_OK) st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_DQ", "atomic", "writer", kBwdDefaultDqWriter, writer);
+  int persist = 0;
+  if (st == FG_OK) st = cuda::detail::switch_env("FLASHGEN_SM90_BWD_PERSIST", "0", "1", kBwdDefaultPersist, persist);
   int pair_share = 0;
   if (st == FG_OK) st = cuda::detail::dropout_share_env<Variant>(pair_share);
   if (st != FG_OK) return st;
@@ -1092,11 +1158,12 @@ int launch_bwd(const FgBwdArgs& a) {
     static std::atomic<uint64_t> configured{0};
     st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 backward kernel");
     if (st != FG_OK) return st;
-    if (b.total_work > 2147483647LL) {
+    if (b.total_work > 2147483647LL - 65536) {  // the work indices are int32 (Sm90Bwd::work_of)
       return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x splits x kv heads x "
-                                "batch) exceeds 2^31 - 1", (long long)b.total_work);
+                                "batch) exceeds 2^31 - 65537", (long long)b.total_work);
     }
-    kernel<<<unsigned(b.total_work), K::kThreads, K::kSmem, stream>>>(p);
+    const int64_t grid = persist && !det ? cuda::detail::grid_for(b.total_work, num_sms) : b.total_work;
+    kernel<<<unsigned(grid), K::kThreads, K::kSmem, stream>>>(p);
     err = cudaGetLastError();
     if (err != cudaSuccess) return cuda::detail::fail_cuda(FG_ERR_LAUNCH, "sm90 backward kernel launch", err);
   }

@@ -826,8 +826,9 @@ struct Sm90Fwd {
 
   static __device__ __forceinline__ void run(const Params& P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    unsigned char* smem = reinterpret_cast<unsigned char*>(
-        (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    // The 1024-byte aligned base as an offset into smem_raw (not an integer round trip), so that
+    // the compiler still knows the pointer is shared memory: LDS/STS instead of generic LD/ST.
+    unsigned char* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
     const uint32_t s0 = ptx::smem_addr(smem);
     const Bars bar{s0 + kOffBar};
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;

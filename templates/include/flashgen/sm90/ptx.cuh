@@ -202,6 +202,14 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint
   d |= uint64_t(1) << 62;
   return d;
 }
+// sw128_desc(addr + bytes, lbo, sbo) from sw128_desc(addr, lbo, sbo), for bytes a multiple of 16
+// with addr + bytes a shared-memory address (< 2^18, so the 14-bit start field cannot carry):
+// one 32-bit add to the low word. With a warp-uniform base the compiler keeps the descriptors in
+// uniform registers, one add per wgmma, instead of re-encoding both descriptors (about 14
+// instructions and 4 register-to-uniform moves per wgmma).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
 
 // ----------------------------------------------------------------------------------------------
 // Register reallocation between warpgroups (the kernel must start with a register cap:
