@@ -209,12 +209,16 @@ def test_training_under_torch_compile_runs_flashgen(monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     fg_hf.call_counts.clear()
+    fg_hf.block_list_calls.clear()
     backend = GraphCalls()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         logits, grads = go("fgen", torch.compile(m, backend=backend))
     assert not [w for w in seen if "flashgen" in str(w.message)], [str(w.message) for w in seen]  # no fallback
     assert backend.calls == {"transformers_packed": 2} and not backend.sdpa, backend.calls  # two layers, in graph
+    # one block classification for the step's forward and backward of both layers (the lists op's
+    # calls, identical in every layer, merged by AOTAutograd's common-subexpression pass)
+    assert fg_hf.block_list_calls == {"transformers_packed": 1}, dict(fg_hf.block_list_calls)
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     assert not fg_hf.call_counts, dict(fg_hf.call_counts)
     assert_same(ref_logits, logits, "logits")
@@ -580,3 +584,17 @@ def test_dropout_in_training():
             block.attn.attn_dropout.p = 0.0
         m.zero_grad(set_to_none=True)
         m.set_attn_implementation("eager")
+
+
+def test_fallback_warning_once_per_reason_and_fallback():
+    """The one-time fallback warning is kept per (reason, attention run instead): a reason that
+    sent one model's calls to SDPA and then another's to eager attention (e.g. a head dim
+    flashgen does not build, in a model with soft-capping) warns for both, each once."""
+    fg_hf._warned.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for instead in ("sdpa", "eager", "sdpa", "eager"):
+            fg_hf._warn_now("head dim 264", instead, stacklevel=2)
+    got = [str(w.message) for w in seen if "flashgen" in str(w.message)]
+    assert len(got) == 2 and "sdpa" in got[0] and "eager" in got[1], got
+    fg_hf._warned.clear()

@@ -34,20 +34,8 @@ def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, m
         Nk = k.shape[2]
     block_mask.check(B, Hq, Nq, Nk, q.device)
     bq, bk = block_mask.block_size
-    dtype = IR_DTYPE[q.dtype]
-    fam = op.choose_family(q.device, dtype, d, packed, True, dropout).family
-
-    def tiles_of(f):
-        return f.block_tiles(
-            lambda: dict(op.library(f, q.device, dtype, d, packed, sparse=True).instantiation.config), (bq, bk))
-
-    fr, fc, br, bc, dr, dc = tiles_of(fam)
-    bfam = fam
-    if grad:  # the backward's lists are for the backward's family (its tiles; dq lists only with dq_lists)
-        bfam = op.choose_family(q.device, dtype, d, packed, True, dropout, backward=True,
-                                gqa=q.shape[1] != k.shape[1], deterministic=deterministic).family
-        if bfam is not fam:
-            br, bc, dr, dc = tiles_of(bfam)[2:]
+    fam, bfam, (fr, fc, br, bc, dr, dc) = list_tiles(op, q.device, q.dtype, d, packed, (bq, bk), grad, dropout,
+                                                     q.shape[1] != k.shape[1], deterministic)
     used = ((bq, fr), (bk, fc)) + (((bk, br), (bq, bc), (bq, dr), (bk, dc)) if grad or bfam is fam else ())
     if not block_mask.full_kept and any(x % t for x, t in used):
         # A kernel tile that straddled a kept and an empty block could not honour the
@@ -63,6 +51,29 @@ def block_args(op, block_mask, q, k, packed: bool, cu_seqlens_q, max_seqlen_q, m
         if bfam.dq_lists:
             out["block_dq"] = block_mask.tile_lists(dr, dc, Nq, Nk)
     return out
+
+
+def list_tiles(op, device, dtype, d: int, packed: bool, block_size: tuple[int, int], grad: bool, dropout: bool,
+               gqa: bool, deterministic: bool) -> tuple[families.Family, families.Family, tuple[int, ...]]:
+    """The families of a block-sparse call's forward and (with ``grad``) backward, and the tiles
+    their lists are made for: (forward rows, cols, backward rows, cols, dq rows, cols), the
+    backward's from the backward's family (dq lists only where it has ``dq_lists``). ``dtype``: a
+    torch dtype. May load the libraries (their configs hold the tiles)."""
+    ir_dtype = IR_DTYPE[dtype]
+    fam = op.choose_family(device, ir_dtype, d, packed, True, dropout).family
+
+    def tiles_of(f):
+        return f.block_tiles(
+            lambda: dict(op.library(f, device, ir_dtype, d, packed, sparse=True).instantiation.config), block_size)
+
+    fr, fc, br, bc, dr, dc = tiles_of(fam)
+    bfam = fam
+    if grad:
+        bfam = op.choose_family(device, ir_dtype, d, packed, True, dropout, backward=True, gqa=gqa,
+                                deterministic=deterministic).family
+        if bfam is not fam:
+            br, bc, dr, dc = tiles_of(bfam)[2:]
+    return fam, bfam, (fr, fc, br, bc, dr, dc)
 
 
 def auto_blocks(op, fam: families.Family, kind: str, q, k, values, packed: Packed | None) -> Blocks | None:
