@@ -207,6 +207,16 @@ def graph_breaks() -> int:
     return int(sum(torch._dynamo.utils.counters["graph_break"].values()))
 
 
+def graph_break_reasons() -> dict[str, int]:
+    """dynamo's graph-break reasons since the last reset (first line of each, 300 characters at
+    most) and their counts, for the JSON: which breaks a backend adds to the model's own."""
+    out: dict[str, int] = {}
+    for reason, n in torch._dynamo.utils.counters["graph_break"].items():
+        key = str(reason).strip().splitlines()[0][:300] if str(reason).strip() else "?"
+        out[key] = out.get(key, 0) + int(n)
+    return out
+
+
 def compiled_frames() -> int:
     """Frames dynamo has compiled since the last reset (a rise inside a timed window means a
     recompilation was timed)."""

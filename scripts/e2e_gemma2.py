@@ -148,6 +148,7 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
            "tokens_per_s": timed * batch * seqlen / (t2 - t1) if timed else None, "warmup_s": t1 - t0,
            "timed_s": t2 - t1, "peak_memory_gib": common.peak_memory_gib(device),
            "graph_breaks": None if args.no_compile else common.graph_breaks(),
+           "graph_break_reasons": None if args.no_compile else common.graph_break_reasons(),
            "losses": torch.stack(losses).cpu().tolist()}
     if impl == "fgen":
         res["fgen_calls"] = {k: v - calls_before.get(k, 0) for k, v in common.fgen_calls().items()
@@ -235,6 +236,7 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
            "warmup_s": t1 - t0, "cache_gib": cache_bytes(args, batch, slots, dtype.itemsize) / 2**30,
            "peak_memory_gib": common.peak_memory_gib(device),
            "graph_breaks": None if args.no_compile else common.graph_breaks(),
+           "graph_break_reasons": None if args.no_compile else common.graph_break_reasons(),
            "tokens_row0": torch.cat(out, 1)[0].tolist() if out else []}
     if impl == "fgen":
         res["fgen_calls"] = {k: v - calls_before.get(k, 0) for k, v in common.fgen_calls().items()

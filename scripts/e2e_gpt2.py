@@ -239,6 +239,7 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
         "warmup_s": t1 - t0, "timed_s": t2 - t1,
         "peak_memory_gib": common.peak_memory_gib(device),
         "graph_breaks": common.graph_breaks() if run["compiled"] else None,
+        "graph_break_reasons": common.graph_break_reasons() if run["compiled"] else None,
         "losses": torch.stack(losses).cpu().tolist(),
     }
     calls = {k: v - calls_before.get(k, 0) for k, v in common.fgen_calls().items() if v != calls_before.get(k, 0)}
