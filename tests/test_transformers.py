@@ -598,3 +598,37 @@ def test_fallback_warning_once_per_reason_and_fallback():
     got = [str(w.message) for w in seen if "flashgen" in str(w.message)]
     assert len(got) == 2 and "sdpa" in got[0] and "eager" in got[1], got
     fg_hf._warned.clear()
+
+
+def test_compiled_packed_ids_without_block_lists(monkeypatch):
+    """FLASHGEN_AUTO_BLOCK_MASK=0 (read when dynamo traces): the packed-sequence calls of a
+    compiled training step take no block lists (no classification runs) and give the same logits
+    and gradients as with them."""
+    m = model("mistral")
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    pos = torch.tensor([list(range(12)), [*range(4), *range(8)]])
+
+    def step():
+        torch._dynamo.reset()
+        m.set_attn_implementation("fgen")
+        m.train()
+        m.zero_grad(set_to_none=True)
+        logits = torch.compile(m, backend="aot_eager")(input_ids=ids, position_ids=pos, use_cache=False).logits
+        logits.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.set_attn_implementation("eager")
+        return logits.detach(), grads
+
+    try:
+        fg_hf.block_list_calls.clear()
+        with_lists = step()
+        assert fg_hf.block_list_calls == {"transformers_packed": 1}, dict(fg_hf.block_list_calls)
+        monkeypatch.setenv("FLASHGEN_AUTO_BLOCK_MASK", "0")
+        fg_hf.block_list_calls.clear()
+        without = step()
+        assert not fg_hf.block_list_calls, dict(fg_hf.block_list_calls)
+    finally:
+        torch._dynamo.reset()
+    assert_same(with_lists[0], without[0], "logits")
+    for n in with_lists[1]:
+        assert_same(with_lists[1][n], without[1][n], f"grad of {n}")

@@ -45,7 +45,7 @@ Under torch.compile, transformers hands the mask function packed sequence ids fo
 training call (its check for packing is data-dependent, so it is skipped while tracing); those
 calls run in the padded layout with the ids as a per-token sequence mask, with no host read,
 and with block lists classified once per step for every layer of one mask type
-(``_packed_block_lists``).
+(``flashgen.integrations.transformers_blocks``).
 Both functions trace without anything that changes from call to call (which would recompile
 the model at every step) and without a graph break: the mask pattern is recognised from the torch
 calls transformers' mask function makes on probe indices (dynamo cannot read its closure; only a
@@ -74,6 +74,7 @@ from .. import paths
 from ..runtime.op import AttentionOp
 from ..families.sm80 import DECODE_HEAD_DIMS
 from ..runtime.op import compile as _compile
+from . import transformers_blocks
 
 # A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
 UNBOUNDED = 1 << 30
@@ -89,8 +90,8 @@ call_counts: Counter[str] = Counter()
 # Of those calls, the ones that ran as decoding steps through op.with_kvcache, per spec name.
 kvcache_calls: Counter[str] = Counter()
 # Runs of the packed-sequence spec's block classification under torch.compile (one per training
-# step and mask type, however many layers: ``_packed_block_lists``), compiled calls included.
-block_list_calls: Counter[str] = Counter()
+# step and mask type, however many layers: transformers_blocks), compiled calls included.
+block_list_calls = transformers_blocks.block_list_calls
 
 # At most this many queries per row go to op.with_kvcache (split-KV decode kernels) when they
 # are fewer than the keys; longer calls (a prefill, chunked prefill beyond it) take the prefill
@@ -113,73 +114,15 @@ def op(name: str) -> AttentionOp:
     return _load(name)
 
 
+transformers_blocks.bind(op)
+
+
 @torch.compiler.disable  # parsing the spec and registering its torch op is never traced
 def _load(name: str) -> AttentionOp:
     with _ops_lock:
         if name not in _ops:
             _ops[name] = _compile(paths.specs_dir() / f"{name}.attn")
         return _ops[name]
-
-
-# Block lists of the packed-sequence spec under torch.compile: one classification per training
-# step. The attention function calls ``flashgen::hf_packed_block_lists`` with the same arguments in
-# every layer of one mask type (the step's sequence ids, the window, the tiles), so AOTAutograd's
-# common-subexpression pass keeps one call per step, and each layer's op gets the lists
-# (block_kv / block_q / block_dq) instead of classifying its blocks itself, in the forward and
-# again in the backward (that took a classifier kernel and a dozen small torch ops per call).
-_BLOCK = 128  # the block size the sequence-id mask is classified at (fits every family's tiles)
-_LISTS_LIB = torch.library.Library("flashgen", "FRAGMENT")
-_LISTS_LIB.define("hf_packed_block_lists(Tensor seq_id, SymInt left, SymInt right, int[] tiles) "
-                  "-> (Tensor, Tensor, Tensor)")
-
-
-def _packed_block_lists(seq_id: torch.Tensor, left: int, right: int, tiles: list[int]):
-    """(block_kv, block_q, block_dq) of ``specs/transformers_packed.attn`` for sequence ids
-    ``seq_id`` int32 [batch, seqlen] and the window (left, right): the lists of
-    ``flashgen.block_mask`` (classified at _BLOCK × _BLOCK) for the tiles ``tiles`` = (forward
-    rows, cols, backward rows, cols, dq rows, cols, grad, dq), those not asked for empty."""
-    from ..runtime.masks import block_mask
-
-    fr, fc, br, bc, dr, dc, grad, use_dq = tiles
-    n = seq_id.shape[1]
-    block_list_calls["transformers_packed"] += 1  # runs at run time only (an opaque op in the graph)
-    bm = block_mask(op("transformers_packed"), n, n, batch=seq_id.shape[0], block_size=_BLOCK,
-                    device=seq_id.device, seq_id=seq_id, left=int(left), right=int(right), softcap=0.0)
-    none = torch.empty(0, dtype=torch.int32, device=seq_id.device)
-    block_q = bm.tile_lists(br, bc, n, n, transpose=True) if grad else none
-    block_dq = bm.tile_lists(dr, dc, n, n) if grad and use_dq else none
-    return bm.tile_lists(fr, fc, n, n).clone(), block_q.clone(), block_dq.clone()
-
-
-def _packed_block_lists_fake(seq_id, left, right, tiles):
-    fr, fc, br, bc, dr, dc, grad, use_dq = tiles
-    b, n = seq_id.shape
-
-    def lists(rows, cols):  # tile_lists: [B, 1 (no head in the mask), row tiles, 2 + column tiles]
-        return seq_id.new_empty((b, 1, -(-n // rows), 2 + -(-n // cols)), dtype=torch.int32)
-
-    none = seq_id.new_empty((0,), dtype=torch.int32)
-    return lists(fr, fc), lists(br, bc) if grad else none, lists(dr, dc) if grad and use_dq else none
-
-
-_LISTS_LIB.impl("hf_packed_block_lists", _packed_block_lists, "CompositeExplicitAutograd")
-torch.library.register_fake("flashgen::hf_packed_block_lists", _packed_block_lists_fake, lib=_LISTS_LIB)
-
-
-@torch._dynamo.assume_constant_result
-def _packed_block_meta(device: str, dtype: torch.dtype, head_dim: int, gqa: bool, grad: bool, dropout: bool,
-                       deterministic: bool) -> tuple[int, ...]:
-    """The tiles of ``_packed_block_lists`` and the op's ``block_meta`` for a call on ``device``
-    (fr, fc, br, bc, dr, dc, full_kept, dq lists used): the families' tiles of
-    ``runtime.blocks.list_tiles``, computed once when torch.compile traces the call (it may load
-    the libraries) and a constant of the graph."""
-    from ..runtime import blocks
-    from ..sparsity import mask_has_float
-
-    o = op("transformers_packed")
-    _, bfam, tl = blocks.list_tiles(o, torch.device(device), dtype, head_dim, False, (_BLOCK, _BLOCK), grad, dropout,
-                                    gqa, deterministic)
-    return (*tl, int(not mask_has_float(o.spec)), int(grad and bfam.dq_lists))
 
 
 def _count(counter: Counter[str], name: str) -> None:
@@ -699,28 +642,6 @@ def _as_cu(t, name: str) -> torch.Tensor:
     return t.to(torch.int32)
 
 
-def _packed_attention(q, k, v, scale, dropout_p: float, params: dict) -> torch.Tensor:
-    """The packed-sequence spec's call under torch.compile (q, k, v [B, H, N, d]): its registered
-    op with the block lists of ``_packed_block_lists`` (one classification per step, see there)
-    instead of per-call lists."""
-    from ..runtime.launch import dropout_state
-
-    o = op("transformers_packed")
-    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    meta = _packed_block_meta(str(q.device), q.dtype, q.shape[-1], q.shape[1] != k.shape[1], grad, dropout_p > 0,
-                              torch.are_deterministic_algorithms_enabled())
-    fr, fc, br, bc, dr, dc, full_kept, use_dq = meta
-    seq_id, left, right = params["seq_id"], params["left"], params["right"]
-    block_kv, block_q, block_dq = torch.ops.flashgen.hf_packed_block_lists(
-        seq_id, left, right, [fr, fc, br, bc, dr, dc, int(grad), use_dq])
-    drop = (dropout_p, dropout_state(None, q.device) if dropout_p else None)
-    out, _ = o.torch_op(q, k, v, scale, False, seq_id, left, right, params["softcap"], *drop,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                        block_kv=block_kv, block_q=block_q if grad else None,
-                        block_dq=block_dq if use_dq else None, block_meta=[fr, fc, br, bc, dr, dc, full_kept])
-    return out
-
-
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       sliding_window: int | None = None, softcap: float | None = None,
@@ -824,8 +745,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         lens = torch.full((batch,), nk, dtype=torch.int32, device=query.device)
         out = op(name).with_kvcache(query, key, value, cache_seqlens=lens, scale=scaling, **params)
         return out.transpose(1, 2), None
-    if seq_ids is not None:
-        out = _packed_attention(q, k, v, scaling, float(dropout or 0.0), params)
+    if seq_ids is not None and transformers_blocks.enabled():
+        out = transformers_blocks.packed_attention(op("transformers_packed"), q, k, v, scaling,
+                                                   float(dropout or 0.0), params)
         return out.transpose(1, 2), None
     out = op(name)(q, k, v, **run, **params)
     if packed is not None:
