@@ -73,14 +73,15 @@ class BlockMask:
     """
 
     def __init__(self, state: torch.Tensor, block_size, seqlen_q: int | None = None,
-                 seqlen_k: int | None = None, *, full_kept: bool = False):
+                 seqlen_k: int | None = None, *, full_kept: bool = False, _check_values: bool = True):
         """Made by ``from_pattern`` and ``flashgen.block_mask``; ``state``: the classes, int
         [batch|1, heads|1, query blocks, key blocks] with values 0 (empty), 1 (partial), 2 (full)
-        (checked here: one read on the host)."""
+        (checked here: one read on the host; ``_check_values=False`` for classes flashgen's own
+        classifiers wrote, so that ``flashgen.block_mask`` makes no host read on CUDA)."""
         if not isinstance(state, torch.Tensor) or state.dim() != 4 or state.is_floating_point() \
                 or state.is_complex() or state.device.type == "meta":
             raise ValueError("state: expected an integer tensor [batch|1, heads|1, query blocks, key blocks]")
-        if state.numel() and not bool(((state >= EMPTY) & (state <= FULL)).all()):
+        if _check_values and state.numel() and not bool(((state >= EMPTY) & (state <= FULL)).all()):
             raise ValueError("state: values must be 0 (empty), 1 (partial) or 2 (full)")
         self.block_size = check_block_size(block_size)
         self._state = state.to(torch.int8).contiguous()
@@ -152,7 +153,7 @@ class BlockMask:
         if device == self.device:
             return self
         out = BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
-                        full_kept=self.full_kept)
+                        full_kept=self.full_kept, _check_values=False)  # checked when made
         out._binding, out._depends = self._binding, self._depends
         return out
 

@@ -132,7 +132,8 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     nqb, nkb = cdiv(seqlen_q, bq), cdiv(seqlen_k, bk)
     if spec.mask is None:
         return bound(BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
-                               seqlen_q, seqlen_k, full_kept=True))
+                               seqlen_q, seqlen_k, full_kept=True,
+                               _check_values=False))
     fam = op.family_for(device, None, 128, sparse=True).family if device.type != "cpu" else None
     if fam is not None and fam.block_classifier:  # the generated classifier kernel
         block = op.params_block(values)
@@ -142,10 +143,12 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
                   "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
         st = classify(op.mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
                            bq, bk, device, **cu)
-        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
+        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True,
+                               _check_values=False))
     if not packed:
         st = classify_on_host(spec, pvals, batch, heads, seqlen_q, seqlen_k, bq, bk, device, 0)
-        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True))
+        return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True,
+                               _check_values=False))
     parts = []
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         st = classify_on_host(spec, pvals, 1, heads, lq, lk, bq, bk, device, b)
