@@ -141,14 +141,17 @@ def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> No
     """Compile the backend's specs for ``device`` ahead of the first model call, all at once (in
     parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts and the
     decode kernels of ``op.with_kvcache``, which decoding steps of up to DECODE_MAX_QUERIES
-    queries run on, too; not for the packed sequence ids of training under torch.compile).
+    queries run on, too, and the block-sparse kernels that the packed sequence ids of training
+    under torch.compile run on; their block classifier is built at its first use).
 
     Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
     from concurrent.futures import ThreadPoolExecutor
 
     layouts = ("padded", "packed")
     with ThreadPoolExecutor(len(SPECS)) as pool:
+        # the packed-sequence spec runs with block lists (transformers_blocks): its block-sparse kernels too
         list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts,
+                                            sparse=(False, True) if n == "transformers_packed" else (False,),
                                             decode=n != "transformers_packed"), SPECS))
 
 
