@@ -190,9 +190,10 @@ def register(name: str = "fgen") -> str:
 
 
 def _warn_once(reason: str, instead: str) -> None:
-    """Warn once per reason and fallback (``instead``) that calls fall back. While torch.compile traces, the warning is given
-    at trace time (``torch._dynamo.comptime``: no graph break, which ``warnings.warn`` in traced
-    code would cost at every fallback call), so a compiled model warns when it is compiled."""
+    """Warn once per reason and fallback (``instead``) that calls fall back. While torch.compile
+    traces, the warning is given at trace time (``torch._dynamo.comptime``: no graph break, which
+    ``warnings.warn`` in traced code would cost at every fallback call), so a compiled model warns
+    when it is compiled."""
     if torch.compiler.is_compiling():
         from torch._dynamo.comptime import comptime
 

@@ -183,7 +183,8 @@ struct Sm90Bwd {
   static constexpr int kOffL = kOffDQ + kDqBufs * kDqBuf;
   static constexpr int kOffDs = kOffL + kStages * kBlockM * 4;
   static constexpr int kOffBar = kOffDs + kStages * kBlockM * 4;
-  static constexpr int kNumBars = 6 + 2 * kStages;  // full_kv, kv_ready, full[S], empty[S], q_tail, dq_full, dq_empty, kv_empty
+  // full_kv, kv_ready, full[S], empty[S], q_tail, dq_full, dq_empty, kv_empty
+  static constexpr int kNumBars = 6 + 2 * kStages;
   static constexpr int kOffSlot = kOffBar + 8 * kNumBars;  // the dQ writer's step (DqSlot)
   static constexpr int kSmem = kOffSlot + 32 + 1024;        // + alignment slack
   static constexpr int kConsumerWarps = 4 * Tile::kConsumers;
