@@ -292,8 +292,8 @@ struct Sm90Bwd {
   // grid of total_work CTAs (one item each, the hardware's dispatch order) or a persistent one of
   // one CTA per multiprocessor (the launch's choice: FLASHGEN_SM90_BWD_PERSIST), where the
   // producer loads the next item's K and V while the consumers write the previous item's dK, dV.
-  // (32-bit: the host launches only total_work < 2^31, so every index of a CTA's rounds that
-  // is still inside it, and the first past it, fits.)
+  // (32-bit: the host launches only total_work <= 2^30, so every index of a CTA's rounds up to
+  // the first past total_work, at most total_work + gridDim.x - 1 < 2^31, fits.)
   static __device__ __forceinline__ int work_of(int iter) {
     const int g = int(cuda::ptx::nctaid_x()), c = int(cuda::ptx::ctaid_x());
     return iter * g + ((iter & 1) ? g - 1 - c : c);
@@ -456,12 +456,12 @@ struct Sm90Bwd {
           const uint4 zero = make_uint4(0, 0, 0, 0);
           // Rows [seqlen_q - q_lo, kBlockM) of every 64-column panel of Q and dO: 8 16-byte
           // chunks per 128-byte row (the swizzle permutes chunks within a row only).
-          for (int c = lane; c < (kBlockM - (p.seqlen_q - q_lo)) * 8; c += 32) {
-            const int r = p.seqlen_q - q_lo + c / 8;
+          for (int ch = lane; ch < (kBlockM - (p.seqlen_q - q_lo)) * 8; ch += 32) {
+            const int r = p.seqlen_q - q_lo + ch / 8;
 #pragma unroll
             for (int pn = 0; pn < 2 * kPanels; ++pn) {
               const uint32_t a = s0 + (pn < kPanels ? kOffQ : kOffDO) + stage * kQBytes + (pn % kPanels) * kQPanel +
-                                 r * 128 + (c % 8) * 16;
+                                 r * 128 + (ch % 8) * 16;
               asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(a), "r"(zero.x), "r"(zero.y),
                            "r"(zero.z), "r"(zero.w)
                            : "memory");
@@ -848,7 +848,8 @@ struct Sm90Bwd {
     }
 
     // Epilogue: dK (scaled) and dV of the warp's 16 keys, straight from the accumulators. The
-    // item decoded again from an opaque copy of the lane: its addresses are computed here.
+    // item decoded again (and the lane's fragment coordinates from an opaque copy of the lane):
+    // the addresses are computed here, not held in registers across the walk.
     const int ln = ptx::opaque(lane);
     const Item ie = item(P, p, wi);
     const int gg = ln >> 2, tt = ln & 3;
@@ -1159,9 +1160,9 @@ int launch_bwd(const FgBwdArgs& a) {
     static std::atomic<uint64_t> configured{0};
     st = cuda::detail::ensure_smem(kernel, K::kSmem, configured, dev, "sm90 backward kernel");
     if (st != FG_OK) return st;
-    if (b.total_work > 2147483647LL - 65536) {  // the work indices are int32 (Sm90Bwd::work_of)
+    if (b.total_work > (int64_t(1) << 30)) {  // the work indices are int32 (Sm90Bwd::work_of)
       return cuda::detail::fail(FG_ERR_BAD_SHAPE, "the sm90 backward's grid (%lld key tiles x splits x kv heads x "
-                                "batch) exceeds 2^31 - 65537", (long long)b.total_work);
+                                "batch) exceeds 2^30", (long long)b.total_work);
     }
     const int64_t grid = persist && !det ? cuda::detail::grid_for(b.total_work, num_sms) : b.total_work;
     kernel<<<unsigned(grid), K::kThreads, K::kSmem, stream>>>(p);
