@@ -632,3 +632,31 @@ def test_compiled_packed_ids_without_block_lists(monkeypatch):
     assert_same(with_lists[0], without[0], "logits")
     for n in with_lists[1]:
         assert_same(with_lists[1][n], without[1][n], f"grad of {n}")
+
+
+def test_unsupported_pattern_warns_once_with_its_reason():
+    """A mask pattern without a flashgen spec (Llama 4's chunked attention): the mask function
+    warns for it and returns transformers' 4-D mask, and the attention function falls back on
+    that mask for the same reason, not as for a user's 4-D mask (no second, misleading
+    warning); the logits are SDPA's."""
+    cfg_cls = getattr(transformers, "Llama4TextConfig", None)
+    if cfg_cls is None:
+        pytest.skip("this transformers has no Llama 4")
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                  attention_chunk_size=5, no_rope_layers=[1, 0])
+    torch.manual_seed(0)
+    m = transformers.Llama4ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = m(ids).logits
+        fg_hf._warned.clear()
+        m.set_attn_implementation("fgen")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ours = m(ids).logits
+        m.set_attn_implementation("sdpa")
+    got = [str(w.message) for w in seen if "flashgen.integrations.transformers" in str(w.message)]
+    assert len(got) == 1 and "has no flashgen spec" in got[0], got
+    assert_same(ref, ours, "logits")
+    fg_hf._warned.clear()

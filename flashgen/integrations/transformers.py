@@ -102,6 +102,11 @@ _ops: dict[str, AttentionOp] = {}
 _ops_lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()
 _packed_cache = WeakIdKeyDictionary()  # packed sequence ids -> (version, cu_seqlens, max_seqlen)
+# The 4-D masks mask_forward itself returned for a pattern without a spec (eager calls): the
+# attention function falls back on them for that reason, not as for a user's 4-D mask.
+_pattern_masks = WeakIdKeyDictionary()
+_PATTERN_REASON = ("this mask pattern (an or/and overlay, chunked attention or block_sequence_ids) has no "
+                   "flashgen spec")
 
 
 def op(name: str) -> AttentionOp:
@@ -467,12 +472,14 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
     pattern = _pattern(mask_function, device)
     if pattern is None:
-        _warn_once("this mask pattern (an or/and overlay, chunked attention or block_sequence_ids) has no "
-                   "flashgen spec", "sdpa")
+        _warn_once(_PATTERN_REASON, "sdpa")
         kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
-        return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                            kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                            allow_is_causal_skip=False, **kwargs)
+        dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                             allow_is_causal_skip=False, **kwargs)
+        if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
+            _pattern_masks[dense] = True
+        return dense
     _, packed = pattern
     if packed is not None:
         return (-1 - packed).to(torch.int32)
@@ -501,6 +508,8 @@ def _fallback_reason(module, query, key, value, attention_mask, s_aux, kwargs) -
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         return f"attention_mask of type {type(attention_mask).__name__} (expected a tensor or None)"
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        if not torch.compiler.is_compiling() and attention_mask in _pattern_masks:
+            return _PATTERN_REASON  # the mask function's own fallback, already warned for
         return f"a {attention_mask.dim()}-D attention_mask (flashgen takes 2-D padding masks)"
     if s_aux is not None:
         return "attention sinks (s_aux)"
