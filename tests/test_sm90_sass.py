@@ -233,13 +233,23 @@ def test_sm90_bwd_sass(sm90_bwd_unit):
     # The backward kernel's consumer code comes first, up to the producer warpgroup's register
     # release (USETMAXREG.DEALLOC); local-memory instructions there are the consumers' spills.
     consumer, in_bwd, released = 0, False, False
+    hgmma_at, n = [], 0  # instruction indices of the consumers' HGMMAs
     for line in dump.stdout.splitlines():
         if "Function :" in line:
             in_bwd, released = "bwd_kernel" in line and "Sm90Bwd" in line, False
         elif in_bwd and "USETMAXREG.DEALLOC" in line:
             released = True
-        elif in_bwd and not released and SASS_LINE.match(line) and SASS_LINE.match(line).group(1) in ("LDL", "STL"):
-            consumer += 1
+        elif in_bwd and not released and SASS_LINE.match(line):
+            n += 1
+            op = SASS_LINE.match(line).group(1)
+            consumer += op in ("LDL", "STL")
+            if op == "HGMMA":
+                hgmma_at.append(n)
+    # The wgmma descriptors live in uniform registers, advanced by one add per wgmma (sm90/ptx.cuh
+    # desc_advance): a few instructions between consecutive HGMMAs of a GEMM, where re-encoding
+    # both descriptors and moving them to uniform registers took 13-14 (docs/perf-notes.md).
+    gaps = sorted(b - a for a, b in zip(hgmma_at, hgmma_at[1:]) if b - a < 60)
+    assert gaps and gaps[len(gaps) // 2] <= 8, f"median instructions between HGMMAs {gaps[len(gaps) // 2]}: {gaps}"
     assert ops.get("USETMAXREG", 0) > 0, "no setmaxnreg in the backward's SASS"
     # wgmma waits: a handful per step (S^T, dP^T, dV, dK, dQ groups), not one per HGMMA
     assert ops.get("HGMMA", 0) >= 4 * max(1, dump.stdout.count("WARPGROUP.DEPBAR")), \
