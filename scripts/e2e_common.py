@@ -136,16 +136,20 @@ def fgen_calls() -> dict:
     """flashgen's per-path call counts so far: kernel calls per spec, "kvcache:<spec>" for those
     of them that were decoding steps on op.with_kvcache, and "fallback:<function>". Eager calls
     only: the backend counts nothing while torch.compile traces (a counter there would recompile
-    the model at every step), so a compiled run's calls are not in them."""
+    the model at every step), so a compiled run's calls are not in them. Except
+    "block_lists:<spec>": the runs of the packed-sequence spec's block classification, compiled
+    ones included (one per compiled training step and mask type)."""
     import flashgen.integrations.transformers as fg_hf
 
-    return dict(fg_hf.call_counts) | {f"kvcache:{k}": v for k, v in fg_hf.kvcache_calls.items()}
+    return (dict(fg_hf.call_counts) | {f"kvcache:{k}": v for k, v in fg_hf.kvcache_calls.items()}
+            | {f"block_lists:{k}": v for k, v in fg_hf.block_list_calls.items()})
 
 
 def fgen_note(calls: dict, messages: list[str] | None = None) -> str | None:
     """What a status says when flashgen's layers left its kernels: calls that fell back to
     transformers' attention functions (their reasons are in the run's warnings). Compiled calls
     are not counted (``fgen_calls``): for them a fallback shows in the run's warning ``messages`` only."""
+    calls = {k: v for k, v in calls.items() if not k.startswith("block_lists:")}  # not attention calls
     back = {k: v for k, v in calls.items() if k.startswith("fallback:")}
     if not back:
         if any("attention for such calls instead" in m for m in messages or ()):

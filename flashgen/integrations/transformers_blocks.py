@@ -10,7 +10,8 @@ function calls ``flashgen::hf_packed_block_lists`` with the same arguments in ev
 one mask type (the step's sequence ids, the window and the tiles, a constant of the graph), so
 AOTAutograd's common-subexpression pass keeps one call per step, and each layer's op takes the
 lists (``block_kv``, ``block_q``, ``block_dq``) as a block-sparse call would from a
-``flashgen.block_mask``.
+``flashgen.block_mask``. (With a torch.compile backend that runs no AOTAutograd, dynamo's
+"eager", the op runs once per layer and step, its backward reusing the forward's lists.)
 """
 
 from __future__ import annotations
