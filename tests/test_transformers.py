@@ -3,6 +3,7 @@ same models with attn_implementation="eager": logits and gradients at the non-pa
 (padded, left and right, and unpadded batches, training mode with dropout 0), packed sequences,
 greedy generation with dynamic and static caches, and the fallbacks."""
 
+import re
 import warnings
 from collections import Counter
 
@@ -660,3 +661,13 @@ def test_unsupported_pattern_warns_once_with_its_reason():
     assert len(got) == 1 and "has no flashgen spec" in got[0], got
     assert_same(ref, ours, "logits")
     fg_hf._warned.clear()
+
+
+@pytest.mark.parametrize("name, why", [("flashgen", "flash-attention package"), ("my_sdpa", "own implementations"),
+                                       ("hub|fgen", "kernel-hub and paged")])
+def test_register_rejects_reserved_names_saying_why(name, why):
+    """register() refuses names transformers gives a meaning of its own, before registering
+    anything, naming the part and the reason that applies to it."""
+    with pytest.raises(ValueError, match=re.escape(f"name: {name!r}") + ".*" + why) as e:
+        fg_hf.register(name)
+    assert "choose another" in str(e.value)

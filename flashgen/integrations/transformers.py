@@ -178,9 +178,11 @@ def register(name: str = "fgen") -> str:
         raise TypeError(f"name: expected a non-empty string, got {name!r}")
     bad = [part for part in _RESERVED if part in name]
     if bad:
+        why = ("any name with 'flash' is loaded as a flash-attention package" if bad[0] == "flash" else
+               "it names one of transformers' own implementations" if bad[0] in ("sdpa", "flex_attention", "eager")
+               else "it is a prefix or separator of kernel-hub and paged implementations")
         raise ValueError(f"name: {name!r} contains {bad[0]!r}, which transformers interprets in attention "
-                         "implementation names (any name with 'flash' is loaded as a flash-attention package); "
-                         "choose another, e.g. the default 'fgen'")
+                         f"implementation names ({why}); choose another, e.g. the default 'fgen'")
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
