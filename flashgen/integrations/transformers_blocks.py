@@ -53,10 +53,15 @@ def _lists(seq_id: torch.Tensor, left: int, right: int, tiles: list[int]):
     block_list_calls[SPEC] += 1
     bm = block_mask(_op[0](SPEC), n, n, batch=seq_id.shape[0], block_size=BLOCK, device=seq_id.device,
                     seq_id=seq_id, left=int(left), right=int(right), softcap=0.0)
-    none = torch.empty(0, dtype=torch.int32, device=seq_id.device)
-    block_q = bm.tile_lists(br, bc, n, n, transpose=True) if grad else none
-    block_dq = bm.tile_lists(dr, dc, n, n) if grad and use_dq else none
-    return bm.tile_lists(fr, fc, n, n).clone(), block_q.clone(), block_dq.clone()
+    def none():  # a fresh empty tensor per output (outputs must not alias each other)
+        return torch.empty(0, dtype=torch.int32, device=seq_id.device)
+
+    # The lists are the new mask's own tensors (cached per tile size and orientation): returned
+    # without a copy, except dq lists at the forward's tiles, the same tensor as block_kv.
+    block_kv = bm.tile_lists(fr, fc, n, n)
+    block_q = bm.tile_lists(br, bc, n, n, transpose=True) if grad else none()
+    block_dq = bm.tile_lists(dr, dc, n, n) if grad and use_dq else none()
+    return block_kv, block_q, block_dq.clone() if block_dq is block_kv else block_dq
 
 
 def _lists_fake(seq_id, left, right, tiles):
