@@ -221,6 +221,40 @@ def graph_break_reasons() -> dict[str, int]:
     return out
 
 
+def kernel_profile(step, steps: int, device: torch.device, top: int = 15) -> list[dict]:
+    """Where a step's device time goes: ``torch.profiler`` over ``steps`` calls of ``step(k)``
+    (k = 0 .. steps - 1; run after the timed window, so the figures above are untouched), the
+    ``top`` kernels by device time as {name (120 characters at most), ms per step, calls per
+    step}, and a last entry "(all kernels)" with the total. A diagnostic, not a benchmark figure:
+    the profiler's own overhead is in the host time, not in the kernels' device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for k in range(steps):
+            step(k)
+        sync(device)
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if device.type != "cuda":
+            t = e.self_cpu_time_total
+        if t > 0 and (device.type != "cuda" or e.device_type.name == "CUDA"):
+            rows.append({"name": e.key[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    return rows[:top] + [{"name": "(all kernels)", "ms_per_step": total, "calls_per_step": sum(
+        r["calls_per_step"] for r in rows)}]
+
+
+def print_profile(label: str, rows: list[dict]) -> None:
+    print(f"  {label}: device time per step by kernel")
+    for r in rows:
+        print(f"    {r['ms_per_step']:9.3f} ms  {r['calls_per_step']:7.1f} x  {r['name']}")
+
+
 def compiled_frames() -> int:
     """Frames dynamo has compiled since the last reset (a rise inside a timed window means a
     recompilation was timed)."""

@@ -247,6 +247,9 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
         result["fgen_calls"] = calls  # kernel calls by spec, and fallbacks
     if run.get("curve") and data["val"].numel() > seqlen:
         result["val_loss"] = val_loss(model, data["val"], seqlen, batch, device, amp)
+    if args.profile_steps and done == steps:  # after the losses and the validation loss: these steps train on
+        result["profile"] = common.kernel_profile(step, args.profile_steps, device)
+        common.print_profile(label(run), result["profile"])
     return result
 
 
@@ -342,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="run everything uncompiled")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default 1 with --smoke: tiny CPU ops only lose to thread contention)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after a run's timed steps, this many more under torch.profiler: the top kernels by "
+                         "device time per step go into the JSON ('profile') and are printed (a diagnostic)")
     ap.add_argument("--time-limit", type=float, default=570.0, help="seconds; later runs are skipped past it")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model (2 layers, width 32), bytes, a few files, 3 steps, CPU, no compile: a check "
@@ -367,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         args.curve_seqlen = args.seqlens[0]
     if args.steps < 1 or args.warmup < 0 or args.curve_steps < 2:
         raise SystemExit("error: --steps must be >= 1, --warmup >= 0, --curve-steps >= 2")
+    if not 0 <= args.profile_steps <= args.steps:
+        raise SystemExit(f"error: --profile-steps: expected 0 to --steps ({args.steps}), got {args.profile_steps}")
     if smoke:
         args.layers, args.heads, args.width = 2, 4, 32
         args.tokenizer = "bytes" if args.tokenizer == "auto" else args.tokenizer
