@@ -245,8 +245,18 @@ def kernel_profile(step, steps: int, device: torch.device, top: int = 15) -> lis
             rows.append({"name": e.key[:120], "ms_per_step": t / 1e3 / steps, "calls_per_step": e.count / steps})
     rows.sort(key=lambda r: -r["ms_per_step"])
     total = sum(r["ms_per_step"] for r in rows)
+    # host calls that wait for the device (each drains the queue the host had run ahead with)
+    waits = {}
+    for e in prof.key_averages():
+        if e.key in SYNC_EVENTS:
+            waits[e.key] = e.count / steps
     return rows[:top] + [{"name": "(all kernels)", "ms_per_step": total, "calls_per_step": sum(
-        r["calls_per_step"] for r in rows)}]
+        r["calls_per_step"] for r in rows)}] + [{"name": f"(host waits) {k}", "ms_per_step": 0.0, "calls_per_step": v}
+                                               for k, v in sorted(waits.items())]
+
+
+SYNC_EVENTS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "cudaStreamSynchronize",
+               "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
 def print_profile(label: str, rows: list[dict]) -> None:
