@@ -451,6 +451,7 @@ struct Sm90Bwd {
       }
       if constexpr (kPacked) {
         if (tail) {
+          __syncwarp();  // every lane waits on this tail's phase (lane 0 cannot be a tail step ahead)
           ptx::mbar_wait(bar.q_tail(), tails & 1);
           ++tails;
           const uint4 zero = make_uint4(0, 0, 0, 0);

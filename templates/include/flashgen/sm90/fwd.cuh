@@ -450,11 +450,12 @@ struct Sm90Fwd {
       for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
     }
     ptx::wgmma_fence();
+    const uint64_t dQ0 = ptx::sw128_desc(sQ, 16, 1024), dK0 = ptx::sw128_desc(sK, 16, 1024);
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks) {
       const uint32_t off = (ks % 4) * 32;
-      const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
-      const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
+      const uint64_t da = ptx::desc_advance(dQ0, (ks / 4) * kQPanel + off);
+      const uint64_t db = ptx::desc_advance(dK0, (ks / 4) * kKVPanel + off);
       MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
     }
     ptx::wgmma_commit();
@@ -472,10 +473,10 @@ struct Sm90Fwd {
       for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
     }
     ptx::wgmma_fence();
+    const uint64_t dV0 = ptx::sw128_desc(sV, kKVPanel, 1024);
 #pragma unroll
     for (int u = 0; u < kBlockN / 16; ++u) {
-      const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
-      MmaO::template rs<1>(a[u], db, o[0], 1);
+      MmaO::template rs<1>(a[u], ptx::desc_advance(dV0, u * 16 * 128), o[0], 1);
     }
     ptx::wgmma_commit();
   }
@@ -663,11 +664,12 @@ struct Sm90Fwd {
             for (int e = 0; e < 4; ++e) ptx::fence_operand(s[0][i][e]);
           }
           ptx::wgmma_fence();
+          const uint64_t dQ0 = ptx::sw128_desc(sQ, 16, 1024), dK0 = ptx::sw128_desc(sK, 16, 1024);
   #pragma unroll
           for (int ks = 0; ks < kD / 16; ++ks) {
             const uint32_t off = (ks % 4) * 32;
-            const uint64_t da = ptx::sw128_desc(sQ + (ks / 4) * kQPanel + off, 16, 1024);
-            const uint64_t db = ptx::sw128_desc(sK + (ks / 4) * kKVPanel + off, 16, 1024);
+            const uint64_t da = ptx::desc_advance(dQ0, (ks / 4) * kQPanel + off);
+            const uint64_t db = ptx::desc_advance(dK0, (ks / 4) * kKVPanel + off);
             MmaS::template ss<0>(da, db, s[0], ks > 0 ? 1 : 0);
           }
           ptx::wgmma_commit();
@@ -712,10 +714,10 @@ struct Sm90Fwd {
             for (int e = 0; e < 4; ++e) ptx::fence_operand(a[u][e]);
           }
           ptx::wgmma_fence();
+          const uint64_t dV0 = ptx::sw128_desc(sV, kKVPanel, 1024);
   #pragma unroll
           for (int u = 0; u < kBlockN / 16; ++u) {
-            const uint64_t db = ptx::sw128_desc(sV + u * 16 * 128, kKVPanel, 1024);
-            MmaO::template rs<1>(a[u], db, acc.o[0], 1);
+            MmaO::template rs<1>(a[u], ptx::desc_advance(dV0, u * 16 * 128), acc.o[0], 1);
           }
           ptx::wgmma_commit();
           ptx::wgmma_wait<0>();
@@ -831,7 +833,9 @@ struct Sm90Fwd {
     unsigned char* smem = smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u);
     const uint32_t s0 = ptx::smem_addr(smem);
     const Bars bar{s0 + kOffBar};
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = warp / 4;
+    // wg through a shuffle: warp-uniform to the compiler (shared-memory addresses and wgmma
+    // descriptors derived from it then live in uniform registers).
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = __shfl_sync(0xffffffffu, tid / 128, 0);
     if (tid == 0) {
       ptx::mbar_init(bar.full_q(), 1);
       ptx::mbar_init(bar.empty_q(), kConsumerWarps);
