@@ -13,6 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flashgen.integrations import transformers as fg_hf
+from flashgen.integrations import transformers_blocks
 
 VOCAB = 96
 DECODERS = ("llama", "mistral", "gemma2", "gpt2")
@@ -503,6 +504,27 @@ def test_fallback_under_compile_warns_without_a_graph_break():
     assert breaks == 0 and frames == 1, (breaks, frames)
     for out in ours:
         assert_same(ref, out, "logits with a 4-D mask, compiled")
+
+
+def test_traced_functions_import_nothing():
+    """The functions dynamo traces in a compiled model hold no import statement: with the torch
+    2.11 of the GPU machine an import of transformers' lazily loaded package inside traced code was
+    a graph break ("Bad import result": dynamo there accepts only an exact module type), four per
+    compiled GPT-2 step; transformers' modules are imported once by register() instead."""
+    import dis
+
+    traced = [fg_hf.mask_forward, fg_hf._pattern, fg_hf._traced_pattern, fg_hf.attention_forward,
+              fg_hf._fallback, fg_hf._fallback_reason, fg_hf._warn_once, fg_hf._autocast_inputs, fg_hf._window,
+              fg_hf._decodes, transformers_blocks.packed_attention]
+    for fn in traced:
+        codes, found = [fn.__code__], []
+        while codes:
+            code = codes.pop()
+            found += [i.argval for i in dis.get_instructions(code) if i.opname == "IMPORT_NAME"]
+            codes += [c for c in code.co_consts if hasattr(c, "co_code")]
+        assert not found, f"{fn.__name__} imports {found} while dynamo traces it"
+    fg_hf.register("fgen")
+    assert {"masking_utils", "sdpa_attention"} <= set(fg_hf._tf)
 
 
 def test_compiled_training_over_changing_lengths_recompiles_as_sdpa_does():

@@ -67,6 +67,7 @@ import warnings
 from collections import Counter
 
 import torch
+from torch._dynamo.comptime import comptime
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -99,6 +100,7 @@ block_list_calls = transformers_blocks.block_list_calls
 DECODE_MAX_QUERIES = 16
 
 _ops: dict[str, AttentionOp] = {}
+_tf: dict[str, object] = {}  # transformers' modules the traced functions use (``_transformers``)
 _ops_lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()
 _packed_cache = WeakIdKeyDictionary()  # packed sequence ids -> (version, cu_seqlens, max_seqlen)
@@ -191,9 +193,23 @@ def register(name: str = "fgen") -> str:
                           f"and AttentionMaskInterface): {e}") from e
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_forward)
+    _transformers()  # the modules the traced functions use, imported here rather than while dynamo traces
     for spec in SPECS:  # the ops (parsed specs, torch ops; no kernel yet): none is made while dynamo traces
         op(spec)
     return name
+
+
+def _transformers() -> dict[str, object]:
+    """transformers' ``masking_utils`` and ``integrations.sdpa_attention``, imported once (by
+    ``register``) outside any traced code: an import statement that dynamo traces is a graph
+    break ("Bad import result") with some torch and transformers versions, at every mask and
+    every fallback of a compiled model."""
+    if not _tf:
+        from transformers import masking_utils
+        from transformers.integrations import sdpa_attention
+
+        _tf.update(masking_utils=masking_utils, sdpa_attention=sdpa_attention)
+    return _tf
 
 
 def _warn_once(reason: str, instead: str) -> None:
@@ -202,8 +218,6 @@ def _warn_once(reason: str, instead: str) -> None:
     ``warnings.warn`` in traced code would cost at every fallback call), so a compiled model warns
     when it is compiled."""
     if torch.compiler.is_compiling():
-        from torch._dynamo.comptime import comptime
-
         comptime(_warn_at_trace)  # reads this frame's reason and instead
         return
     _warn_now(reason, instead, stacklevel=5)
@@ -243,7 +257,7 @@ def _pattern(fn, device="cpu"):
     without a graph break; only a function not recognised there is read from its closure, outside
     the tracing (a graph break): one with a call dynamo does not pass to a torch function mode (the
     builtin ``abs`` of a bidirectional sliding window), or a pattern that falls back anyway."""
-    from transformers import masking_utils as mu
+    mu = _transformers()["masking_utils"]
 
     if fn is mu.causal_mask_function:
         return "causal", None
@@ -468,8 +482,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     back to SDPA). Never synchronises with the device, except once for a multi-token call on a
     static cache without an attention mask.
     """
-    from transformers import masking_utils as mu
-
+    mu = _transformers()["masking_utils"]
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
     device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
     pattern = _pattern(mask_function, device)
@@ -584,8 +597,7 @@ def _fallback(reason, module, query, key, value, attention_mask, *, dropout, sca
             extra["s_aux"] = s_aux
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                      sliding_window=sliding_window, **extra, **kwargs)
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    sdpa_attention_forward = _transformers()["sdpa_attention"].sdpa_attention_forward
     _warn_once(reason, "sdpa")
     _count(call_counts, "fallback:sdpa")
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
