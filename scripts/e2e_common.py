@@ -293,6 +293,26 @@ class Budget:
         return self.left() > estimate_s
 
 
+def replot(src: Path, out: Path, prefix: str, finish) -> int:
+    """``--replot``: the report ``src`` (``<prefix>-<tag>.json``) read back, its table printed
+    and its plots drawn into ``out`` by the script's ``finish``, and the report written there too
+    (when only the JSON came back from a machine). Exit status 2 for a missing or foreign file."""
+    try:
+        report = json.loads(Path(src).read_text())
+    except (OSError, ValueError) as e:
+        print(f"error: --replot: cannot read {src}: {e}", file=sys.stderr)
+        return 2
+    stem = Path(src).stem
+    if not stem.startswith(prefix + "-") or not isinstance(report, dict) or "environment" not in report:
+        print(f"error: --replot: {src} is not a {prefix}-TAG.json report of this script", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    finish(report, out, stem[len(prefix) + 1:], require_matplotlib())
+    write_json(out / f"{stem}.json", report)
+    print(f"wrote {out / (stem + '.json')} and its plots")
+    return 0
+
+
 def write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

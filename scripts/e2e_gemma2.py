@@ -293,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="tiny model (2 layers, width 64, head dim 16, window 8), CPU, fp32, 2 steps, no compile "
                          "(unless --compile-smoke): "
                          "a check that the script runs, not a measurement")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="redraw the table and plots of a gemma2-TAG.json this script wrote (into --out), run nothing")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        return common.replot(args.replot, args.out, "gemma2", finish)
 
     smoke = args.smoke
     defaults = {"device": "cpu" if smoke else "cuda", "impls": "fgen,eager,sdpa" if smoke else ",".join(IMPLS),

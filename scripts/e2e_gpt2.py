@@ -352,7 +352,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model (2 layers, width 32), bytes, a few files, 3 steps, CPU, no compile: a check "
                          "that the script runs, not a measurement")
+    ap.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                    help="redraw the table and plots of a gpt2-TAG.json this script wrote (into --out), run nothing")
     args = ap.parse_args(argv)
+    if args.replot is not None:
+        return common.replot(args.replot, args.out, "gpt2", finish)
 
     smoke = args.smoke
     defaults = {"device": "cpu" if smoke else "cuda", "seqlens": "32,64" if smoke else "1024,4096",

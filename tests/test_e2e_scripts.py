@@ -61,6 +61,13 @@ def test_gpt2_smoke(tmp_path):
     assert runs["fgen", 0]["losses"][0] == pytest.approx(runs["sdpa", 0]["losses"][0], rel=1e-4)  # same init, data
     for png in ("tokens", "loss"):
         assert (tmp_path / f"gpt2-smoke-{png}.png").stat().st_size > 0
+    # --replot: the table and plots again from the JSON alone, into another folder
+    again = tmp_path / "again"
+    assert mod.main(["--out", str(again), "--replot", str(tmp_path / "gpt2-smoke.json")]) == 0
+    assert json.loads((again / "gpt2-smoke.json").read_text()) == report
+    for png in ("tokens", "loss"):
+        assert (again / f"gpt2-smoke-{png}.png").stat().st_size > 0
+    assert mod.main(["--out", str(again), "--replot", str(tmp_path / "missing.json")]) == 2
 
 
 def test_gpt2_compiled_smoke(tmp_path):
@@ -71,11 +78,16 @@ def test_gpt2_compiled_smoke(tmp_path):
     mod = load("e2e_gpt2")
     rc = mod.main(["--smoke", "--out", str(tmp_path), "--data-cache", str(tmp_path / "data"), "--seqlens", "32",
                    "--runs", "fgen,sdpa", "--curve", "none", "--steps", "6", "--warmup", "2",
-                   "--compile-backend", "eager"])
+                   "--compile-backend", "eager", "--profile-steps", "1"])
     assert rc == 0
     runs = {r["impl"]: r for r in json.loads((tmp_path / "gpt2-smoke.json").read_text())["runs"]}
     for r in runs.values():
         assert r["compiled"] and r["status"] == "ok" and r["tokens_per_s"] > 0 and "warnings" not in r, r
+        # --profile-steps: the top entries by time (on the CPU, host operators) and their total
+        prof = r["profile"]
+        total = next(x for x in prof if x["name"] == "(all kernels)")
+        top = [x for x in prof if not x["name"].startswith("(")]
+        assert top and all(x["ms_per_step"] > 0 for x in top) and total["ms_per_step"] >= top[0]["ms_per_step"]
     assert runs["fgen"]["graph_breaks"] <= runs["sdpa"]["graph_breaks"], runs
     # no attention call counted; only the packed-sequence block classification, which runs at run
     # time: with dynamo alone (no AOTAutograd, so no common-subexpression pass) once per layer and
@@ -106,6 +118,9 @@ def test_gemma2_smoke(tmp_path):
     assert gen["fgen"]["tokens_row0"] == gen["eager"]["tokens_row0"]  # fp32, the same filled cache
     for png in ("train", "generate"):
         assert (tmp_path / f"gemma2-smoke-{png}.png").stat().st_size > 0
+    again = tmp_path / "again"
+    assert mod.main(["--out", str(again), "--replot", str(tmp_path / "gemma2-smoke.json")]) == 0
+    assert (again / "gemma2-smoke-train.png").stat().st_size > 0
 
 
 @pytest.mark.parametrize("script,argv,needle", [
