@@ -5,6 +5,7 @@ import torch
 
 import flashgen
 from flashgen import check
+from conftest import SPECS
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -176,3 +177,18 @@ def test_single_query_with_strongly_negative_scores(dense_op, dtype):
         torch.testing.assert_close(shifted[2], plain[2], **tol)
         for a, b in zip(shifted[:2], plain[:2], strict=True):
             torch.testing.assert_close(a[..., :-1], b[..., :-1], **tol)
+
+
+def test_raw_backward_op_names_a_wrong_need_param_grads():
+    """The raw backward op (``flashgen::<spec>_bwd``) takes one need_param_grads flag per
+    parameter with a gradient: another count is a ValueError naming the argument and those
+    parameters, not an error from inside the launch."""
+    for name, params, grads in (("causal", {}, "none"), ("alibi", {"slopes": torch.rand(2)}, "slopes")):
+        op = flashgen.compile(SPECS / f"{name}.attn")
+        q = torch.randn(1, 2, 8, 16)
+        values = [params[p.name] for p in op.spec.params]
+        out, lse = op.torch_op(q, q, q, None, False, *values)
+        bwd = getattr(torch.ops.flashgen, op.torch_op.name().split("::")[1] + "_bwd")
+        wrong = [False] * (len(op.grad_params) + 1)
+        with pytest.raises(ValueError, match=rf"need_param_grads: expected {len(op.grad_params)} bools.*{grads}"):
+            bwd(q, q, q, out, lse, torch.ones_like(out), None, None, False, *values, wrong)

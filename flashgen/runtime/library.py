@@ -211,7 +211,12 @@ def register(op, qualname: str):
         fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout,
                                                      varlen_of(rest, npar + 1 + ndrop),
                                                      blocks_of(rest, npar + 1 + ndrop), deterministic)
-        # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape.
+        # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape,
+        # one need_param_grads flag per parameter that has a gradient.
+        if len(need_params) != len(op.grad_params):
+            what = ", ".join(op.grad_params) if op.grad_params else "none"
+            raise ValueError(f"need_param_grads: expected {len(op.grad_params)} bools, one per parameter with a "
+                             f"gradient ({what}), got {len(need_params)}")
         for name, t in (("out", out), ("dout", dout)):
             if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (like q), "
