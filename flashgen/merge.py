@@ -11,7 +11,7 @@ backward (the guards below select, so no 0 · inf or log 0 enters a gradient).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -45,6 +45,10 @@ def merge_attention(outs: Sequence[torch.Tensor] | torch.Tensor,
         TypeError / ValueError naming ``outs`` / ``lses`` (or the entry ``outs[i]`` /
         ``lses[i]``): no partials, different counts, shapes, dtypes or devices.
     """
+    for name, x in (("outs", outs), ("lses", lses)):
+        if not isinstance(x, torch.Tensor) and (isinstance(x, str | bytes) or not isinstance(x, Iterable)):
+            raise TypeError(f"{name}: expected a list or tuple of tensors, or one stacked tensor, got "
+                            f"{type(x).__name__}")
     outs = list(outs.unbind(0)) if isinstance(outs, torch.Tensor) else list(outs)
     lses = list(lses.unbind(0)) if isinstance(lses, torch.Tensor) else list(lses)
     if not outs:

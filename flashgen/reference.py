@@ -316,8 +316,11 @@ def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_s
     (positions, parameters and the dropout mask see b + batch_offset)."""
     B, Hq, Nq, d = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
-    if Hq % Hkv:
+    if (Hkv == 0 and Hq != 0) or (Hkv != 0 and Hq % Hkv):
         raise ValueError(f"k: {Hkv} kv heads do not divide {Hq} query heads")
+    if Hq == 0:  # no heads: empty out and lse, as the op returns them
+        return q.new_zeros((B, 0, Nq, v.shape[-1])), q.new_zeros((B, 0, Nq), dtype=torch.float64 if q.dtype ==
+                                                                   torch.float64 else torch.float32)
     if Hkv != Hq:
         k = k.repeat_interleave(Hq // Hkv, dim=1)
         v = v.repeat_interleave(Hq // Hkv, dim=1)

@@ -148,8 +148,12 @@ class BlockMask:
         return self._state.device
 
     def to(self, device) -> BlockMask:
-        """This mask on ``device`` (itself when already there)."""
-        device = torch.device(device)
+        """This mask on ``device`` (itself when already there); ValueError for a device torch
+        does not know."""
+        try:
+            device = device if isinstance(device, torch.device) else torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: unknown device {device!r} (expected e.g. 'cpu', 'cuda' or 'cuda:0')") from None
         if device == self.device:
             return self
         out = BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,

@@ -213,3 +213,116 @@ def test_a_broadcast_dim_of_size_one_is_not_offered_twice():
     q = torch.randn(1, 2, 16, 8)
     with pytest.raises(ValueError, match=r"^bias: dim 0 has size 2, expected 1 \(\["):
         op(q, q, q, bias=torch.zeros(2, 1, 16, 16))
+
+
+# ------------------------------------------------------------------ bad input at the edges of the API
+# (each found by trying to break the API as a new user: the errors came from inside, or no error
+# came and the result was wrong)
+
+
+def _op(name):
+    return flashgen.compile(SPECS / f"{name}.attn")
+
+
+def test_a_meta_tensor_beside_real_ones_is_an_error_not_uninitialised_output():
+    """The dispatcher sends a call with one tensor on the meta device to the op's fake kernel even
+    when q is real; it returned empty (uninitialised) out and lse. Every op names the argument."""
+    alibi, causal = _op("alibi"), _op("causal")
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    slopes = torch.rand(2)
+    with pytest.raises(ValueError, match="slopes: on meta but q is on cpu"):
+        alibi.torch_op(q, k, v, None, False, slopes.to("meta"))
+    with pytest.raises(ValueError, match="k: on meta but q is on cpu"):
+        causal.torch_op(q, k.to("meta"), v, None, False)
+    out, lse = causal.torch_op(q, k, v, None, False)
+    bwd = getattr(torch.ops.flashgen, causal.torch_op.name().split("::")[1] + "_bwd")
+    for i, name in ((3, "out"), (4, "lse"), (5, "dout")):
+        args = [q, k, v, out, lse, torch.ones_like(out), None, None, False, []]
+        args[i] = args[i].to("meta")
+        with pytest.raises(ValueError, match=f"{name}: on meta but q is on cpu"):
+            bwd(*args)
+    with pytest.raises(ValueError, match="cache_seqlens: on meta but q is on cpu"):
+        causal.torch_kvcache(q[:, :, :1], k, v, torch.full((1,), 4, dtype=torch.int32, device="meta"),
+                             None, None, None, None, None, 0)
+    # every tensor on meta is a shape computation, as before
+    out, lse = causal.torch_op(q.to("meta"), k.to("meta"), v.to("meta"), None, False)
+    assert out.device.type == "meta" and out.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_kvcache_writing_into_one_cache_tensor_twice_is_refused_on_every_call():
+    """v_cache that is k_cache's memory, with k / v to append, is refused also after a call of
+    the same metadata (whose validation is remembered): the append would write v over k."""
+    op = _op("causal")
+    q = torch.randn(1, 2, 1, 16)
+    kc, vc = torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16, 16)
+    kn, vn = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+    lens = torch.full((1,), 4, dtype=torch.int32)
+    op.with_kvcache(q, kc, vc, cache_seqlens=lens, k=kn, v=vn)  # the metadata, validated once
+    shared = torch.zeros(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="v_cache: is k_cache's memory"):
+        op.with_kvcache(q, shared, shared, cache_seqlens=lens, k=kn, v=vn)
+    assert not shared.any()
+
+
+def test_non_tensor_k_or_v_is_a_short_type_error():
+    op = _op("causal")
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match=r"^k: expected a torch.Tensor, got ndarray$"):
+        op(q, q.numpy(), q)
+    with pytest.raises(TypeError, match=r"^v: expected a torch.Tensor, got list$"):
+        op(q, q, q.tolist())
+
+
+@pytest.mark.parametrize("call", ["block_mask", "build", "dropout_state", "block_mask_to"])
+def test_unknown_device_strings_are_value_errors_naming_device(call):
+    op = _op("causal")
+    with pytest.raises(ValueError, match="device: unknown device 'gpu'"):
+        if call == "block_mask":
+            flashgen.block_mask(op, 64, 64, device="gpu")
+        elif call == "build":
+            op.build("gpu")
+        elif call == "dropout_state":
+            flashgen.dropout_state(None, "gpu")
+        else:
+            flashgen.block_mask(op, 64, 64).to("gpu")
+
+
+def test_merge_attention_names_a_non_sequence_argument():
+    o, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
+    with pytest.raises(TypeError, match="outs: expected a list or tuple of tensors"):
+        flashgen.merge_attention(None, None)
+    with pytest.raises(TypeError, match="lses: expected a list or tuple of tensors"):
+        flashgen.merge_attention([o], 1.0)
+    out, _ = flashgen.merge_attention((x for x in [o]), iter([lse]))  # any iterable still works
+    assert torch.equal(out, o)
+
+
+def test_reference_with_zero_heads_is_empty_as_the_op():
+    op = _op("causal")
+    q = torch.randn(2, 0, 8, 16, dtype=torch.float64)
+    out, lse = flashgen.reference.attention(op, q, q, q, return_lse=True)
+    assert out.shape == (2, 0, 8, 16) and lse.shape == (2, 0, 8)
+    assert op(q.float(), q.float(), q.float()).shape == out.shape
+
+
+def test_kvcache_takes_numpy_scalars_as_op_does():
+    np = pytest.importorskip("numpy")
+    op = _op("causal")
+    q, kc = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 32, 16)
+    lens = torch.full((1,), 20, dtype=torch.int32)
+    ref = op.with_kvcache(q, kc, kc, cache_seqlens=lens, scale=0.1, num_splits=2)
+    got = op.with_kvcache(q, kc, kc, cache_seqlens=lens, scale=np.float32(0.1), num_splits=np.int64(2))
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
+
+
+def test_raw_backward_op_refuses_deterministic_parameter_gradients():
+    """The raw backward op asked for a parameter gradient (fp32 atomics) in deterministic mode
+    refuses as the op's autograd backward does (it returned the non-repeatable gradient)."""
+    op = _op("alibi")
+    q, slopes = torch.randn(1, 2, 8, 16), torch.rand(2)
+    out, lse = op.torch_op(q, q, q, None, False, slopes)
+    bwd = getattr(torch.ops.flashgen, op.torch_op.name().split("::")[1] + "_bwd")
+    with pytest.raises(RuntimeError, match="slopes are summed with fp32 atomics"):
+        bwd(q, q, q, out, lse, torch.ones_like(out), None, None, True, slopes, [True])
+    dq = bwd(q, q, q, out, lse, torch.ones_like(out), None, None, True, slopes, [False])[0]
+    assert torch.isfinite(dq).all()

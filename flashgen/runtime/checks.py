@@ -50,6 +50,21 @@ def as_dtype(d, what: str = "dtypes") -> ir.DType:
     raise ValueError(f"{what}: unknown dtype {d!r} (expected fp16, bf16 or fp32)")
 
 
+def as_device(device, what: str = "device") -> torch.device:
+    """A torch.device from a device or its spelling ('cpu', 'cuda', 'cuda:1', an index);
+    ValueError naming ``what`` (the caller's argument) for anything torch does not parse as one
+    (torch's own error lists every device type it knows)."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, str | int):
+        raise ValueError(f"{what}: expected a torch.device, a device string such as 'cpu' or 'cuda:0', or a CUDA "
+                         f"device index, got {type(device).__name__}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{what}: unknown device {device!r} (expected e.g. 'cpu', 'cuda' or 'cuda:0')") from None
+
+
 def ranges_text(dims: tuple[int, ...]) -> str:
     if len(dims) > 4 and all(b - a == 8 for a, b in zip(dims, dims[1:], strict=False)):
         return f"multiples of 8 from {dims[0]} to {dims[-1]}"

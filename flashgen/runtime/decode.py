@@ -12,6 +12,7 @@ device memory and clamp, so a decode step needs no host synchronisation.
 from __future__ import annotations
 
 import ctypes
+import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -150,6 +151,8 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
                             "spec's parameters)")
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
+    # NumPy (any numbers.Integral / numbers.Real) scalars as the Python numbers the schema takes, as op(...)
+    scale, num_splits = _plain_number(scale), _plain_number(num_splits)
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt):
@@ -178,6 +181,14 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
     else:
         out, lse = op.torch_kvcache(*args)
     return (out, lse) if return_lse else out
+
+
+def _plain_number(v):
+    """A NumPy (or other numbers.Integral / numbers.Real) scalar as a Python int / float; anything
+    else unchanged (checked by the caller)."""
+    if v is None or type(v) in (int, float) or isinstance(v, torch.Tensor | bool | torch.SymInt):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
 
 
 def _int32_vector(name: str, t, B: int, device: torch.device) -> torch.Tensor:
@@ -421,6 +432,9 @@ def implementation_for(op):
             if key is not None:
                 checked[key] = call
         else:  # the same metadata passed the checks: only the metadata tensors are this call's
+            if call.seqlen_new and _same_memory(k_cache, v_cache):  # (pointers are not metadata)
+                raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
+                                 "with the other; pass separate cache tensors (or k=None, v=None to read only)")
             call = replace(call, cache_seqlens=cache_seqlens.contiguous(),
                            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
                            block_table=block_table.contiguous() if block_table is not None else None)

@@ -17,7 +17,7 @@ from ..build import cache
 from ..codegen.variant import param_fields
 from ..errors import KernelError
 from ..lang import ir
-from .checks import IR_DTYPE, Blocks, Packed, check_dropout_seed, dense_rows, dims, row_shape
+from .checks import IR_DTYPE, Blocks, Packed, as_device, check_dropout_seed, dense_rows, dims, row_shape
 
 # Fill outputs with NaN before each launch, so an element the kernel fails to write shows.
 # A testing aid (tests switch it on); off by default because it costs a memory pass.
@@ -53,7 +53,7 @@ def dropout_state(dropout_seed: int | None = None, device: torch.device | str | 
     with the same bits. ``flashgen.reference.attention(..., dropout_p=p, dropout_seed=seed,
     dropout_offset=offset)`` then regenerates the call's exact keep mask.
     """
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = as_device(device) if device is not None else torch.device("cpu")
     if dropout_seed is None:
         return torch.randint(0, 2**63 - 1, (2,), dtype=torch.int64, device=device)
     dropout_seed = check_dropout_seed(dropout_seed)

@@ -21,6 +21,32 @@ from .checks import (
 _LIBRARY = torch.library.Library("flashgen", "FRAGMENT")
 
 
+def _same_device(q: torch.Tensor, named) -> None:
+    """For the fake (meta) kernels: ValueError naming the first tensor of ``named`` ((name, value)
+    pairs) that is not on q's device. The dispatcher sends a call whose tensors include one on
+    the meta device to the fake kernel even when q is a real tensor, which would return empty
+    (uninitialised) outputs; the real kernels reject a tensor on another device alike."""
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{name}: on {t.device} but q is on {q.device}")
+
+
+def deterministic_param_grads(op, names) -> None:
+    """Deterministic mode asked for gradients of the parameters ``names``, which the kernels sum
+    with fp32 atomics (not bitwise repeatable): RuntimeError, as torch raises for an operation
+    without a deterministic implementation, or a warning under
+    ``torch.use_deterministic_algorithms(True, warn_only=True)``."""
+    msg = (f"{op.name}: gradients of parameter(s) {', '.join(names)} are summed with fp32 atomics and are "
+           "not bitwise repeatable; deterministic mode was requested (deterministic=True or "
+           "torch.use_deterministic_algorithms(True))")
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        import warnings
+
+        warnings.warn(msg, stacklevel=3)
+    else:
+        raise RuntimeError(msg + "; detach those parameters or turn deterministic mode off")
+
+
 def _autocast(qualname: str, device_type: str):
     """The op's autocast rule for ``device_type``, as SDPA's: inside ``torch.autocast`` q, k and
     v (floating point, not float64, on that device type) are cast to the autocast dtype and the
@@ -75,6 +101,9 @@ def register(op, qualname: str):
              "int[] block_meta=[]")
     _LIBRARY.define(f"{qualname}(Tensor q, Tensor k, Tensor v, float? scale, bool deterministic{pdecl}{ddecl}"
                     f"{vdecl}) -> (Tensor, Tensor)")
+    # the names of the arguments after deterministic, in schema order (for errors)
+    tensor_names = [p.name for p in spec.params] + (["dropout_p", "dropout_state"] if spec.dropout else []) + [
+        "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "block_kv", "block_q", "block_dq"]
 
     def varlen_of(rest, start=None) -> tuple:
         """The four packed-layout arguments after the spec's (None when left out)."""
@@ -133,6 +162,7 @@ def register(op, qualname: str):
         _LIBRARY.impl(qualname, _autocast(qualname, key.lower()), "Autocast" + key)
 
     def fake(q, k, v, scale, deterministic, *rest):
+        _same_device(q, [("k", k), ("v", v), *zip(tensor_names, rest)])
         if varlen_of(rest)[0] is not None:  # packed: out [total_q, Hq, d], lse [Hq, total_q]
             return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
         B, Hq, Nq, _d = q.shape
@@ -180,16 +210,7 @@ def register(op, qualname: str):
         need = ctx.needs_input_grad
         need_params = [bool(need[5 + i]) for i in grad_index]
         if any(need_params) and ctx.deterministic:
-            names = ", ".join(p for p, n in zip(op.grad_params, need_params, strict=True) if n)
-            msg = (f"{op.name}: gradients of parameter(s) {names} are summed with fp32 atomics and are "
-                   "not bitwise repeatable; deterministic mode was requested (deterministic=True or "
-                   "torch.use_deterministic_algorithms(True))")
-            if torch.is_deterministic_algorithms_warn_only_enabled():
-                import warnings
-
-                warnings.warn(msg, stacklevel=2)
-            else:
-                raise RuntimeError(msg + "; detach those parameters or turn deterministic mode off")
+            deterministic_param_grads(op, [p for p, n in zip(op.grad_params, need_params, strict=True) if n])
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, pgrads = getattr(torch.ops.flashgen, qualname + "_bwd")(
@@ -217,6 +238,8 @@ def register(op, qualname: str):
             what = ", ".join(op.grad_params) if op.grad_params else "none"
             raise ValueError(f"need_param_grads: expected {len(op.grad_params)} bools, one per parameter with a "
                              f"gradient ({what}), got {len(need_params)}")
+        if deterministic and any(need_params):  # as the op's autograd backward refuses it
+            deterministic_param_grads(op, [n for n, need in zip(op.grad_params, need_params, strict=True) if need])
         for name, t in (("out", out), ("dout", dout)):
             if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
                 raise ValueError(f"{name}: expected shape {tuple(q.shape)}, dtype {q.dtype} on {q.device} (like q), "
@@ -236,6 +259,9 @@ def register(op, qualname: str):
 
     def backward_fake(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
         values, need_params = rest[:npar], rest[npar]
+        after = tensor_names[npar:]  # need_param_grads sits between the parameters and the rest
+        _same_device(q, [("k", k), ("v", v), ("out", out), ("lse", lse), ("dout", dout), ("dlse", dlse),
+                         *zip(tensor_names[:npar], values), *zip(after, rest[npar + 1:])])
         by_name = {p.name: x for p, x in zip(spec.params, values, strict=True)}
         pgrads = [by_name[n].new_empty(by_name[n].shape, dtype=torch.float32) if need
                   else q.new_empty(0, dtype=torch.float32) for n, need in zip(op.grad_params, need_params,
@@ -298,6 +324,8 @@ def register_kvcache(op, qualname: str, implementation):
     _LIBRARY.impl(name, refuse_grad, "Autograd")
 
     def fake(q, k_cache, v_cache, *rest):
+        _same_device(q, zip(names[1:] + ("scale", "num_splits") + tuple(p.name for p in spec.params),
+                            (k_cache, v_cache, *rest)))
         return torch.empty_like(q), q.new_empty(tuple(q.shape[:3]), dtype=torch.float32)
 
     torch.library.register_fake(f"flashgen::{name}", fake, lib=_LIBRARY)

@@ -14,7 +14,7 @@ from ..lang import expr as X
 from ..lang import ir
 from ..reference import evaluate, positions
 from ..sparsity import EMPTY, FULL, PARTIAL, BlockMask, cdiv, check_block_size, mask_extents, mask_has_float
-from .checks import dim_text
+from .checks import as_device, dim_text
 from .launch import classify
 from .op import AttentionOp
 from .op import compile as compile_spec
@@ -73,7 +73,7 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     tensors = {k: v for k, v in params.items() if isinstance(v, torch.Tensor)}
     if device is None:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
-    device = torch.device(device)
+    device = as_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: CUDA is not available in this torch build or machine")
     if device.type not in ("cpu", "cuda"):

@@ -38,6 +38,7 @@ from .checks import (
     FLOAT32_MAX,
     Blocks,
     Packed,
+    as_device,
     as_dtype,
     check_cu_seqlens_meta,
     check_dropout_p,
@@ -273,8 +274,9 @@ class AttentionOp:
             raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__}")
         if not isinstance(return_lse, bool):
             raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+        for name, t in (("q", q), ("k", k), ("v", v)):  # before the torch op's schema prints the value
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if scale is not None:
             scale = _plain(scale)  # a NumPy scalar as the float the schema takes
             _check_scale_type(scale)
@@ -396,7 +398,7 @@ class AttentionOp:
 
         Raises ValueError for an unknown layout or family, NotImplementedError when the forced
         family, or every family, cannot serve the call (naming what it lacks)."""
-        device = torch.device(device)
+        device = as_device(device)
         if layout not in ("padded", "packed"):
             raise ValueError(f"layout: unknown layout {layout!r} (expected 'padded' or 'packed')")
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -476,7 +478,7 @@ class AttentionOp:
         (sm80, sm90) its tiles are the family's ``choose_tiles`` for max(seqlen_q, seqlen_k) =
         ``seqlen`` (tuned winners vary with it; None: the longest tuned length): sm80's
         ``flashgen.tiles.choose``, sm90's ``sm90.choose``."""
-        device = torch.device(device)
+        device = as_device(device)
         fam = (families.of(family) if family is not None
                else self.choose_family(device, dtype, head_dim, packed, sparse, False).family)
         if fam.device != device.type:
@@ -530,7 +532,7 @@ class AttentionOp:
             return self._with_forward(choice, fwd_fam, arch, dt, head_dim, seqlen, None)
         if device is None:
             raise ValueError("device: None needs arch= (e.g. 'sm_90a'); or pass a CUDA device")
-        device = torch.device(device)
+        device = as_device(device)
         if device.type != "cuda":
             raise ValueError(f"device: the tiles are the CUDA kernels' (got '{device}'; the CPU family sizes its "
                              "tiles at run time); pass a CUDA device or arch=")
@@ -584,7 +586,7 @@ class AttentionOp:
         Raises ValueError naming the argument (an unknown family, or one that does not run on
         ``device``; dtypes or head dims the spec does not allow there).
         """
-        device = torch.device(device)
+        device = as_device(device)
         if not any(f.device == device.type for f in families.FAMILIES.values()):
             raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
         if device.type == "cuda" and not torch.cuda.is_available():
