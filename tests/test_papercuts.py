@@ -326,3 +326,18 @@ def test_raw_backward_op_refuses_deterministic_parameter_gradients():
         bwd(q, q, q, out, lse, torch.ones_like(out), None, None, True, slopes, [True])
     dq = bwd(q, q, q, out, lse, torch.ones_like(out), None, None, True, slopes, [False])[0]
     assert torch.isfinite(dq).all()
+
+
+def test_bool_for_an_int_parameter_is_refused_compiled_and_in_with_kvcache():
+    """A bool where the spec declares an int or float: the torch op's schema would take it as 0
+    or 1, so op(...) refuses it before the op, also under torch.compile and in with_kvcache."""
+    op = _op("sliding_window")
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(TypeError, match="window: expected an int, got bool"):
+        op(q, q, q, window=True)
+    torch._dynamo.reset()
+    with pytest.raises(TypeError, match="window: expected an int, got bool"):
+        torch.compile(lambda q: op(q, q, q, window=True), backend="eager")(q)
+    torch._dynamo.reset()
+    with pytest.raises(TypeError, match="window: expected an int, got bool"):
+        op.with_kvcache(q[:, :, :1], q, q, cache_seqlens=torch.full((1,), 4, dtype=torch.int32), window=True)

@@ -371,9 +371,16 @@ class AttentionOp:
         spec = self.spec
         if len(params) == len(spec.params):
             try:
-                return [_plain(params[p.name]) for p in spec.params]
+                values = [_plain(params[p.name]) for p in spec.params]
             except KeyError:
                 pass
+            else:
+                # a bool for an int or float parameter: the torch op's schema would take it as 0 or 1
+                # (under torch.compile, and for with_kvcache, no later check sees the bool)
+                for p, value in zip(spec.params, values, strict=True):
+                    if p.kind != "tensor" and isinstance(value, bool):
+                        raise TypeError(f"{p.name}: expected {'an int' if p.kind == 'int' else 'a float'}, got bool")
+                return values
         declared = {p.name: p for p in spec.params}
         for name in params:
             if name not in declared:
