@@ -277,9 +277,10 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape) != want or t.dtype != q.dtype \
                     or t.device != device or t.stride(-1) != 1:
+                shape = [B, Hkv, want[2] if want[2] else "seqlen_new", d]  # (k's own count once it is 4-D)
                 raise ValueError(f"{name}: expected a {q.dtype} tensor of shape [batch, kv_heads, seqlen_new, "
-                                 f"head_dim] = {list(want)} on {device} with a contiguous last dim, got "
-                                 f"{describe_tensor(t)}")
+                                 f"head_dim] = [{', '.join(map(str, shape))}] on {device} with a contiguous last "
+                                 f"dim, got {describe_tensor(t)}")
         Sn = k.shape[2]
         if Sn > capacity:
             raise ValueError(f"k: {Sn} new keys exceed the cache's capacity of {capacity} slots")
