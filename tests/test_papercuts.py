@@ -341,3 +341,30 @@ def test_bool_for_an_int_parameter_is_refused_compiled_and_in_with_kvcache():
     torch._dynamo.reset()
     with pytest.raises(TypeError, match="window: expected an int, got bool"):
         op.with_kvcache(q[:, :, :1], q, q, cache_seqlens=torch.full((1,), 4, dtype=torch.int32), window=True)
+
+
+def test_deterministic_mode_with_a_parameter_gradient_is_refused_before_the_forward():
+    """deterministic=True (or torch.use_deterministic_algorithms(True)) with a float tensor
+    parameter that requires grad (its gradient is summed with fp32 atomics): a RuntimeError, as
+    torch raises for an operation without a deterministic implementation, at the forward call
+    rather than after it in the backward; with warn_only a warning (in the backward) and the
+    gradients. A detached parameter, or no gradient recorded, runs."""
+    op = _op("alibi")
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    slopes = torch.rand(2, requires_grad=True)
+    with pytest.raises(RuntimeError, match="slopes are summed with fp32 atomics"):
+        op(q, q, q, slopes=slopes, deterministic=True)
+    op(q, q, q, slopes=slopes.detach(), deterministic=True).sum().backward()
+    with torch.no_grad():
+        op(q, q, q, slopes=slopes, deterministic=True)
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        with pytest.raises(RuntimeError, match="slopes are summed with fp32 atomics"):
+            op(q, q, q, slopes=slopes)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        with pytest.warns(UserWarning, match="slopes are summed with fp32 atomics"):
+            op(q, q, q, slopes=slopes).sum().backward()
+        assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])

@@ -49,7 +49,7 @@ from .checks import (
     spec_dtypes,
 )
 from .launch import dropout_state
-from .library import register, register_kvcache
+from .library import deterministic_param_grads, register, register_kvcache
 
 # The kernel families (flashgen/families) whose kernels apply dropout; on the others
 # dropout_p > 0 raises NotImplementedError naming dropout_p.
@@ -281,6 +281,13 @@ class AttentionOp:
             scale = _plain(scale)  # a NumPy scalar as the float the schema takes
             _check_scale_type(scale)
         values = self._param_values(params)
+        if self.grad_params and torch.is_grad_enabled() and (deterministic or torch.are_deterministic_algorithms_enabled()) \
+                and not torch.is_deterministic_algorithms_warn_only_enabled():
+            # refused before the forward runs rather than in its backward (warn_only: the backward warns)
+            needs = [p.name for p, x in zip(self.spec.params, values, strict=True)
+                     if p.name in self.grad_params and isinstance(x, torch.Tensor) and x.requires_grad]
+            if needs:
+                deterministic_param_grads(self, needs)
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
         varlen = {}
         if packed or max_seqlen_q is not None or max_seqlen_k is not None:
