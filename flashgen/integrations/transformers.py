@@ -72,6 +72,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import paths
+from ..runtime.checks import as_device
 from ..runtime.op import AttentionOp
 from ..families.sm80 import DECODE_HEAD_DIMS
 from ..runtime.op import compile as _compile
@@ -149,17 +150,25 @@ def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> No
     parallel); ``dtypes`` and ``head_dims`` as in ``AttentionOp.build`` (packed layouts and the
     decode kernels of ``op.with_kvcache``, which decoding steps of up to DECODE_MAX_QUERIES
     queries run on, too, and the block-sparse kernels that the packed sequence ids of training
-    under torch.compile run on; their block classifier is built at its first use).
+    under torch.compile run on, with the block classifier that makes their lists on CUDA).
 
     Raises ValueError as ``AttentionOp.build`` does (a device, dtype or head dim not served)."""
     from concurrent.futures import ThreadPoolExecutor
 
     layouts = ("padded", "packed")
-    with ThreadPoolExecutor(len(SPECS)) as pool:
+    dev = as_device(device)
+    with ThreadPoolExecutor(len(SPECS) + 1) as pool:
         # the packed-sequence spec runs with block lists (transformers_blocks): its block-sparse kernels too
-        list(pool.map(lambda n: op(n).build(device, dtypes, head_dims, layouts=layouts,
-                                            sparse=(False, True) if n == "transformers_packed" else (False,),
-                                            decode=n != "transformers_packed"), SPECS))
+        jobs = [pool.submit(op(n).build, device, dtypes, head_dims, layouts=layouts,
+                            sparse=(False, True) if n == "transformers_packed" else (False,),
+                            decode=n != "transformers_packed") for n in SPECS]
+        if dev.type == "cuda":  # the classifier flashgen.block_mask runs for those lists (transformers_blocks)
+            packed = op("transformers_packed")
+            fam = packed.family_for(dev, None, 128, sparse=True).family
+            if fam.block_classifier:
+                jobs.append(pool.submit(packed.mask_library, fam, dev))
+        for job in jobs:
+            job.result()
 
 
 def register(name: str = "fgen") -> str:
