@@ -65,6 +65,31 @@ def as_device(device, what: str = "device") -> torch.device:
         raise ValueError(f"{what}: unknown device {device!r} (expected e.g. 'cpu', 'cuda' or 'cuda:0')") from None
 
 
+def plain_number(v):
+    """A NumPy (or other numbers.Integral / numbers.Real) scalar as the Python int / float the
+    ops' schemas take; anything else (None, bool, tensors, SymInts) unchanged (checked by the
+    caller)."""
+    if v is None or type(v) in (int, float) or isinstance(v, torch.Tensor | bool | torch.SymInt):
+        return v
+    return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
+
+
+def check_scale_type(scale) -> None:
+    """TypeError unless ``scale`` is a Python int or float (not a bool, not a tensor)."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        hint = " (pass float(scale): a tensor would be read back from the device)" \
+            if isinstance(scale, torch.Tensor) else ""
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}{hint}")
+
+
+def check_no_bool_numbers(spec: ir.Spec, values) -> None:
+    """TypeError naming an int or float parameter given a bool (which the torch op's schema, and
+    so a compiled call or with_kvcache, would take as 0 or 1 without a later check seeing it)."""
+    for p, value in zip(spec.params, values, strict=True):
+        if p.kind != "tensor" and isinstance(value, bool):
+            raise TypeError(f"{p.name}: expected {'an int' if p.kind == 'int' else 'a float'}, got bool")
+
+
 def ranges_text(dims: tuple[int, ...]) -> str:
     if len(dims) > 4 and all(b - a == 8 for a, b in zip(dims, dims[1:], strict=False)):
         return f"multiples of 8 from {dims[0]} to {dims[-1]}"

@@ -12,7 +12,6 @@ device memory and clamp, so a decode step needs no host synchronisation.
 from __future__ import annotations
 
 import ctypes
-import numbers
 from dataclasses import dataclass, replace
 
 import torch
@@ -23,7 +22,7 @@ from ..caches import Bounded
 from ..lang import expr as X
 from ..lang import keyrange
 from . import launch
-from .checks import IR_DTYPE, check_q_dtype, describe_tensor, ranges_text
+from .checks import IR_DTYPE, check_q_dtype, describe_tensor, plain_number, ranges_text
 
 MAX_PAGE_SIZE = 256
 
@@ -152,7 +151,7 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     # NumPy (any numbers.Integral / numbers.Real) scalars as the Python numbers the schema takes, as op(...)
-    scale, num_splits = _plain_number(scale), _plain_number(num_splits)
+    scale, num_splits = plain_number(scale), plain_number(num_splits)
     if not isinstance(validate, bool):
         raise TypeError(f"validate: expected a bool, got {type(validate).__name__}")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt):
@@ -182,13 +181,6 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         out, lse = op.torch_kvcache(*args)
     return (out, lse) if return_lse else out
 
-
-def _plain_number(v):
-    """A NumPy (or other numbers.Integral / numbers.Real) scalar as a Python int / float; anything
-    else unchanged (checked by the caller)."""
-    if v is None or type(v) in (int, float) or isinstance(v, torch.Tensor | bool | torch.SymInt):
-        return v
-    return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
 
 
 def _int32_vector(name: str, t, B: int, device: torch.device) -> torch.Tensor:

@@ -47,6 +47,19 @@ def deterministic_param_grads(op, names) -> None:
         raise RuntimeError(msg + "; detach those parameters or turn deterministic mode off")
 
 
+def refuse_deterministic_param_grads(op, values, deterministic: bool) -> None:
+    """At a forward call (``op(...)``, before any launch): ``deterministic_param_grads`` when
+    deterministic mode (the argument or torch's) would be asked for the gradient of a parameter
+    that requires grad; nothing under ``warn_only`` (the backward warns) or without grad mode."""
+    if not torch.is_grad_enabled() or not (deterministic or torch.are_deterministic_algorithms_enabled()) \
+            or torch.is_deterministic_algorithms_warn_only_enabled():
+        return
+    needs = [p.name for p, x in zip(op.spec.params, values, strict=True)
+             if p.name in op.grad_params and isinstance(x, torch.Tensor) and x.requires_grad]
+    if needs:
+        deterministic_param_grads(op, needs)
+
+
 def _autocast(qualname: str, device_type: str):
     """The op's autocast rule for ``device_type``, as SDPA's: inside ``torch.autocast`` q, k and
     v (floating point, not float64, on that device type) are cast to the autocast dtype and the

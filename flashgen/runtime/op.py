@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import numbers
 import sys
 import threading
 from collections.abc import Iterable
@@ -41,15 +40,18 @@ from .checks import (
     as_device,
     as_dtype,
     check_cu_seqlens_meta,
+    check_no_bool_numbers,
+    check_scale_type,
     check_dropout_p,
     check_dropout_seed,
     check_varlen_given,
     describe_param,
+    plain_number,
     ranges_text,
     spec_dtypes,
 )
 from .launch import dropout_state
-from .library import deterministic_param_grads, register, register_kvcache
+from .library import refuse_deterministic_param_grads, register, register_kvcache
 
 # The kernel families (flashgen/families) whose kernels apply dropout; on the others
 # dropout_p > 0 raises NotImplementedError naming dropout_p.
@@ -278,16 +280,11 @@ class AttentionOp:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
         if scale is not None:
-            scale = _plain(scale)  # a NumPy scalar as the float the schema takes
-            _check_scale_type(scale)
+            scale = plain_number(scale)  # a NumPy scalar as the float the schema takes
+            check_scale_type(scale)
         values = self._param_values(params)
-        if self.grad_params and torch.is_grad_enabled() and (deterministic or torch.are_deterministic_algorithms_enabled()) \
-                and not torch.is_deterministic_algorithms_warn_only_enabled():
-            # refused before the forward runs rather than in its backward (warn_only: the backward warns)
-            needs = [p.name for p, x in zip(self.spec.params, values, strict=True)
-                     if p.name in self.grad_params and isinstance(x, torch.Tensor) and x.requires_grad]
-            if needs:
-                deterministic_param_grads(self, needs)
+        if self.grad_params:
+            refuse_deterministic_param_grads(self, values, deterministic)
         packed = cu_seqlens_q is not None or cu_seqlens_k is not None
         varlen = {}
         if packed or max_seqlen_q is not None or max_seqlen_k is not None:
@@ -356,7 +353,7 @@ class AttentionOp:
         """The softmax scale of a call: ``scale`` checked (a finite float within fp32 range), or
         the spec's default at ``head_dim`` (1/sqrt(d) unless the spec sets ``scale``)."""
         if scale is not None:
-            _check_scale_type(scale)
+            check_scale_type(scale)
             if not abs(scale) < FLOAT32_MAX:
                 raise ValueError(f"scale: expected a finite float within fp32 range, got {scale!r}")
             return float(scale)
@@ -378,15 +375,11 @@ class AttentionOp:
         spec = self.spec
         if len(params) == len(spec.params):
             try:
-                values = [_plain(params[p.name]) for p in spec.params]
+                values = [plain_number(params[p.name]) for p in spec.params]
             except KeyError:
                 pass
             else:
-                # a bool for an int or float parameter: the torch op's schema would take it as 0 or 1
-                # (under torch.compile, and for with_kvcache, no later check sees the bool)
-                for p, value in zip(spec.params, values, strict=True):
-                    if p.kind != "tensor" and isinstance(value, bool):
-                        raise TypeError(f"{p.name}: expected {'an int' if p.kind == 'int' else 'a float'}, got bool")
+                check_no_bool_numbers(spec, values)  # the torch op's schema would take a bool as 0 or 1
                 return values
         declared = {p.name: p for p in spec.params}
         for name in params:
@@ -788,20 +781,7 @@ class AttentionOp:
                                       need_param_grads, dropout_p, dropout_state, **kw)
 
 
-def _check_scale_type(scale) -> None:
-    """TypeError unless ``scale`` is a Python int or float (not a bool, not a tensor)."""
-    if isinstance(scale, bool) or not isinstance(scale, int | float):
-        hint = " (pass float(scale): a tensor would be read back from the device)" \
-            if isinstance(scale, torch.Tensor) else ""
-        raise TypeError(f"scale: expected a float, got {type(scale).__name__}{hint}")
 
-
-def _plain(v):
-    """A NumPy (or other numbers.Integral / numbers.Real) scalar as the Python int / float the
-    op's schema takes; anything else unchanged (checked in the op)."""
-    if type(v) in (int, float) or isinstance(v, torch.Tensor | bool):
-        return v
-    return int(v) if isinstance(v, numbers.Integral) else float(v) if isinstance(v, numbers.Real) else v
 
 
 def _index(device: torch.device) -> int:
