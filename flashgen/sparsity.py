@@ -156,6 +156,8 @@ class BlockMask:
             raise ValueError(f"device: unknown device {device!r} (expected e.g. 'cpu', 'cuda' or 'cuda:0')") from None
         if device == self.device:
             return self
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: '{device.type}' is not supported (expected cpu or cuda)")
         out = BlockMask(self._state.to(device), self.block_size, self.seqlen_q, self.seqlen_k,
                         full_kept=self.full_kept, _check_values=False)  # checked when made
         out._binding, out._depends = self._binding, self._depends

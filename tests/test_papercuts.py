@@ -287,6 +287,11 @@ def test_unknown_device_strings_are_value_errors_naming_device(call):
             flashgen.block_mask(op, 64, 64).to("gpu")
 
 
+def test_block_mask_to_an_unsupported_device_names_device():
+    with pytest.raises(ValueError, match="device: 'meta' is not supported"):
+        flashgen.block_mask(_op("causal"), 64, 64).to("meta")
+
+
 def test_merge_attention_names_a_non_sequence_argument():
     o, lse = torch.randn(2, 3, 4), torch.randn(2, 3)
     with pytest.raises(TypeError, match="outs: expected a list or tuple of tensors"):
