@@ -51,25 +51,44 @@ def cxx_set() -> bool:
     return bool(os.environ.get("CXX"))
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
+def flag(name: str, default: bool) -> bool:
+    """A boolean FLASHGEN_* variable: 1/true/yes/on or 0/false/no/off (any case; empty: off),
+    ``default`` when unset; ValueError naming the variable for anything else (rather than
+    taking e.g. 'false' as on)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value in _OFF:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
+
+
 def verbose() -> bool:
     """FLASHGEN_VERBOSE=1: show compiler command lines and output while building."""
-    return os.environ.get("FLASHGEN_VERBOSE", "") not in ("", "0")
+    return flag("FLASHGEN_VERBOSE", False)
 
 
 def debug() -> bool:
     """FLASHGEN_DEBUG=1: build kernels with -g and -lineinfo (a separate cache entry)."""
-    return os.environ.get("FLASHGEN_DEBUG", "") not in ("", "0")
+    return flag("FLASHGEN_DEBUG", False)
 
 
 def quiet() -> bool:
     """FLASHGEN_QUIET=1: no 'compiling ...' notice on stderr when a first call builds a kernel."""
-    return os.environ.get("FLASHGEN_QUIET", "") not in ("", "0")
+    return flag("FLASHGEN_QUIET", False)
 
 
 def auto_block_mask() -> bool:
     """FLASHGEN_AUTO_BLOCK_MASK=0: on CUDA, do not build block lists per call for masks without a
     closed-form key range (then every tile in range is visited, with the element mask)."""
-    return os.environ.get("FLASHGEN_AUTO_BLOCK_MASK", "1") not in ("", "0")
+    return flag("FLASHGEN_AUTO_BLOCK_MASK", True)
 
 
 def sm90_dynamic_schedule() -> bool:
@@ -182,10 +201,10 @@ def aot_dirs() -> list[Path]:
 def jit() -> bool:
     """FLASHGEN_JIT=0: never render or compile; kernels come only from FLASHGEN_AOT_DIR (a missing
     one raises an error naming it)."""
-    return os.environ.get("FLASHGEN_JIT", "1") not in ("", "0")
+    return flag("FLASHGEN_JIT", True)
 
 
 def autotune() -> bool:
     """FLASHGEN_AUTOTUNE=1: on CUDA, tune a spec's tiles at its first call for a (dtype, head dim,
     sequence-length bucket) that has no stored result (flashgen.tune), then use the winner."""
-    return os.environ.get("FLASHGEN_AUTOTUNE", "") not in ("", "0")
+    return flag("FLASHGEN_AUTOTUNE", False)

@@ -373,3 +373,25 @@ def test_deterministic_mode_with_a_parameter_gradient_is_refused_before_the_forw
         assert slopes.grad is not None and torch.isfinite(slopes.grad).all()
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+@pytest.mark.parametrize("var, default", [("FLASHGEN_JIT", True), ("FLASHGEN_QUIET", False),
+                                          ("FLASHGEN_AUTO_BLOCK_MASK", True), ("FLASHGEN_AUTOTUNE", False),
+                                          ("FLASHGEN_VERBOSE", False), ("FLASHGEN_DEBUG", False)])
+def test_boolean_variables_take_the_usual_spellings_and_name_a_bad_value(monkeypatch, var, default):
+    """FLASHGEN_JIT=false turned the JIT *on* (only 0 or empty meant off), FLASHGEN_QUIET=false
+    made it quiet: now 1/true/yes/on and 0/false/no/off (any case), and anything else is a
+    ValueError naming the variable."""
+    from flashgen import env
+
+    read = {"FLASHGEN_JIT": env.jit, "FLASHGEN_QUIET": env.quiet, "FLASHGEN_AUTO_BLOCK_MASK": env.auto_block_mask,
+            "FLASHGEN_AUTOTUNE": env.autotune, "FLASHGEN_VERBOSE": env.verbose, "FLASHGEN_DEBUG": env.debug}[var]
+    monkeypatch.delenv(var, raising=False)
+    assert read() is default
+    for raw, want in (("1", True), ("true", True), (" Yes ", True), ("ON", True), ("0", False), ("false", False),
+                      ("No", False), ("off", False), ("", False)):
+        monkeypatch.setenv(var, raw)
+        assert read() is want, raw
+    monkeypatch.setenv(var, "maybe")
+    with pytest.raises(ValueError, match=f"{var}='maybe': expected 1 or 0"):
+        read()
