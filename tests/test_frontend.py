@@ -129,6 +129,10 @@ def test_bad_character():
         ("param q: int", 2, 9, "'q' is a reserved name"),
         ("param dropout_offset: int", 2, 9, "'dropout_offset' cannot name a parameter"),
         ("param lowp_matmuls: int", 2, 9, "'lowp_matmuls' cannot name a parameter"),
+        # flashgen.block_mask's own keywords (it takes the spec's parameters by keyword too)
+        ("param block_size: int", 2, 9, "'block_size' cannot name a parameter"),
+        ("param device: int", 2, 9, "'device' cannot name a parameter"),
+        ("param op: int", 2, 9, "'op' cannot name a parameter"),
         ("param NAN: float", 2, 9, "'NAN' cannot name a parameter (it is, or looks like, a C/C++ macro"),
         ("param errno: int", 2, 9, "'errno' cannot name a parameter (it is, or looks like, a C/C++ macro"),
         ("param w: int[heads]", 2, 15, "scalar parameter 'w' (int) takes no shape"),

@@ -44,7 +44,9 @@ OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p
             "lse", "dout", "dlse", "need_param_grads", "params", "Params", "spec", "lowp_matmuls", "atol", "grads",
             "param_grads", "wrt", "dropout",
             # op.with_kvcache's keyword arguments (runtime/decode.py) and its schema's
-            "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad", "num_splits", "validate"}
+            "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad", "num_splits", "validate",
+            # flashgen.block_mask's (it takes the parameters by keyword too)
+            "op", "block_size", "device"}
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if
