@@ -109,6 +109,8 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                 if not is_t(a) and not is_t(b):  # float floor division: IEEE (±inf, nan by 0)
                     return math.floor(a / b) if b else (math.copysign(math.inf, a) if a else math.nan)
                 return torch.floor(a / b)
+            if n.op == "/" and not is_t(a) and not is_t(b) and b == 0:  # IEEE, as the kernels: ±inf, nan
+                return math.copysign(math.inf, a) * math.copysign(1.0, b) if a and a == a else math.nan
             ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
                    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
                    "==": operator.eq, "!=": operator.ne}

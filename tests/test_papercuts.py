@@ -395,3 +395,18 @@ def test_boolean_variables_take_the_usual_spellings_and_name_a_bad_value(monkeyp
     monkeypatch.setenv(var, "maybe")
     with pytest.raises(ValueError, match=f"{var}='maybe': expected 1 or 0"):
         read()
+
+
+def test_reference_divides_by_a_zero_scalar_as_ieee_and_the_kernels():
+    """A float division by a zero-valued scalar (a parameter of 0, or a constant difference):
+    the reference gave a ZeroDivisionError; now ±inf / nan as the kernels compute (IEEE)."""
+    op = flashgen.compile("attention negdiv {\n    score = -1 / (1 - 1)\n}\n")
+    q = torch.randn(1, 1, 8, 16)
+    out, lse = op(q, q, q, return_lse=True)
+    ref_out, ref_lse = flashgen.reference.attention(op, q.double(), q.double(), q.double(), return_lse=True)
+    assert torch.equal(ref_lse.float(), lse) and (lse == -float("inf")).all()
+    assert torch.equal(ref_out.float(), out)
+    inv = flashgen.compile("attention invf {\n    param f: float\n    score = score + 1 / f\n}\n")
+    ref = flashgen.reference.attention(inv, q.double(), q.double(), q.double(), f=0.0)
+    got = inv(q, q, q, f=0.0)
+    assert torch.equal(torch.isnan(ref), torch.isnan(got)) and torch.isnan(got).all()
