@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
                        "with --out into an ahead-of-time directory (FLASHGEN_AOT_DIR)")
     b.add_argument("specs", nargs="+", type=Path)
     b.add_argument("--device", default=None, help="cpu or cuda[:N] (default cpu; with --arch, none)")
-    b.add_argument("--dtype", nargs="*", choices=DTYPE_ARG, help="default: every dtype the spec allows")
-    b.add_argument("--head-dim", nargs="*", type=int, help="CUDA head dims (default 64 128)")
+    b.add_argument("--dtype", nargs="+", choices=DTYPE_ARG, help="default: every dtype the spec allows")
+    b.add_argument("--head-dim", nargs="+", type=int, help="CUDA head dims (default 64 128)")
     b.add_argument("--out", type=Path, help="write an ahead-of-time directory here (kernels, index.json, tuning/) "
                    "for processes run with FLASHGEN_AOT_DIR=DIR (and FLASHGEN_JIT=0)")
     b.add_argument("--arch", nargs="+", action="extend", help="CUDA architectures to build for (sm_80 sm_90a ...), with or "
@@ -93,13 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("spec", type=Path)
     be.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     be.add_argument("--dtype", choices=DTYPE_ARG, default=None, help="default bf16 on cuda, fp32 on cpu")
-    be.add_argument("--seqlen", nargs="*", type=int,
+    be.add_argument("--seqlen", nargs="+", type=int,
                     help="default cpu: 1024 4096; cuda: 512 … 16384 (not with --decode)")
-    be.add_argument("--head-dim", nargs="*", type=int, help="default cpu: 64; cuda: 64 128 (--decode on cuda: 128)")
+    be.add_argument("--head-dim", nargs="+", type=int, help="default cpu: 64; cuda: 64 128 (--decode on cuda: 128)")
     be.add_argument("--batch", type=int,
                     help="default cpu: 2; cuda: 16384 // seqlen (--decode on cuda: 131072 // cache length)")
     be.add_argument("--heads", type=int, help="default cpu: 8; cuda: 2048 // head_dim (--decode on cuda: 32)")
-    be.add_argument("--peers", nargs="*", help="only these peers (cuda: " + " ".join(bench.PEERS["cuda"]) + "; cpu: "
+    be.add_argument("--peers", nargs="+", help="only these peers (cuda: " + " ".join(bench.PEERS["cuda"]) + "; cpu: "
                     + " ".join(bench.PEERS["cpu"]) + "; --decode: cuda " + " ".join(decode_bench.PEERS["cuda"])
                     + ", cpu " + " ".join(decode_bench.PEERS["cpu"]) + "; default: all)")
     be.add_argument("--reps", type=int, default=10, help="timed calls per implementation (median)")
@@ -179,6 +179,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if isinstance(getattr(args, "json", None), Path):  # before any work: a run that cannot write its rows
+            _check_writable(args.json, "--json")
         # --family forces that kernel family for everything the command runs or builds (tune's
         # names the family whose tiles it tunes instead).
         forced = getattr(args, "family", None) if args.command != "tune" else None
@@ -191,6 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, NotImplementedError, OSError, RuntimeError, AssertionError) as e:
         print(f"flashgen: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """ValueError naming ``option`` unless ``path`` can be written: not a directory, its folder
+    there, the file opened for appending (which leaves an existing file as it is)."""
+    if str(path) in ("", ".") or path.is_dir():
+        raise ValueError(f"{option}: {str(path)!r} is a directory (expected a file path)")
+    if not path.parent.is_dir():
+        raise ValueError(f"{option}: {path.parent} does not exist (expected a file in an existing folder)")
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option}: cannot write {path}: {e.strerror or e}") from None
 
 
 def _device(text: str, option: str = "--device", *, available: bool = True) -> torch.device:

@@ -410,3 +410,20 @@ def test_reference_divides_by_a_zero_scalar_as_ieee_and_the_kernels():
     ref = flashgen.reference.attention(inv, q.double(), q.double(), q.double(), f=0.0)
     got = inv(q, q, q, f=0.0)
     assert torch.equal(torch.isnan(ref), torch.isnan(got)) and torch.isnan(got).all()
+
+
+def test_bench_json_path_and_empty_lists_are_checked_before_any_work(capsys, tmp_path):
+    """--json that cannot be written fails before the benchmark runs, naming --json; a list
+    option given without values is argparse's error (exit 2), not the defaults."""
+    base = ["bench", str(SPECS / "causal.attn"), "--seqlen", "32", "--head-dim", "16", "--batch", "1", "--heads", "1",
+            "--reps", "1", "--peers", "sdpa"]
+    code, _, err = cli(capsys, *base, "--json", str(tmp_path / "missing" / "rows.json"))
+    assert code == 2 and "--json:" in err and "does not exist" in err
+    code, _, err = cli(capsys, *base, "--json", str(tmp_path))
+    assert code == 2 and "--json:" in err and "is a directory" in err
+    for option in ("--seqlen", "--head-dim", "--peers"):
+        argv = base[:base.index(option) + 1] + base[base.index(option) + 2:] if option != "--peers" else base[:-1]
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        assert f"argument {option}: expected at least one argument" in capsys.readouterr().err
