@@ -280,6 +280,18 @@ def test_missing_compiler_is_the_first_line(real, monkeypatch, tmp_path):
     assert not (tmp_path / "cache" / inst.name).exists()
 
 
+def test_compiler_that_does_not_run_is_a_build_error_naming_it(real, monkeypatch, tmp_path):
+    """CXX that exists but fails when torch probes it (``CXX --version``): a BuildError saying so,
+    not the probe's CalledProcessError traceback."""
+    _, inst, _ = real
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(BuildError) as e:
+        load(inst)
+    assert "the C++ compiler does not run: `/bin/false" in str(e.value) and "CXX is '/bin/false'" in str(e.value)
+    assert not (tmp_path / "cache" / inst.name).exists()
+
+
 @pytest.mark.parametrize("output, first", [
     ("x.cpp:1:10: fatal error: omp.h: No such file or directory", "the C++ compiler has no OpenMP (omp.h not found)"),
     ("x.cpp:1:10: fatal error: 'omp.h' file not found", "the C++ compiler has no OpenMP (omp.h not found)"),

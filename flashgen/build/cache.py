@@ -26,6 +26,7 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 import stat
 import sys
 import threading
@@ -551,6 +552,10 @@ def _compile(name: str, target, sources: list[Path], work: Path) -> tuple[Path, 
         if _no_space(e):
             raise
         raise BuildError(str(e)) from e
+    except subprocess.CalledProcessError as e:  # torch's probe of the compiler (`CXX -v`) failed
+        cmd = " ".join(map(str, e.cmd)) if isinstance(e.cmd, list | tuple) else str(e.cmd)
+        raise BuildError(f"the C++ compiler does not run: `{cmd}` exited with status {e.returncode}; install g++ "
+                         f"or set CXX to a working C++17 compiler (CXX is {env.cxx()!r})") from None
     except (RuntimeError, ValueError) as e:
         if "No space left on device" in str(e):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(work)) from None
