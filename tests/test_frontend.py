@@ -146,6 +146,7 @@ def test_bad_character():
         ("scale = sqrtt(head_dim)", 2, 11, "unknown function 'sqrtt' in scale"),
         ("scale = 1 / 0", 2, 11, "division by zero in scale"),
         ("scale = -1", 2, 11, "scale must be a positive finite number"),
+        ("scale = 1e38 * 10", 2, 11, "scale is 1e+39 at head_dim 64, beyond fp32's range"),
     ],
 )
 def test_validation_errors(body, line, col, message):

@@ -313,6 +313,8 @@ class _Lowering:
         value = evaluate_scale(expr, 64, self)
         if not (math.isfinite(value) and value > 0):
             raise self.error(st.children[0], f"scale must be a positive finite number, got {value}")
+        if value > 3.4028234663852886e38:  # the kernels take it as an fp32
+            raise self.error(st.children[0], f"scale is {value:g} at head_dim 64, beyond fp32's range (3.4e38)")
         fields["scale"] = expr
 
     def _checked(self, node, e: ir.Expr, fields: dict, *, allow_score: bool) -> tuple[ir.Expr, str]:
