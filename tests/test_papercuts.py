@@ -427,3 +427,8 @@ def test_bench_json_path_and_empty_lists_are_checked_before_any_work(capsys, tmp
             main(argv)
         assert exc.value.code == 2
         assert f"argument {option}: expected at least one argument" in capsys.readouterr().err
+
+
+def test_tiles_names_its_dtype_argument():
+    with pytest.raises(ValueError, match=r"^dtype: unknown dtype 'junk'"):
+        _op("causal").tiles(None, "junk", 64, arch="sm_90a")

@@ -522,7 +522,7 @@ class AttentionOp:
 
         Raises ValueError naming the argument for a device that is not an available CUDA
         device, a dtype or head dim the spec does not allow on CUDA, or a malformed arch."""
-        dt = as_dtype(dtype)
+        dt = as_dtype(dtype, "dtype")
         if dt not in self.dtypes("cuda"):
             raise ValueError(f"dtype: {dt.value} is not supported by spec '{self.spec.name}' on cuda (expected one "
                              f"of {', '.join(d.value for d in self.dtypes('cuda')) or 'none'})")
