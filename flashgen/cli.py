@@ -273,8 +273,8 @@ def _build_cache(args, console, torch, fg_compile) -> int:
     if device.type == "cpu" and (args.head_dim or args.layouts != ["padded"] or args.sparse):
         print("note: --head-dim, --layouts and --sparse apply to CUDA builds; the CPU kernels take the head dim, "
               "the layout and block masks at run time", file=sys.stderr)
-    for sp in args.specs:
-        op = fg_compile(sp)
+    ops = [fg_compile(sp) for sp in args.specs]  # every spec parsed (a missing or bad one named) before any build
+    for op in ops:
         dtypes = [DTYPE_ARG[d] for d in args.dtype] if args.dtype else None
         t0 = time.perf_counter()
         with console.status(f"building {op.spec.name} for {device} …"):
