@@ -25,6 +25,7 @@ from .lang import ir
 from .ops import TORCH_DTYPE, announce
 from .ops import compile as fg_compile
 from .params import example_params, parse_params
+from .runtime.checks import ranges_text
 from .tools import aot_build, generate
 from .tune import tuner
 
@@ -408,6 +409,11 @@ def cmd_bench(args) -> int:
         raise ValueError("--peers:" + str(e).removeprefix("include:")) from None
     op = fg_compile(args.spec)
     dtype = DTYPE_ARG[args.dtype] if args.dtype else (ir.DType.BF16 if device.type == "cuda" else ir.DType.FP32)
+    allowed = op.head_dims(device.type)
+    for d in args.head_dim or ():  # before any timing, rather than a failed row per shape
+        if d not in allowed:
+            raise ValueError(f"--head-dim: {d} is not served for spec '{op.spec.name}' on {device.type} (expected "
+                             f"one of {ranges_text(allowed)})")
     shapes = bench.default_shapes(device, args.head_dim, args.seqlen, args.batch, args.heads)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"# {op.name} {'forward+backward' if args.backward else 'forward'} on {where}, torch {torch.__version__}, {dtype.value}, "

@@ -432,3 +432,9 @@ def test_bench_json_path_and_empty_lists_are_checked_before_any_work(capsys, tmp
 def test_tiles_names_its_dtype_argument():
     with pytest.raises(ValueError, match=r"^dtype: unknown dtype 'junk'"):
         _op("causal").tiles(None, "junk", 64, arch="sm_90a")
+
+
+def test_bench_refuses_an_unserved_head_dim_before_timing(capsys):
+    code, out, err = cli(capsys, "bench", str(SPECS / "causal.attn"), "--seqlen", "32", "--head-dim", "20",
+                         "--batch", "1", "--heads", "1", "--reps", "1", "--peers", "sdpa")
+    assert code == 2 and "--head-dim: 20 is not served for spec 'causal' on cpu" in err and "flashgen " not in out
