@@ -141,6 +141,7 @@ def test_bad_character():
         ("param p: f32[heads, -3]", 2, 23, "dimension is not positive"),
         ("mask = kv % 0 == 1", 2, 10, "division by zero"),
         ("score = score + 1e39", 2, 19, "beyond fp32's range"),
+        ("score = score + 1e30 * 1e30 * 0", 2, 19, "this constant is 1e+60, beyond fp32's range"),
         ("dropout\n  dropout", 3, 3, "duplicate 'dropout' statement (first on line 2)"),
         ("scale = 1 / sqrt(head_dmi)", 2, 20, "unknown name 'head_dmi' in scale"),
         ("scale = sqrtt(head_dim)", 2, 11, "unknown function 'sqrtt' in scale"),

@@ -47,6 +47,25 @@ OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p
             "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad", "num_splits", "validate",
             # flashgen.block_mask's (it takes the parameters by keyword too)
             "op", "block_size", "device"}
+FP32_MAX = 3.4028234663852886e38
+
+
+def _constant(e) -> float | None:
+    """The value of ``e`` when it is arithmetic (+ - * / and unary -) on number literals alone,
+    computed in float64; None otherwise (or for a division by zero)."""
+    if isinstance(e, ir.Num):
+        return float(e.value)
+    if isinstance(e, ir.Unary) and e.op == "-":
+        v = _constant(e.operand)
+        return None if v is None else -v
+    if isinstance(e, ir.BinOp) and e.op in ("+", "-", "*", "/"):
+        a, b = _constant(e.lhs), _constant(e.rhs)
+        if a is None or b is None or (e.op == "/" and b == 0):
+            return None
+        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else 0.0}[e.op]
+    return None
+
+
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if
@@ -326,6 +345,10 @@ class _Lowering:
             for n in X.walk(e):
                 if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0):
                     raise X.ExprError(n, f"division by zero ('{n.op} 0')")
+                value = _constant(n) if isinstance(n, ir.BinOp) else None
+                if value is not None and math.isfinite(value) and abs(value) > FP32_MAX:
+                    raise X.ExprError(n, f"this constant is {value:g}, beyond fp32's range (the kernels compute "
+                                         "in fp32, where it is inf)")
             if positive:
                 fields["positive"] = tuple(dict.fromkeys(fields.get("positive", ()) + positive))
             return e, t
