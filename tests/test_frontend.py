@@ -142,6 +142,10 @@ def test_bad_character():
         ("mask = kv % 0 == 1", 2, 10, "division by zero"),
         ("score = score + 1e39", 2, 19, "beyond fp32's range"),
         ("score = score + 1e30 * 1e30 * 0", 2, 19, "this constant is 1e+60, beyond fp32's range"),
+        # the mask built-ins' arguments, checked before expansion and pointed at
+        ("mask = window(true, 2)", 2, 17, "window()'s first argument must be a number"),
+        ("mask = window(2, q < kv)", 2, 20, "window()'s second argument must be a number"),
+        ("param n: int\n  mask = document(n)", 3, 19, "document()'s argument must name a tensor parameter"),
         ("dropout\n  dropout", 3, 3, "duplicate 'dropout' statement (first on line 2)"),
         ("scale = 1 / sqrt(head_dmi)", 2, 20, "unknown name 'head_dmi' in scale"),
         ("scale = sqrtt(head_dim)", 2, 11, "unknown function 'sqrtt' in scale"),

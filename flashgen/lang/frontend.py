@@ -66,6 +66,30 @@ def _constant(e) -> float | None:
     return None
 
 
+_ORDINAL = ("first", "second")
+
+
+def _check_builtin_args(e, scope, params: dict) -> None:
+    """The mask built-ins' arguments, before they are expanded (whose errors would describe the
+    expansion, e.g. "'-' needs numbers", at the call): window's, prefix_lm's, key_padding's and
+    chunked's are numbers; document's names a tensor parameter. ExprError at the argument."""
+    for n in X.walk(e):
+        if not (isinstance(n, ir.Call) and n.fn in X.MASK_BUILTINS) or len(n.args) != X.MASK_BUILTINS[n.fn]:
+            continue
+        if n.fn == "document":
+            arg = n.args[0]
+            p = params.get(arg.id) if isinstance(arg, ir.Name) else None
+            if p is None or not p.is_tensor:
+                raise X.ExprError(arg, "document()'s argument must name a tensor parameter of sequence ids",
+                                  expected="e.g. `param document_id: i32[batch, seqlen_k]` and document(document_id)")
+            continue
+        for i, arg in enumerate(n.args):
+            t = X.type_of(arg, scope)
+            if t == X.BOOL:
+                raise X.ExprError(arg, f"{n.fn}()'s {_ORDINAL[i]} argument must be a number, got a comparison or "
+                                       "boolean")
+
+
 CXX_KEYWORDS = set("""alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
 char32_t class compl concept const consteval constexpr constinit const_cast continue co_await co_return co_yield
 decltype default delete do double dynamic_cast else enum explicit export extern false float for friend goto if
@@ -340,6 +364,7 @@ class _Lowering:
         params = {p.name: p for p in fields.get("params", ())}
         try:
             positive = X.positive_params(e, X.Scope(params, allow_score=allow_score))
+            _check_builtin_args(e, X.Scope(params, allow_score=allow_score), params)
             e = X.expand_builtins(e)
             t = X.type_of(e, X.Scope(params, allow_score=allow_score))
             for n in X.walk(e):
