@@ -56,9 +56,9 @@ _OFF = ("", "0", "false", "no", "off")
 
 
 def flag(name: str, default: bool) -> bool:
-    """A boolean FLASHGEN_* variable: 1/true/yes/on or 0/false/no/off (any case; empty: off),
-    ``default`` when unset; ValueError naming the variable for anything else (rather than
-    taking e.g. 'false' as on)."""
+    """A boolean FLASHGEN_* variable: 1/true/yes/on or 0/false/no/off (any case; empty: off; any
+    other integer: on unless 0, as before), ``default`` when unset; ValueError naming the
+    variable for anything else (rather than taking e.g. 'false' as on)."""
     raw = os.environ.get(name)
     if raw is None:
         return default
@@ -67,6 +67,8 @@ def flag(name: str, default: bool) -> bool:
         return True
     if value in _OFF:
         return False
+    if value.lstrip("+-").isdigit():  # another integer (a level, e.g. FLASHGEN_VERBOSE=2): on unless 0
+        return int(value) != 0
     raise ValueError(f"{name}={raw!r}: expected 1 or 0 (or true/false, yes/no, on/off)")
 
 

@@ -389,7 +389,7 @@ def test_boolean_variables_take_the_usual_spellings_and_name_a_bad_value(monkeyp
     monkeypatch.delenv(var, raising=False)
     assert read() is default
     for raw, want in (("1", True), ("true", True), (" Yes ", True), ("ON", True), ("0", False), ("false", False),
-                      ("No", False), ("off", False), ("", False)):
+                      ("No", False), ("off", False), ("", False), ("2", True), ("00", False)):
         monkeypatch.setenv(var, raw)
         assert read() is want, raw
     monkeypatch.setenv(var, "maybe")
