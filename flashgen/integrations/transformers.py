@@ -73,6 +73,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import paths
 from ..runtime.checks import as_device
+from ..runtime.masks import classifier_library
 from ..runtime.op import AttentionOp
 from ..families.sm80 import DECODE_HEAD_DIMS
 from ..runtime.op import compile as _compile
@@ -163,10 +164,7 @@ def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> No
                             sparse=(False, True) if n == "transformers_packed" else (False,),
                             decode=n != "transformers_packed") for n in SPECS]
         if dev.type == "cuda":  # the classifier flashgen.block_mask runs for those lists (transformers_blocks)
-            packed = op("transformers_packed")
-            fam = packed.family_for(dev, None, 128, sparse=True).family
-            if fam.block_classifier:
-                jobs.append(pool.submit(packed.mask_library, fam, dev))
+            jobs.append(pool.submit(classifier_library, op("transformers_packed"), dev))
         for job in jobs:
             job.result()
 

@@ -47,7 +47,7 @@ OP_NAMES = {"self", "k", "v", "scale", "return_lse", "deterministic", "dropout_p
             "k_cache", "v_cache", "cache_seqlens", "block_table", "cache_leftpad", "num_splits", "validate",
             # flashgen.block_mask's (it takes the parameters by keyword too)
             "op", "block_size", "device"}
-FP32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = 3.4028234663852886e38  # the largest fp32: the kernels compute in fp32
 
 
 def _constant(e) -> float | None:
@@ -62,7 +62,7 @@ def _constant(e) -> float | None:
         a, b = _constant(e.lhs), _constant(e.rhs)
         if a is None or b is None or (e.op == "/" and b == 0):
             return None
-        return {"+": a + b, "-": a - b, "*": a * b, "/": a / b if b else 0.0}[e.op]
+        return a + b if e.op == "+" else a - b if e.op == "-" else a * b if e.op == "*" else a / b
     return None
 
 
@@ -288,7 +288,7 @@ class _Lowering:
                     raise self.error(node, f"integer {text} does not fit in 64 bits")
                 return ir.Num(int(text), span)
             v = float(text)
-            if not v <= 3.4028234663852886e38:
+            if not v <= FLOAT32_MAX:
                 raise self.error(node, f"number {text} is beyond fp32's range (the kernels compute in fp32)")
             return ir.Num(v, span)
         if kind == "neg":
@@ -356,7 +356,7 @@ class _Lowering:
         value = evaluate_scale(expr, 64, self)
         if not (math.isfinite(value) and value > 0):
             raise self.error(st.children[0], f"scale must be a positive finite number, got {value}")
-        if value > 3.4028234663852886e38:  # the kernels take it as an fp32
+        if value > FLOAT32_MAX:  # the kernels take it as an fp32
             raise self.error(st.children[0], f"scale is {value:g} at head_dim 64, beyond fp32's range (3.4e38)")
         fields["scale"] = expr
 
@@ -371,7 +371,7 @@ class _Lowering:
                 if isinstance(n, ir.BinOp) and n.op in ("/", "//", "%") and n.rhs == ir.Num(0):
                     raise X.ExprError(n, f"division by zero ('{n.op} 0')")
                 value = _constant(n) if isinstance(n, ir.BinOp) else None
-                if value is not None and math.isfinite(value) and abs(value) > FP32_MAX:
+                if value is not None and math.isfinite(value) and abs(value) > FLOAT32_MAX:
                     raise X.ExprError(n, f"this constant is {value:g}, beyond fp32's range (the kernels compute "
                                          "in fp32, where it is inf)")
             if positive:

@@ -18,7 +18,7 @@ from ..abi import FgBlockLists
 from ..errors import did_you_mean
 from ..lang import expr as X
 from ..lang import intervals, ir
-from ..lang.frontend import DTYPE_NAMES
+from ..lang.frontend import DTYPE_NAMES, FLOAT32_MAX
 
 TORCH_DTYPE = {ir.DType.FP16: torch.float16, ir.DType.BF16: torch.bfloat16, ir.DType.FP32: torch.float32}
 
@@ -30,9 +30,6 @@ def spec_dtypes(spec: ir.Spec, family: families.Family | str) -> tuple[ir.DType,
     """The dtypes ``spec`` may run on ``family`` (a Family, its name or a device type): the
     family's, narrowed by the spec's ``dtype`` line."""
     return tuple(d for d in families.of(family).dtypes if spec.dtypes is None or d in spec.dtypes)
-
-
-FLOAT32_MAX = 3.4028234663852886e38
 
 
 PARAM_TORCH_DTYPE = {"f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "bool": torch.bool}

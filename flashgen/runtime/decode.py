@@ -182,7 +182,6 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
     return (out, lse) if return_lse else out
 
 
-
 def _int32_vector(name: str, t, B: int, device: torch.device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.shape[0] != B \
             or t.device != device:
@@ -279,19 +278,21 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if Sn and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True)):
                 raise ValueError(f"{name}: a broadcast (stride 0) cache cannot be written; pass a real tensor")
-        if Sn and _same_memory(k_cache, v_cache):
-            raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
-                             "with the other; pass separate cache tensors (or k=None, v=None to read only)")
+        if Sn:
+            _refuse_shared_cache(k_cache, v_cache)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int | torch.SymInt) or num_splits < 0:
         raise ValueError(f"num_splits: expected an int >= 0 (0 chooses, 1 disables splitting), got {num_splits!r}")
     return KvCall(B, Hq, Hkv, Sq, d, capacity, page_size, max_pages, num_pages, Sn, cache_seqlens, cache_leftpad,
                   block_table)
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` start at the same element of one storage (the same tensor, or a view
-    of it, passed twice)."""
-    return a.numel() > 0 and a.data_ptr() == b.data_ptr()
+def _refuse_shared_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """ValueError when a call that appends k and v gets one cache tensor twice: ``v_cache``
+    starting at ``k_cache``'s first element (the same tensor, or a view of it), where writing v
+    would overwrite k."""
+    if k_cache.numel() > 0 and k_cache.data_ptr() == v_cache.data_ptr():
+        raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
+                         "with the other; pass separate cache tensors (or k=None, v=None to read only)")
 
 
 def check_values(call: KvCall) -> None:
@@ -425,9 +426,8 @@ def implementation_for(op):
             if key is not None:
                 checked[key] = call
         else:  # the same metadata passed the checks: only the metadata tensors are this call's
-            if call.seqlen_new and _same_memory(k_cache, v_cache):  # (pointers are not metadata)
-                raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
-                                 "with the other; pass separate cache tensors (or k=None, v=None to read only)")
+            if call.seqlen_new:  # (pointers are not metadata)
+                _refuse_shared_cache(k_cache, v_cache)
             call = replace(call, cache_seqlens=cache_seqlens.contiguous(),
                            cache_leftpad=cache_leftpad.contiguous() if cache_leftpad is not None else None,
                            block_table=block_table.contiguous() if block_table is not None else None)

@@ -22,6 +22,15 @@ from .op import compile as compile_spec
 _CHUNK_ELEMS = 1 << 25  # mask elements evaluated at once
 
 
+def classifier_library(op: AttentionOp, device: torch.device):
+    """The loaded block classifier that ``block_mask`` runs for ``op`` on ``device`` (built at its
+    first use), or None where the device's family has none (the CPU: classes on the host)."""
+    if device.type == "cpu":
+        return None
+    fam = op.family_for(device, None, 128, sparse=True).family
+    return op.mask_library(fam, device) if fam.block_classifier else None
+
+
 def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads: int | None = None, *,
                block_size=128, device=None, cu_seqlens_q: torch.Tensor | None = None,
                cu_seqlens_k: torch.Tensor | None = None, **params) -> BlockMask:
@@ -134,14 +143,14 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
         return bound(BlockMask(torch.full((1, 1, nqb, nkb), FULL, dtype=torch.int8, device=device), (bq, bk),
                                seqlen_q, seqlen_k, full_kept=True,
                                _check_values=False))
-    fam = op.family_for(device, None, 128, sparse=True).family if device.type != "cpu" else None
-    if fam is not None and fam.block_classifier:  # the generated classifier kernel
+    lib = classifier_library(op, device)
+    if lib is not None:  # the generated classifier kernel
         block = op.params_block(values)
         cu = {}
         if packed:
             cu = {"cu_seqlens_q": cu_seqlens_q.to(device, torch.int32).contiguous(),
                   "cu_seqlens_k": cu_seqlens_k.to(device, torch.int32).contiguous()}
-        st = classify(op.mask_library(fam, device), block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
+        st = classify(lib, block, batch if per_b or packed else 1, heads if per_h else 1, seqlen_q, seqlen_k,
                            bq, bk, device, **cu)
         return bound(BlockMask(st, (bq, bk), seqlen_q, seqlen_k, full_kept=True,
                                _check_values=False))

@@ -781,9 +781,6 @@ class AttentionOp:
                                       need_param_grads, dropout_p, dropout_state, **kw)
 
 
-
-
-
 def _index(device: torch.device) -> int:
     """A CUDA device's index (the current device for a bare 'cuda')."""
     return device.index if device.index is not None else torch.cuda.current_device()
