@@ -438,3 +438,14 @@ def test_bench_refuses_an_unserved_head_dim_before_timing(capsys):
     code, out, err = cli(capsys, "bench", str(SPECS / "causal.attn"), "--seqlen", "32", "--head-dim", "20",
                          "--batch", "1", "--heads", "1", "--reps", "1", "--peers", "sdpa")
     assert code == 2 and "--head-dim: 20 is not served for spec 'causal' on cpu" in err and "flashgen " not in out
+
+
+def test_a_bad_verbose_value_is_a_value_error_at_the_first_build(monkeypatch, tmp_path):
+    """FLASHGEN_VERBOSE, read by the build, names itself in a ValueError (not a BuildError)."""
+    monkeypatch.setenv("FLASHGEN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLASHGEN_VERBOSE", "maybe")
+    monkeypatch.setenv("FLASHGEN_QUIET", "1")
+    op = flashgen.compile("attention verbose_probe {\n    mask = causal\n}\n")
+    q = torch.randn(1, 1, 8, 16)
+    with pytest.raises(ValueError, match="FLASHGEN_VERBOSE='maybe'"):
+        op(q, q, q)

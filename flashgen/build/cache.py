@@ -534,6 +534,7 @@ def _compile(name: str, target, sources: list[Path], work: Path) -> tuple[Path, 
     from torch.utils import cpp_extension
 
     cflags, cuda_cflags = compiler_flags(target)
+    verbose = env.verbose()  # read before the build (a bad value is a ValueError naming the variable, not a BuildError)
     start = time.perf_counter()
     try:
         path = cpp_extension.load(
@@ -544,7 +545,7 @@ def _compile(name: str, target, sources: list[Path], work: Path) -> tuple[Path, 
             extra_ldflags=["-fopenmp"] if target.backend == "cpu" else [],
             extra_include_paths=[str(include_dir())],
             build_directory=str(work),
-            verbose=env.verbose(),
+            verbose=verbose,
             with_cuda=target.backend == "cuda",
             is_python_module=False,
         )
