@@ -225,7 +225,10 @@ def kernel_profile(step, steps: int, device: torch.device, top: int = 15) -> lis
     """Where a step's device time goes: ``torch.profiler`` over ``steps`` calls of ``step(k)``
     (k = 0 .. steps - 1; run after the timed window, so the figures above are untouched), the
     ``top`` kernels by device time as {name (120 characters at most), ms per step, calls per
-    step}, and a last entry "(all kernels)" with the total. A diagnostic, not a benchmark figure:
+    step}, and a last entry "(all kernels)" with the total; then "(host waits)" entries (calls that
+    wait for the device, per step) and "(host)" entries: host time per step inside each flashgen op,
+    compiled region and optimizer step (inclusive CPU time, profiler overhead included: for
+    comparing runs of one script, not as a cost of its own). A diagnostic, not a benchmark figure:
     the profiler's own overhead is in the host time, not in the kernels' device time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -250,9 +253,19 @@ def kernel_profile(step, steps: int, device: torch.device, top: int = 15) -> lis
     for e in prof.key_averages():
         if e.key in SYNC_EVENTS:
             waits[e.key] = e.count / steps
+    host = [{"name": f"(host) {e.key[:110]}", "ms_per_step": e.cpu_time_total / 1e3 / steps,
+             "calls_per_step": e.count / steps}
+            for e in prof.key_averages() if e.key.startswith(HOST_EVENTS) and e.cpu_time_total > 0]
+    host.sort(key=lambda r: -r["ms_per_step"])
     return rows[:top] + [{"name": "(all kernels)", "ms_per_step": total, "calls_per_step": sum(
         r["calls_per_step"] for r in rows)}] + [{"name": f"(host waits) {k}", "ms_per_step": 0.0, "calls_per_step": v}
-                                               for k, v in sorted(waits.items())]
+                                               for k, v in sorted(waits.items())] + host[:top]
+
+
+# host-side events whose inclusive CPU time kernel_profile reports: our ops, compiled regions
+# (dynamo's frames, AOTAutograd's forward and backward), the optimizer
+HOST_EVENTS = ("flashgen::", "Torch-Compiled Region", "CompiledFunction", "Optimizer.step", "aten::_foreach",
+               "autograd::engine")
 
 
 SYNC_EVENTS = ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "cudaStreamSynchronize",

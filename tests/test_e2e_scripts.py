@@ -88,6 +88,10 @@ def test_gpt2_compiled_smoke(tmp_path):
         total = next(x for x in prof if x["name"] == "(all kernels)")
         top = [x for x in prof if not x["name"].startswith("(")]
         assert top and all(x["ms_per_step"] > 0 for x in top) and total["ms_per_step"] >= top[0]["ms_per_step"]
+    # ... and the host time inside each flashgen op (fgen's run only)
+    host = [x for x in runs["fgen"]["profile"] if x["name"].startswith("(host) flashgen::")]
+    assert host and all(x["ms_per_step"] > 0 and x["calls_per_step"] > 0 for x in host), runs["fgen"]["profile"]
+    assert not [x for x in runs["sdpa"]["profile"] if x["name"].startswith("(host) flashgen::")]
     assert runs["fgen"]["graph_breaks"] <= runs["sdpa"]["graph_breaks"], runs
     # no attention call counted; only the packed-sequence block classification, which runs at run
     # time: with dynamo alone (no AOTAutograd, so no common-subexpression pass) once per layer and
