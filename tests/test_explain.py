@@ -164,16 +164,17 @@ def test_standard_hbm_bytes_formula():
 
 
 def test_dense_backward_bytes_hand_count():
-    # sm_90a, d = 64: backward tile 64 queries x 128 keys, on sm80 (the table's 64x8x1x2) and on
-    # sm90 (its family default: two consumer warpgroups of 64 keys, each adding its own dQ
-    # partial, so twice the dQ atomics). N = 256: 2 key tiles, each visited by 4 query tiles of
-    # 64 rows; 1 batch, 1 head, no GQA split.
+    # sm_90a, d = 64: backward tile 64 queries x 128 keys on sm80 (the table's 64x8x1x2), 128 x
+    # 128 on sm90 (its family default for a spec without score expression: two consumer
+    # warpgroups of 64 keys, each adding the dQ of its 64 of the 128 rows over all 128 keys, one
+    # partial per row). N = 256: 2 key tiles, each visited by query tiles of 512 rows in all
+    # (4 of 64 rows, or 2 of 128); 1 batch, 1 head, no GQA split.
     n, d, e = 256, 64, 2
-    for fam, origin, dq_adds in (("sm80", "table", 1), ("sm90", "family default", 2)):
+    for fam, origin, bm, dq_adds in (("sm80", "table", 64, 1), ("sm90", "family default", 128, 1)):
         with flashgen.use_family(fam):
             rep = ex.explain(SPECS / "dense.attn", n, head_dim=d, arch="sm_90a", backward=True)
         bwd = rep.tiles["bwd"]
-        assert (bwd.block_m, bwd.block_n, bwd.origin) == (64, 128, origin)
+        assert (bwd.block_m, bwd.block_n, bwd.origin) == (bm, 128, origin)
         visited_rows = 2 * 4 * 64
         want = (2 * e * d * n + 4 * n + 4 * d * n  # preprocess: O, dO; D; zero dq_accum
                 + 2 * e * d * n  # K, V once per key tile
@@ -682,10 +683,11 @@ def test_report_names_the_family_that_serves_the_call(capsys):
     assert rep.family_why.startswith("sm90 (the first family that serves the call")
     both = ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True)
     assert both.family == "sm90" and both.tiles["fwd"].block_n == 128  # the forward's family and tile
-    # causal at d 64: the sm90 backward serves it, with its own tile (128 keys x 64-row query tiles)
+    # causal at d 64: the sm90 backward serves it, with its own tile (128 keys x 128-row query tiles)
     assert any("backward: the sm90 family" in n for n in both.notes)
     bt = both.tiles["bwd"]
-    assert (bt.block_m, bt.block_n, bt.warps) == (64, 128, 12) and bt.smem_bytes == sm90.bwd_smem_bytes(64)
+    assert (bt.block_m, bt.block_n, bt.warps) == (128, 128, 12)
+    assert bt.smem_bytes == sm90.bwd_smem_bytes(64, block_m=128) > sm90.bwd_smem_bytes(64)
     with flashgen.use_family("sm90"):
         assert ex.explain(SPECS / "causal.attn", 256, head_dim=64, arch="sm_90a", backward=True).family == "sm90"
     # ALiBi (a score expression and a parameter) at d 64: the sm90 backward too; at d 256 its

@@ -89,13 +89,16 @@ def test_sm90_backward_serves_every_spec(name, d, dtype):
         inst = families.get("sm90").instantiation(spec, "sm_90a", dtype, d, packed=packed, sparse=sparse)
         cfg = dict(inst.config)
         assert inst.kinds == ("fwd", "bwd") and "fwd_only" not in cfg
-        assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (64, 2)
+        # 128 query rows per step at d 64 for specs without a score expression, dropout or
+        # parameter gradients (sm90.bwd_block_m), else 64
+        plain = spec.score is None and not spec.dropout and not op.grad_params
+        assert (cfg["bwd90_block_m"], cfg["bwd90_stages"]) == (128 if d == 64 and plain else 64, 2), (name, d)
         text = inst.sources()[inst.source_name("bwd")]
         assert '#include "flashgen/sm90/bwd.cuh"' in text
         flag = lambda x: "true" if x else "false"  # noqa: E731
         assert f"FgBwdTile, {flag(packed)}, {flag(sparse)}>(*args)" in text
-        # the backward's q lists are at its own tiles: 128 keys x 64-row query tiles
-        assert families.get("sm90").block_tiles(lambda: cfg, (128, 128))[2:4] == (128, 64)
+        # the backward's q lists are at its own tiles: 128 keys x its query rows
+        assert families.get("sm90").block_tiles(lambda: cfg, (128, 128))[2:4] == (128, cfg["bwd90_block_m"])
 
 
 @pytest.mark.parametrize(("spec", "d", "feats", "kw", "lacks"), [

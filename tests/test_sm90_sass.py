@@ -170,9 +170,12 @@ def test_sm90_packed_fwd_sass_takes_work_by_atomic(sm90_packed_unit):
 # in 240 registers (docs/perf-notes.md).
 BWD_UNITS = [("causal", 128, False), ("dense", 64, False), ("alibi", 64, False), ("alibi", 128, False),
              ("causal", 128, True)]
-BWD_SPILL_BYTES = {("causal", 128, False): 84, ("dense", 64, False): 84, ("alibi", 64, False): 84,
+BWD_SPILL_BYTES = {("causal", 128, False): 84, ("dense", 64, False): 196, ("alibi", 64, False): 84,
                    ("alibi", 128, False): 192, ("causal", 128, True): 232}
-BWD_CONSUMER_LOCAL = {("alibi", 128, False): 56}
+# dense d 64 runs 128-row query tiles (sm90.bwd_block_m): a few words of its consumers' state
+# spill (8 local-memory instructions, one of them between the step's wgmmas), measured faster
+# than 64-row tiles without spills (docs/perf-notes.md).
+BWD_CONSUMER_LOCAL = {("alibi", 128, False): 56, ("dense", 64, False): 8}
 
 
 @pytest.fixture(scope="module", params=BWD_UNITS, ids=[f"{n}-d{d}{'-packed' if pk else ''}" for n, d, pk in BWD_UNITS])

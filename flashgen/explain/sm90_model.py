@@ -46,8 +46,8 @@ def describe(call: ModelCall) -> FamilyPart:
         bcall = replace(bcall, features=bcall.features | {"sparse"})
     why = sm90.FAMILY.declines(call.spec, bcall)
     if why is None:
-        bbm, bbn = sm90.BWD_BLOCK_M[call.head_dim], sm90.BWD_BLOCK_N
-        bwd = TileReport(bbm, bbn, 12, "family default", sm90.bwd_smem_bytes(call.head_dim), None,
+        bbm, bbn = sm90.bwd_block_m(call.spec, call.head_dim), sm90.BWD_BLOCK_N
+        bwd = TileReport(bbm, bbn, 12, "family default", sm90.bwd_smem_bytes(call.head_dim, block_m=bbm), None,
                          "not modelled (setmaxnreg: 240 per consumer thread, 24 per producer thread)",
                          f"{bbn} keys x {bbm}-row query tiles, {sm90.BWD_STAGES} Q/dO stages, 1 producer + 2 "
                          "consumer warpgroups (sm90 backward)")

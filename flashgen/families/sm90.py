@@ -320,17 +320,28 @@ def default_tiles(spec: ir.Spec, head_dim: int, sparse: bool = False, three: boo
 # query heads of their kv head through a BWD_STAGES-deep TMA ring. It serves every spec at these
 # head dims in the padded and packed layouts; every other backward call runs on sm80
 # (``backward_reason``).
-BWD_BLOCK_M = {64: 64, 128: 64}  # 128 rows at d 64 spill (28 B): S^T, dP^T of 64 fp32 each
+BWD_BLOCK_M = {64: 64, 128: 64}  # query rows per step by head dim, except where bwd_block_m says 128
 BWD_STAGES = 2
 BWD_BLOCK_N = 128  # keys per CTA
 
 
-def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES) -> int:
+def bwd_block_m(spec: ir.Spec, head_dim: int) -> int:
+    """Query rows per backward step for ``spec`` at ``head_dim``: 128 at d 64 for specs without a
+    score expression, dropout or parameter gradients (S^T and dP^T of 64 fp32 each beside dK, dV
+    and the dQ block: ptxas keeps them in 240 registers with a few spilled words, and the larger
+    tile halves the steps per key tile), else BWD_BLOCK_M (64: ALiBi's hooks spill heavily at
+    128 rows)."""
+    if head_dim == 64 and spec.score is None and not spec.dropout and not expr.grad_params(spec):
+        return 128
+    return BWD_BLOCK_M[head_dim]
+
+
+def bwd_smem_bytes(head_dim: int, stages: int = BWD_STAGES, block_m: int | None = None) -> int:
     """Dynamic shared memory of one sm90 backward CTA in bytes (sm90/bwd.cuh's layout): K and V
     of the key tile, the Q and dO rings, two dS buffers, the fp32 dQ staging of the dQ writer
     (one query tile, two at d 64 with 64-row tiles), the LSE and D rings, the mbarriers
     (5 + 2 · stages), the writer's 32-byte slot and 1024 bytes of alignment slack."""
-    bm, panels = BWD_BLOCK_M[head_dim], head_dim // 64
+    bm, panels = block_m or BWD_BLOCK_M[head_dim], head_dim // 64
     kv = 2 * panels * BWD_BLOCK_N * 128
     q_do = 2 * stages * panels * bm * 128
     ds = 2 * (BWD_BLOCK_N // 64) * bm * 128
@@ -437,7 +448,7 @@ class Sm90Family(Family):
             cfg["sparse"] = 1
         check_tiles(cfg, head_dim)
         if serves_backward(spec, head_dim, packed, sparse):
-            cfg.update(bwd90_block_m=BWD_BLOCK_M[head_dim], bwd90_stages=BWD_STAGES)
+            cfg.update(bwd90_block_m=bwd_block_m(spec, head_dim), bwd90_stages=BWD_STAGES)
         else:
             cfg["fwd_only"] = 1
         if packed:

@@ -671,7 +671,11 @@ struct Sm90Bwd {
         // (C7512, "insufficient register resources") to merge the in-flight accumulators.
         uint32_t ap[kBlockM / 16][4], ads[kBlockM / 16][4];
         bool bare = false;
-        if constexpr (!Variant::kHasScoreMod && !Variant::kHasDropout) bare = !need_mask && P.split_waits;
+        // (not at 128-row tiles of d 64: its fp32 P, dP^T and both accumulators would overlap the
+        // register file, and ptxas would serialise every wgmma of the kernel)
+        if constexpr (!Variant::kHasScoreMod && !Variant::kHasDropout && !(kBlockM == 128 && kD == 64)) {
+          bare = !need_mask && P.split_waits;
+        }
         ptx::wgmma_wait<1>();
         fence_acc(st);
         if (bare) {
