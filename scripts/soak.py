@@ -61,7 +61,7 @@ def rss_bytes() -> int:
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Specs whose parameters index queries and keys by one size (the random shapes keep Nq = Nk).
-EQUAL_SEQLENS = ("document", "transformers_packed")
+EQUAL_SEQLENS = ("document", "transformers_packed", "transformers_packed_plain")
 
 
 def _dtypes(device: str, names: str | None = None):

@@ -288,10 +288,10 @@ def params_for(name: str, B: int, Hq: int, cap: int, device, g: torch.Generator)
     if name == "transformers":
         return {"key_mask": (torch.rand(B, cap, generator=g) > 0.2).to(device), "left": 9, "right": 2,
                 "softcap": 20.0}
-    if name == "transformers_packed":
+    if name in ("transformers_packed", "transformers_packed_plain"):
         cut = torch.randint(1, cap, (B, 1), generator=g)
-        return {"seq_id": (torch.arange(cap) >= cut).to(torch.int32).to(device), "left": 9, "right": 0,
-                "softcap": 20.0}
+        p = {"seq_id": (torch.arange(cap) >= cut).to(torch.int32).to(device), "left": 9, "right": 0}
+        return p | {"softcap": 20.0} if name == "transformers_packed" else p
     return make_params(name, B, Hq, cap, cap, device, g, variant=1)
 
 

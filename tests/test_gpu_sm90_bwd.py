@@ -214,6 +214,23 @@ def test_every_example_spec_on_the_sm90_backward(_examples_built, name, d):
             variant_cases.run_case(name, B, Hq, Hkv, nq, nk, d, dtype, device="cuda", seed=50 + i, variant=i)
 
 
+@pytest.mark.parametrize("name", ["transformers_packed", "transformers_packed_plain"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_transformers_packed_specs_on_the_sm90_backward(name, d):
+    """The specs flashgen.integrations.transformers runs compiled training on (packed sequence
+    ids, windows; soft-capping in one, 128-row backward query tiles at d 64 in the other), with
+    their per-call block lists, against the float64 reference."""
+    fop = variant_cases.op(name)
+    assert fop.family_for("cuda", torch.bfloat16, d, sparse=True, backward=True).family.name == "sm90"
+    for i, (nq, nk) in enumerate(SPEC_SEQLENS):
+        if nq != nk:
+            continue
+        B, Hq, Hkv = SPEC_LAYOUTS[i % len(SPEC_LAYOUTS)]
+        with flashgen.use_family("sm90"):
+            variant_cases.run_case(name, B, Hq, Hkv, nq, nk, d, (torch.bfloat16, torch.float16)[i % 2],
+                                   device="cuda", seed=80 + i, variant=i)
+
+
 @pytest.mark.parametrize("name", ["dropout", "alibi", "window_softcap"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_dropout_on_the_sm90_backward(name, d):

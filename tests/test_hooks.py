@@ -176,7 +176,7 @@ def _block(spec, values):
 def test_keep_matches_reference_and_ranges_are_sound(libs, name):
     spec, lib = ALL[name], libs[name]
     for nq, nk in ((1, 1), (9, 9), (13, 7), (6, 17)):
-        if name in ("document", "transformers_packed") and nq != nk:  # ids of queries and keys
+        if name in ("document", "transformers_packed", "transformers_packed_plain") and nq != nk:  # ids of queries and keys
             continue
         B, H = 2, 3
         for params in _settings(spec, B, H, nq, nk, seed=nq * 100 + nk):
@@ -285,7 +285,8 @@ def test_hooks_exact_at_far_positions(libs, name):
 # Masks that keep one interval of keys per row are recognised (the CUDA forward then compares
 # two bounds per element instead of evaluating the mask); masks that may not are not.
 ROW_EXACT = {"dense": True, "causal": True, "sliding_window": True, "prefix_lm": True, "key_padding": True,
-             "gemma": True, "alibi": True, "document": False, "transformers_packed": False, "blocks": False, "band": False, "sinks": False,
+             "gemma": True, "alibi": True, "document": False, "transformers_packed": False,
+             "transformers_packed_plain": False, "blocks": False, "band": False, "sinks": False,
              "flip": False, "wide": False, "chunked": True,
              "chunked_lit": False}  # flip: 2 * kv is not a unit-coefficient bound
 

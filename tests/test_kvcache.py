@@ -40,9 +40,10 @@ def params_for(name: str, g: torch.Generator) -> dict:
         return {"left": 6, "right": 0}
     if name == "transformers":
         return {"key_mask": torch.rand(B, CAP, generator=g) > 0.2, "left": 9, "right": 2, "softcap": 20.0}
-    if name == "transformers_packed":  # two sequences per row, split at a random slot
+    if name in ("transformers_packed", "transformers_packed_plain"):  # two sequences per row, split at random
         cut = torch.randint(1, CAP, (B, 1), generator=g)
-        return {"seq_id": (torch.arange(CAP) >= cut).to(torch.int32), "left": 9, "right": 0, "softcap": 20.0}
+        p = {"seq_id": (torch.arange(CAP) >= cut).to(torch.int32), "left": 9, "right": 0}
+        return p | {"softcap": 20.0} if name == "transformers_packed" else p
     return make_params(name, B, HQ, CAP, CAP, "cpu", g, variant=1)
 
 

@@ -186,7 +186,8 @@ def test_packed_sequences_match_eager(name):
 def test_training_under_torch_compile_runs_flashgen(monkeypatch):
     """Under torch.compile transformers always builds packed sequence ids from position_ids in
     training (its packing check is data-dependent): the backend runs them as a padded call with
-    per-token sequence ids (specs/transformers_packed.attn, no host read) instead of falling back;
+    per-token sequence ids (specs/transformers_packed_plain.attn for Mistral's layers, without
+    soft-capping or dropout; no host read) instead of falling back;
     logits and gradients equal eager attention's, packed rows included. The model traces without a
     graph break (the mask pattern is read from the mask function's torch calls, not its closure),
     each attention call is the registered op in the graph, and nothing is added to call_counts
@@ -217,7 +218,7 @@ def test_training_under_torch_compile_runs_flashgen(monkeypatch):
         warnings.simplefilter("always")
         logits, grads = go("fgen", torch.compile(m, backend=backend))
     assert not [w for w in seen if "flashgen" in str(w.message)], [str(w.message) for w in seen]  # no fallback
-    assert backend.calls == {"transformers_packed": 2} and not backend.sdpa, backend.calls  # two layers, in graph
+    assert backend.calls == {"transformers_packed_plain": 2} and not backend.sdpa, backend.calls  # two layers, in graph
     # one block classification for the step's forward and backward of both layers (the lists op's
     # calls, identical in every layer, merged by AOTAutograd's common-subexpression pass)
     assert fg_hf.block_list_calls == {"transformers_packed": 1}, dict(fg_hf.block_list_calls)

@@ -17,7 +17,8 @@ from flashgen import check
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 EXAMPLES = ("sliding_window", "alibi", "softcap", "prefix_lm", "document", "key_padding", "bias",
             "relative_bias", "gemma")
-EQUAL_SEQLENS_ONLY = {"document"}  # document ids index both q and kv: seqlen_q must equal seqlen_k
+# document / sequence ids index both q and kv: seqlen_q must equal seqlen_k
+EQUAL_SEQLENS_ONLY = {"document", "transformers_packed", "transformers_packed_plain"}
 
 _ops: dict[str, flashgen.AttentionOp] = {}
 
@@ -61,6 +62,10 @@ def make_params(name: str, B: int, Hq: int, Nq: int, Nk: int, device, g: torch.G
         return {"max_distance": md, "rel": torch.randn(Hq, 2 * md + 1, **cpu).to(device)}
     if name == "gemma":
         return {"window": (32, 5)[variant % 2], "softcap": (2.0, 50.0)[variant % 2]}
+    if name in ("transformers_packed", "transformers_packed_plain"):  # up to 3 packed sequences per row
+        ids = torch.randint(0, 3, (B, Nk), **cpu).sort(-1).values.to(torch.int32)
+        p = {"seq_id": ids.to(device), "left": (1 << 30, 40)[variant % 2], "right": (0, 0, 1 << 30)[variant % 3]}
+        return p | {"softcap": (0.0, 20.0)[variant % 2]} if name == "transformers_packed" else p
     raise KeyError(name)
 
 

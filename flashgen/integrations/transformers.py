@@ -54,9 +54,11 @@ each attention call is its spec's registered torch op in the graph, and ``call_c
 only calls that run eagerly.
 
 The specs it uses, ``specs/transformers_window.attn`` (no padding, no soft-capping),
-``specs/transformers.attn`` (a key mask and ``softcap``) and ``specs/transformers_packed.attn``
-(sequence ids, under torch.compile), are compiled once per process, at the first call that needs
-each, or together by ``build()``.
+``specs/transformers.attn`` (a key mask and ``softcap``), ``specs/transformers_packed.attn``
+(sequence ids, under torch.compile) and ``specs/transformers_packed_plain.attn`` (its mask alone,
+for layers without soft-capping and dropout: on sm90 its backward takes 128-row query tiles at
+head_dim 64), are compiled once per process, at the first call that needs each, or together by
+``build()``.
 """
 
 from __future__ import annotations
@@ -82,7 +84,8 @@ from . import transformers_blocks
 # A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
 UNBOUNDED = 1 << 30
 
-SPECS = ("transformers", "transformers_window", "transformers_packed")
+SPECS = ("transformers", "transformers_window", "transformers_packed", "transformers_packed_plain")
+PACKED_SPECS = ("transformers_packed", "transformers_packed_plain")  # sequence ids, with block lists
 
 # Calls per path since the process started: spec names, and "fallback:<function>" (for tests and
 # for checking which path a model's layers take). Only calls that run eagerly count: while
@@ -159,10 +162,10 @@ def build(device: torch.device | str = "cpu", dtypes=None, head_dims=None) -> No
     layouts = ("padded", "packed")
     dev = as_device(device)
     with ThreadPoolExecutor(len(SPECS) + 1) as pool:
-        # the packed-sequence spec runs with block lists (transformers_blocks): its block-sparse kernels too
+        # the packed-sequence specs run with block lists (transformers_blocks): their block-sparse kernels too
         jobs = [pool.submit(op(n).build, device, dtypes, head_dims, layouts=layouts,
-                            sparse=(False, True) if n == "transformers_packed" else (False,),
-                            decode=n != "transformers_packed") for n in SPECS]
+                            sparse=(False, True) if n in PACKED_SPECS else (False,),
+                            decode=n not in PACKED_SPECS) for n in SPECS]
         if dev.type == "cuda":  # the classifier flashgen.block_mask runs for those lists (transformers_blocks)
             jobs.append(pool.submit(classifier_library, op("transformers_packed"), dev))
         for job in jobs:
@@ -750,7 +753,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             key, value = key[:, :, :nk], value[:, :, :nk]
     _, left, right = _window(module, is_causal, sliding_window)
     general = mask is not None or softcap is not None
-    name = "transformers_packed" if seq_ids is not None else "transformers" if general else "transformers_window"
+    if seq_ids is not None:  # without soft-capping or dropout: the mask alone (faster backward tiles on sm90)
+        name = "transformers_packed" if softcap or dropout else "transformers_packed_plain"
+    else:
+        name = "transformers" if general else "transformers_window"
     params = {"left": left, "right": right}
     run = {"scale": scaling}
     if dropout:
@@ -764,7 +770,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         cu_q, cu_k, mq, mk = packed
         run.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=mq, max_seqlen_k=mk)
     if seq_ids is not None:
-        params.update(seq_id=seq_ids, softcap=float(softcap) if softcap else 0.0)
+        params["seq_id"] = seq_ids
+        if name == "transformers_packed":
+            params["softcap"] = float(softcap) if softcap else 0.0
     elif general:
         if mask is None:
             width = packed[3] if packed is not None else nk
@@ -780,8 +788,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         out = op(name).with_kvcache(query, key, value, cache_seqlens=lens, scale=scaling, **params)
         return out.transpose(1, 2), None
     if seq_ids is not None and transformers_blocks.enabled():
-        out = transformers_blocks.packed_attention(op("transformers_packed"), q, k, v, scaling,
-                                                   float(dropout or 0.0), params)
+        out = transformers_blocks.packed_attention(op(name), q, k, v, scaling, float(dropout or 0.0), params)
         return out.transpose(1, 2), None
     out = op(name)(q, k, v, **run, **params)
     if packed is not None:

@@ -1,4 +1,5 @@
-"""Block lists of ``specs/transformers_packed.attn`` under torch.compile, one classification per
+"""Block lists of ``specs/transformers_packed.attn`` and ``specs/transformers_packed_plain.attn``
+(the same mask without soft-capping or dropout) under torch.compile, one classification per
 training step (flashgen.integrations.transformers).
 
 Under torch.compile transformers hands every training call packed-sequence ids, which the
@@ -89,30 +90,38 @@ def enabled() -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _meta(device: str, dtype: torch.dtype, head_dim: int, gqa: bool, grad: bool, dropout: bool,
+def _meta(name: str, device: str, dtype: torch.dtype, head_dim: int, gqa: bool, grad: bool, dropout: bool,
           deterministic: bool) -> tuple[int, ...]:
-    """The tiles of ``_lists`` and the op's ``block_meta`` for a call on ``device``: (fr, fc, br,
-    bc, dr, dc, full_kept, dq lists used), the families' tiles of ``runtime.blocks.list_tiles``,
-    computed once when torch.compile traces the call (it may load the libraries) and a constant
-    of the graph."""
-    o = _op[0](SPEC)
+    """The tiles of ``_lists`` and the op's ``block_meta`` for a call of spec ``name`` on
+    ``device``: (fr, fc, br, bc, dr, dc, full_kept, dq lists used), the families' tiles of
+    ``runtime.blocks.list_tiles``, computed once when torch.compile traces the call (it may load
+    the libraries) and a constant of the graph."""
+    o = _op[0](name)
     _, bfam, tl = blocks.list_tiles(o, torch.device(device), dtype, head_dim, False, (BLOCK, BLOCK), grad, dropout,
                                     gqa, deterministic)
     return (*tl, int(not mask_has_float(o.spec)), int(grad and bfam.dq_lists))
 
 
 def packed_attention(o: AttentionOp, q, k, v, scale, dropout_p: float, params: dict) -> torch.Tensor:
-    """The packed-sequence spec's call (q, k, v [B, H, N, d]; ``params``: seq_id, left, right,
-    softcap): its registered op with the lists of ``flashgen::hf_packed_block_lists`` instead of
-    lists classified per call. Returns out [B, H, N, d]."""
+    """A packed-sequence spec's call (q, k, v [B, H, N, d]; ``o``: the op of
+    specs/transformers_packed.attn, ``params`` seq_id, left, right, softcap, or of
+    specs/transformers_packed_plain.attn, ``params`` seq_id, left, right, dropout_p 0): its
+    registered op with the lists of ``flashgen::hf_packed_block_lists`` (the same mask, classified
+    once) at its own tiles instead of lists classified per call. Returns out [B, H, N, d]."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    fr, fc, br, bc, dr, dc, full_kept, use_dq = _meta(str(q.device), q.dtype, q.shape[-1], q.shape[1] != k.shape[1],
-                                                      grad, dropout_p > 0, torch.are_deterministic_algorithms_enabled())
+    fr, fc, br, bc, dr, dc, full_kept, use_dq = _meta(o.spec.name, str(q.device), q.dtype, q.shape[-1],
+                                                      q.shape[1] != k.shape[1], grad, dropout_p > 0,
+                                                      torch.are_deterministic_algorithms_enabled())
     seq_id, left, right = params["seq_id"], params["left"], params["right"]
     block_kv, block_q, block_dq = torch.ops.flashgen.hf_packed_block_lists(
         seq_id, left, right, [fr, fc, br, bc, dr, dc, int(grad), use_dq])
-    drop = (dropout_p, dropout_state(None, q.device) if dropout_p else None)
-    out, _ = o.torch_op(q, k, v, scale, False, seq_id, left, right, params["softcap"], *drop,
+    if o.spec.dropout:  # transformers_packed: softcap, then the dropout arguments
+        rest = (params["softcap"], dropout_p, dropout_state(None, q.device) if dropout_p else None)
+    elif dropout_p:
+        raise ValueError(f"dropout_p: {o.spec.name} has no dropout (got {dropout_p})")
+    else:
+        rest = ()
+    out, _ = o.torch_op(q, k, v, scale, False, seq_id, left, right, *rest,
                         cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                         block_kv=block_kv, block_q=block_q if grad else None,
                         block_dq=block_dq if use_dq else None, block_meta=[fr, fc, br, bc, dr, dc, full_kept])
