@@ -201,7 +201,11 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
     losses = []
     calls_before = common.fgen_calls()
 
+    graphs = run["compiled"] and args.compile_mode in ("reduce-overhead", "max-autotune")  # CUDA graphs
+
     def step(i: int):
+        if graphs:  # a new step: the graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         for group in opt.param_groups:
             group["lr"] = lr_at(i, steps, args.lr)
         window = train[starts[i][:, None] + offs]  # [batch, seqlen]
@@ -211,7 +215,7 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach().float())
+        losses.append(out.loss.detach().float().clone())  # a copy: a graph's output is overwritten by its next run
 
     t0 = time.perf_counter()
     warm = min(args.warmup, steps - 1)
@@ -339,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dropout", type=float, default=0.0)
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--data-seed", type=int, default=0)
-    ap.add_argument("--compile-mode", default=None, help="torch.compile mode (default: torch's default)")
+    ap.add_argument("--compile-mode", default=None,
+                    help="torch.compile mode (default: torch's default; reduce-overhead / max-autotune: CUDA graphs, "
+                         "each step marked with torch.compiler.cudagraph_mark_step_begin)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend (default inductor; 'eager' traces with dynamo only: a cheap check)")
     ap.add_argument("--no-compile", action="store_true", help="run everything uncompiled")

@@ -2,7 +2,7 @@
 // spec:        dense (specs/dense.attn:2)
 // fingerprint: 55c54a4c7dc8
 // family:      sm90 bwd, dtype bf16, head_dim 64
-// config:      bwd90_block_m=64, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
+// config:      bwd90_block_m=128, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/bwd.cuh"
 
@@ -51,8 +51,8 @@ struct Variant_dense {
 };
 }  // namespace
 
-// Tile: 128 keys per CTA (two consumer warpgroups of 64) x 64 queries per step, 2 Q/dO stages (flashgen/families/sm90.py).
-using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
+// Tile: 128 keys per CTA (two consumer warpgroups of 64) x 128 queries per step, 2 Q/dO stages (flashgen/families/sm90.py).
+using FgBwdTile = flashgen::sm90::Sm90BwdTile<128, 2>;
 
 extern "C" int fg_dense_bwd_bf16_hd64(const FgBwdArgs* args) {
   return flashgen::sm90::launch_bwd<Variant_dense, __nv_bfloat16, 64, FgBwdTile, false, false>(*args);

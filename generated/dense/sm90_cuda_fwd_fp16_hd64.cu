@@ -2,7 +2,7 @@
 // spec:        dense (specs/dense.attn:2)
 // fingerprint: 55c54a4c7dc8
 // family:      sm90 fwd, dtype fp16, head_dim 64
-// config:      bwd90_block_m=64, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
+// config:      bwd90_block_m=128, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=1073741824, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 

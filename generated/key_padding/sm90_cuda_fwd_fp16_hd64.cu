@@ -2,7 +2,7 @@
 // spec:        key_padding (specs/key_padding.attn:3)
 // fingerprint: 918b4c695d36
 // family:      sm90 fwd, dtype fp16, head_dim 64
-// config:      bwd90_block_m=64, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
+// config:      bwd90_block_m=128, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/fwd.cuh"
 

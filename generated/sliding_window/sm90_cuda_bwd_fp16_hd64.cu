@@ -2,7 +2,7 @@
 // spec:        sliding_window (specs/sliding_window.attn:3)
 // fingerprint: 66c636d14730
 // family:      sm90 bwd, dtype fp16, head_dim 64
-// config:      bwd90_block_m=64, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
+// config:      bwd90_block_m=128, bwd90_stages=2, fwd_block_n=128, fwd_consumers=3, fwd_overlap=0, fwd_persistent=4096, fwd_pingpong=0, fwd_stages=2
 // arch:        chosen at build time (-gencode=arch=compute_90a,code=sm_90a (wgmma, TMA, setmaxnreg))
 #include "flashgen/sm90/bwd.cuh"
 
@@ -52,8 +52,8 @@ struct Variant_sliding_window {
 };
 }  // namespace
 
-// Tile: 128 keys per CTA (two consumer warpgroups of 64) x 64 queries per step, 2 Q/dO stages (flashgen/families/sm90.py).
-using FgBwdTile = flashgen::sm90::Sm90BwdTile<64, 2>;
+// Tile: 128 keys per CTA (two consumer warpgroups of 64) x 128 queries per step, 2 Q/dO stages (flashgen/families/sm90.py).
+using FgBwdTile = flashgen::sm90::Sm90BwdTile<128, 2>;
 
 extern "C" int fg_sliding_window_bwd_fp16_hd64(const FgBwdArgs* args) {
   return flashgen::sm90::launch_bwd<Variant_sliding_window, __half, 64, FgBwdTile, false, false>(*args);
