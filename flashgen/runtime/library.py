@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..caches import Bounded
+from . import plans
 from .checks import (
     IR_DTYPE,
     Packed,
@@ -162,11 +164,27 @@ def register(op, qualname: str):
             blocks = op.auto_blocks(fam, kind, q, k, values, packed)
         return fam, packed, blocks, scale, values
 
+    # Launch plans of calls whose metadata was validated before (runtime/plans.py).
+    fwd_plans, bwd_plans = Bounded(), Bounded()
+    op.raw_plans = (fwd_plans, bwd_plans)
+
     def forward(q, k, v, scale, deterministic, *rest):
         values, dropout = rest[:npar], rest[npar:npar + ndrop]
-        fam, packed, blocks, scale, values = checked("fwd", q, k, v, scale, values, dropout, varlen_of(rest),
-                                                     blocks_of(rest))
-        return op.launch_forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
+        varlen, lists = varlen_of(rest), blocks_of(rest)
+        key = plans.forward_key(op, q, k, v, scale, values, dropout, varlen, lists)
+        if key is not None:
+            plan = fwd_plans.get(key)
+            if plan is not None:
+                res = plans.run_forward(op, plan, q, k, v, values, lists[0])
+                if res is not None:
+                    return res
+        fam, packed, blocks, scale, values = checked("fwd", q, k, v, scale, values, dropout, varlen, lists)
+        out, lse = op.launch_forward(q, k, v, scale, values, *dropout, packed=packed, blocks=blocks, family=fam)
+        if key is not None:
+            plan = plans.forward_plan(op, fam, q, k, v, scale, blocks, bool(lists[3]), out)
+            if plan is not None:
+                fwd_plans[key] = plan
+        return out, lse
 
     op.implementation = forward
 
@@ -242,9 +260,16 @@ def register(op, qualname: str):
 
     def backward_impl(q, k, v, out, lse, dout, dlse, scale, deterministic, *rest):
         values, need_params, dropout = rest[:npar], rest[npar], rest[npar + 1:npar + 1 + ndrop]
-        fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout,
-                                                     varlen_of(rest, npar + 1 + ndrop),
-                                                     blocks_of(rest, npar + 1 + ndrop), deterministic)
+        varlen, lists = varlen_of(rest, npar + 1 + ndrop), blocks_of(rest, npar + 1 + ndrop)
+        key = plans.backward_key(op, q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, dropout,
+                                 varlen, lists)
+        if key is not None:
+            plan = bwd_plans.get(key)
+            if plan is not None:
+                return plans.run_backward(op, plan, q, k, v, out, lse, dout, dlse, deterministic, values, need_params,
+                                          lists[1], lists[2])
+        fam, packed, blocks, scale, values = checked("bwd", q, k, v, scale, values, dropout, varlen, lists,
+                                                     deterministic)
         # The raw op is callable directly: out/dout like q, lse/dlse fp32 of the forward's LSE shape,
         # one need_param_grads flag per parameter that has a gradient.
         if len(need_params) != len(op.grad_params):
@@ -264,8 +289,13 @@ def register(op, qualname: str):
                 raise ValueError(f"{name}: expected a float32 tensor of shape {what} = {want} on {q.device}, "
                                  f"got {describe_tensor(t)}")
         lse = lse.contiguous()
-        return op.launch_backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
-                            packed=packed, blocks=blocks, family=fam)
+        res = op.launch_backward(q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, *dropout,
+                                 packed=packed, blocks=blocks, family=fam)
+        if key is not None:
+            plan = plans.backward_plan(op, fam, q, k, scale, blocks, bool(lists[3]))
+            if plan is not None:
+                bwd_plans[key] = plan
+        return res
 
     for key in ("CPU", "CUDA"):
         _LIBRARY.impl(qualname + "_bwd", backward_impl, key)

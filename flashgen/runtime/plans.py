@@ -1,0 +1,168 @@
+"""Launch plans of the raw ops (``torch.ops.flashgen.<spec>`` and ``<spec>_bwd``), the calls a
+compiled graph makes: what a call with given input metadata launches, learnt from a call that
+ran the full validation, so that a later call with the same metadata skips it.
+
+A compiled training step calls each layer's forward and backward op once per step with the
+same shapes, strides, dtypes, devices and scalar arguments; only the pointers change. The full
+path validates every argument, chooses the family and library and packs the argument block
+(~30-40 µs of Python a call, measured with the launch stubbed out); a planned call builds its
+key (``forward_key`` / ``backward_key``: every property the validation and the choices read,
+except pointers), looks the plan up, and launches (``run_forward``), or hands the validated
+choices to the launcher (``run_backward``).
+
+Calls are planned only where the validation reads nothing but that metadata: the padded layout
+(a packed one's cu_seqlens are per-call tensors), no dropout (its state is per call), and
+block lists given by the caller or not used (lists the op classifies per call are per-call
+tensors). A call that cannot be planned, a pointer that is not 16-byte aligned, or a test's
+``launch.poison_outputs`` takes the full path. The key includes the environment that selects
+libraries, the forced family and the tuning generation, so a change of any of them plans anew.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import env, families
+from ..abi import FgFwdArgs
+from ..build import cache
+from . import launch
+from .checks import Blocks, dims
+
+
+def _meta(t) -> tuple | None:
+    """A tensor argument's part of a plan key (None for None)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _param(x):
+    """A spec parameter's part of a plan key: a tensor's metadata, a scalar's type and value (the
+    validation checks scalar values, and a bool must not pass for the int it equals)."""
+    if isinstance(x, torch.Tensor):
+        return _meta(x)
+    return (type(x), x)
+
+
+def _environment(op) -> tuple:
+    return (env.library_selection(), env.auto_block_mask(), families.forced_block(), op.generation())
+
+
+def forward_key(op, q, k, v, scale, values, dropout, varlen, blocks) -> tuple | None:
+    """The plan key of a raw forward call (None: not plannable: packed layout, dropout p > 0, a
+    test's poisoned outputs)."""
+    if launch.poison_outputs or any(x is not None for x in varlen) or (dropout and dropout[0]):
+        return None
+    block_kv, block_q, block_dq, meta = blocks
+    return (_meta(q), _meta(k), _meta(v), type(scale), scale, tuple(_param(x) for x in values),
+            tuple(type(x) for x in dropout), _meta(block_kv), block_q is None, block_dq is None,
+            tuple(meta), _environment(op))
+
+
+def backward_key(op, q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, dropout, varlen,
+                 blocks) -> tuple | None:
+    """The plan key of a raw backward call (None: not plannable: as ``forward_key``, and
+    deterministic mode with parameter gradients, which raises or warns at every call)."""
+    if launch.poison_outputs or any(x is not None for x in varlen) or (dropout and dropout[0]):
+        return None
+    if deterministic and any(need_params):
+        return None
+    block_kv, block_q, block_dq, meta = blocks
+    return (_meta(q), _meta(k), _meta(v), _meta(out), _meta(lse), _meta(dout), _meta(dlse), type(scale), scale,
+            bool(deterministic), tuple(_param(x) for x in values), tuple(bool(x) for x in need_params),
+            tuple(type(x) for x in dropout), block_kv is None, _meta(block_q), _meta(block_dq), tuple(meta),
+            _environment(op))
+
+
+def _float_values(op, values) -> list:
+    """The spec's parameters as the validation returns them (float parameters as float)."""
+    return [float(x) if p.kind == "float" else x for p, x in zip(op.spec.params, values, strict=True)]
+
+
+@dataclass(frozen=True)
+class RawForwardPlan:
+    """A planned raw forward: the library, the ABI block with everything but the pointers (and
+    the parameters' and block lists' pointers) filled, the LSE's shape, the family's per-call
+    fields (None: none) and the block lists' tiles (None: no lists)."""
+
+    lib: cache.LoadedLibrary
+    args: bytes
+    lse_shape: tuple[int, ...]
+    fill: Callable | None
+    lists: tuple[int, int, int] | None  # (rows, cols, full_kept) of block_kv
+
+
+def forward_plan(op, fam: families.Family, q, k, v, scale: float, blocks: Blocks | None, given_lists: bool,
+                 out: torch.Tensor) -> RawForwardPlan | None:
+    """The plan of a raw forward call that just ran validated (scale: the validated one; blocks:
+    the validated lists) on family ``fam``; None where it cannot be planned (lists classified by
+    the call itself, inputs that needed an aligned copy, empty outputs)."""
+    if blocks is not None and not given_lists:
+        return None
+    if out.numel() == 0 or (q.is_cuda and any(launch._misaligned(t) for t in (q, k, v))):
+        return None
+    B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
+    lib = op.library(fam, q.device, launch.IR_DTYPE[q.dtype], d, False, blocks is not None, max(Nq, Nk))
+    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *launch._strides(q, None), *launch._strides(k, None),
+                     *launch._strides(v, None), *launch._strides(out, None), scale, 0, None, None)
+    if q.is_cuda:
+        args.num_sms = launch.num_sms(q)
+    fields = op.launch_fields(lib)
+    lists = (blocks.meta[0], blocks.meta[1], blocks.meta[6]) if blocks is not None else None
+    return RawForwardPlan(lib, bytes(args), (B, Hq, Nq), fields.fwd if fields.fills_fwd else None, lists)
+
+
+def run_forward(op, plan: RawForwardPlan, q, k, v, values, block_kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out and lse of a raw forward launched from its plan; None when the call must take the full
+    path (a pointer not 16-byte aligned)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
+        return None
+    values = _float_values(op, values) if values else values
+    block = op.params_block(values)
+    out = torch.empty_like(q)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    args = FgFwdArgs.from_buffer_copy(plan.args)
+    args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+    if block is not None:
+        args.params = ctypes.addressof(block)
+    if plan.lists is not None:
+        args.kv_blocks = Blocks.lists(block_kv, *plan.lists)
+    if plan.fill is not None:
+        plan.fill(args, values)
+    launch.check_status(plan.lib, "fwd", launch._launch(plan.lib.fwd, args, q))
+    return out, lse
+
+
+@dataclass(frozen=True)
+class RawBackwardPlan:
+    """A planned raw backward: the validated scale, the library, and the block lists' tile
+    sizes and full_kept flag (None: no lists)."""
+
+    scale: float
+    lib: cache.LoadedLibrary
+    meta: tuple[int, ...] | None
+
+
+def backward_plan(op, fam: families.Family, q, k, scale: float, blocks: Blocks | None,
+                  given_lists: bool) -> RawBackwardPlan | None:
+    """The plan of a raw backward call that just ran validated on family ``fam``; None where it
+    cannot be planned (lists classified by the call itself)."""
+    if blocks is not None and not given_lists:
+        return None
+    B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
+    lib = op.library(fam, q.device, launch.IR_DTYPE[q.dtype], d, False, blocks is not None, max(Nq, Nk))
+    return RawBackwardPlan(scale, lib, blocks.meta if blocks is not None else None)
+
+
+def run_backward(op, plan: RawBackwardPlan, q, k, v, out, lse, dout, dlse, deterministic, values, need_params,
+                 block_q, block_dq):
+    """dq, dk, dv and the parameter gradients of a raw backward from its plan: the launcher with
+    the validated choices (it allocates the outputs and workspaces and packs the argument block)."""
+    blocks = Blocks(None, block_q, block_dq, plan.meta) if plan.meta is not None else None
+    values = _float_values(op, values) if values else values
+    return launch.launch_backward(op, q, k, v, out, lse.contiguous(), dout, dlse, plan.scale, deterministic, values,
+                                  need_params, packed=None, blocks=blocks, lib=plan.lib)
