@@ -30,6 +30,12 @@ def _get(name: str, keys: dict = {}) -> str | None:  # noqa: B006 - a cache of e
     return None if raw is None else _DECODE(raw)
 
 
+def raw(name: str) -> str | None:
+    """The variable's value as the environment holds it, unparsed (None when unset), fast: for
+    keys that must change when it does, without refusing a bad value where it is not read."""
+    return _get(name)
+
+
 def cache_dir() -> Path:
     """FLASHGEN_CACHE_DIR, else ~/.cache/flashgen: root of compiled artifacts and tuning data."""
     root = os.environ.get("FLASHGEN_CACHE_DIR")

@@ -132,3 +132,43 @@ def test_raw_calls_that_are_not_planned(monkeypatch):
     monkeypatch.setattr(flashgen.env, "library_selection", lambda: ("another",))
     causal.torch_op(q, k, v, None, False)
     assert len(fwd_plans) == 2
+
+
+def test_negative_zero_scale_is_its_own_plan():
+    """-0.0 and 0.0 are equal floats: the plans key the scale by its bits, so a -0.0 call after a
+    0.0 one runs with -0.0 (1 / score flips sign), as the full path does."""
+    op = flashgen.compile("attention inv { score = tanh(1.0 / score) }")
+    fwd_plans, _ = op.raw_plans
+    q, k, v, _ = inputs(40)
+    fwd_plans.clear()
+    op.torch_op(q, k, v, 0.0, False)
+    planned = op.torch_op(q, k, v, -0.0, False)[0]
+    fwd_plans.clear()
+    full = op.torch_op(q, k, v, -0.0, False)[0]
+    assert torch.equal(planned, full)
+    assert not torch.equal(full, op.torch_op(q, k, v, 0.0, False)[0])
+    # the eager call's own plans alike
+    op.plans.clear()
+    op(q, k, v, scale=0.0)
+    assert torch.equal(op(q, k, v, scale=-0.0), full)
+
+
+def test_a_bad_auto_block_mask_value_is_refused_only_where_read(monkeypatch):
+    """The plan key holds FLASHGEN_AUTO_BLOCK_MASK's raw value: a value the full path would refuse
+    where it reads it (CUDA per-call lists) does not fail a CPU call."""
+    op = spec_op("causal")
+    q, k, v, _ = inputs(41)
+    monkeypatch.setenv("FLASHGEN_AUTO_BLOCK_MASK", "bogus")
+    out = op.torch_op(q, k, v, None, False)[0]
+    ref = flashgen.reference.attention(op.spec, q.double(), k.double(), v.double())
+    assert (out.double() - ref).abs().max() < 1e-4
+
+
+def test_a_negated_view_is_materialised():
+    """A lazily negated view (torch._neg_view) reads as its values, on the eager path too (which
+    otherwise skips the dispatcher that materialises it)."""
+    op = spec_op("causal")
+    q, k, v, _ = inputs(42)
+    ref = op.torch_op(-q, k, v, None, False)[0]
+    assert torch.equal(op(torch._neg_view(q), k, v), ref)
+    assert torch.equal(op.torch_op(torch._neg_view(q), k, v, None, False)[0], ref)

@@ -117,6 +117,16 @@ def num_sms(t: torch.Tensor) -> int:
     return _num_sms(t.get_device()) if t.is_cuda else 0
 
 
+def misaligned(t: torch.Tensor) -> bool:
+    """``_misaligned`` for the other runtime modules (runtime/plans.py)."""
+    return _misaligned(t)
+
+
+def strides(t: torch.Tensor, packed: Packed | None = None) -> tuple[int, int, int]:
+    """``_strides`` for the other runtime modules (runtime/plans.py)."""
+    return _strides(t, packed)
+
+
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """``_aligned`` for the other runtime modules (runtime/decode.py)."""
     return _aligned(t)
@@ -180,6 +190,7 @@ def plan_key(op, q, k, v, scale, values) -> tuple:
     read, except pointers and scalar parameter values."""
     params = tuple((x.dtype, x.device, x.shape, x.stride()) if isinstance(x, torch.Tensor) else type(x)
                    for x in values) if values else ()
+    scale = scale.hex() if isinstance(scale, float) else scale  # exact bits: -0.0 and 0.0 are equal floats
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, k.dtype, k.device,
             v.dtype, v.device, scale, params, env.library_selection(), families.forced_block(), op.generation())
 
@@ -380,16 +391,19 @@ def records_grad(q, k, v, values) -> bool:
 
 def direct(q, k, v, values) -> bool:
     """Whether an eager call may run the op's implementation without the dispatcher: plain
-    tensors, nothing tracing or intercepting ops (torch.compile, a dispatch or torch-function
-    mode, functorch transforms, the profiler, autocast, whose rule the dispatcher applies:
+    tensors (not lazily negated views, which the dispatcher materialises), nothing tracing or
+    intercepting ops (torch.compile, a dispatch or torch-function mode, functorch transforms,
+    the profiler, autocast, whose rule the dispatcher applies:
     runtime/library.py). The implementation is the registered op's own, with its one
     validation, and a call that records a gradient goes through the op's own autograd
     (setup_context and backward); this only skips torch.library's dispatch, autograd wrapper
     and schema parsing (tens of microseconds a call)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return False
+    if q.is_neg() or k.is_neg() or v.is_neg():  # a lazily negated view: the dispatcher materialises it
+        return False
     return not (torch.compiler.is_compiling() or torch._C._is_any_autocast_enabled()
                 or torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
                 or torch.autograd.profiler._is_profiler_enabled
-                or any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in values))
+                or any(isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or t.is_neg()) for t in values))

@@ -48,8 +48,16 @@ def _param(x):
     return (type(x), x)
 
 
+def _scale(scale) -> tuple:
+    """The scale's part of a plan key: its exact bits (-0.0 and 0.0 are equal floats)."""
+    return (type(scale), scale.hex() if isinstance(scale, float) else scale)
+
+
 def _environment(op) -> tuple:
-    return (env.library_selection(), env.auto_block_mask(), families.forced_block(), op.generation())
+    """What selects libraries and lists besides the inputs: the variables' raw values (parsed,
+    and refused when bad, by the full path where it reads them), the forced family, the
+    generation of library choices."""
+    return (env.library_selection(), env.raw("FLASHGEN_AUTO_BLOCK_MASK"), families.forced_block(), op.generation())
 
 
 def forward_key(op, q, k, v, scale, values, dropout, varlen, blocks) -> tuple | None:
@@ -58,7 +66,7 @@ def forward_key(op, q, k, v, scale, values, dropout, varlen, blocks) -> tuple | 
     if launch.poison_outputs or any(x is not None for x in varlen) or (dropout and dropout[0]):
         return None
     block_kv, block_q, block_dq, meta = blocks
-    return (_meta(q), _meta(k), _meta(v), type(scale), scale, tuple(_param(x) for x in values),
+    return (_meta(q), _meta(k), _meta(v), _scale(scale), tuple(_param(x) for x in values),
             tuple(type(x) for x in dropout), _meta(block_kv), block_q is None, block_dq is None,
             tuple(meta), _environment(op))
 
@@ -72,7 +80,7 @@ def backward_key(op, q, k, v, out, lse, dout, dlse, scale, deterministic, values
     if deterministic and any(need_params):
         return None
     block_kv, block_q, block_dq, meta = blocks
-    return (_meta(q), _meta(k), _meta(v), _meta(out), _meta(lse), _meta(dout), _meta(dlse), type(scale), scale,
+    return (_meta(q), _meta(k), _meta(v), _meta(out), _meta(lse), _meta(dout), _meta(dlse), _scale(scale),
             bool(deterministic), tuple(_param(x) for x in values), tuple(bool(x) for x in need_params),
             tuple(type(x) for x in dropout), block_kv is None, _meta(block_q), _meta(block_dq), tuple(meta),
             _environment(op))
@@ -103,12 +111,12 @@ def forward_plan(op, fam: families.Family, q, k, v, scale: float, blocks: Blocks
     the call itself, inputs that needed an aligned copy, empty outputs)."""
     if blocks is not None and not given_lists:
         return None
-    if out.numel() == 0 or (q.is_cuda and any(launch._misaligned(t) for t in (q, k, v))):
+    if out.numel() == 0 or (q.is_cuda and any(launch.misaligned(t) for t in (q, k, v))):
         return None
     B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
     lib = op.library(fam, q.device, launch.IR_DTYPE[q.dtype], d, False, blocks is not None, max(Nq, Nk))
-    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *launch._strides(q, None), *launch._strides(k, None),
-                     *launch._strides(v, None), *launch._strides(out, None), scale, 0, None, None)
+    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *launch.strides(q, None), *launch.strides(k, None),
+                     *launch.strides(v, None), *launch.strides(out, None), scale, 0, None, None)
     if q.is_cuda:
         args.num_sms = launch.num_sms(q)
     fields = op.launch_fields(lib)
@@ -133,7 +141,7 @@ def run_forward(op, plan: RawForwardPlan, q, k, v, values, block_kv) -> tuple[to
         args.kv_blocks = Blocks.lists(block_kv, *plan.lists)
     if plan.fill is not None:
         plan.fill(args, values)
-    launch.check_status(plan.lib, "fwd", launch._launch(plan.lib.fwd, args, q))
+    launch.check_status(plan.lib, "fwd", launch.call_entry(plan.lib.fwd, args, q))
     return out, lse
 
 
