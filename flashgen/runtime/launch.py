@@ -400,10 +400,10 @@ def direct(q, k, v, values) -> bool:
     and schema parsing (tens of microseconds a call)."""
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return False
-    if q.is_neg() or k.is_neg() or v.is_neg():  # a lazily negated view: the dispatcher materialises it
-        return False
+    # (is_neg last: dynamo cannot trace it, and under torch.compile the answer is already False)
     return not (torch.compiler.is_compiling() or torch._C._is_any_autocast_enabled()
                 or torch._C._is_torch_function_mode_enabled()
                 or torch._C._len_torch_dispatch_stack() or torch._C._are_functorch_transforms_active()
                 or torch.autograd.profiler._is_profiler_enabled
-                or any(isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or t.is_neg()) for t in values))
+                or any(isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or t.is_neg()) for t in values)
+                or q.is_neg() or k.is_neg() or v.is_neg())  # a lazily negated view: the dispatcher materialises it
