@@ -316,7 +316,16 @@ def mask_names(spec: ir.Spec) -> frozenset[str]:
 @functools.cache
 def mask_has_float(spec: ir.Spec) -> bool:
     """Whether the mask computes with floats somewhere (its rounding may then differ between the
-    CPU's torch classification and the kernels' own arithmetic at a block's boundary)."""
+    CPU's torch classification and the kernels' own arithmetic at a block's boundary). Computed
+    once per Spec object (kept in its instance dict: the spec is immutable, and hashing it for a
+    cache would walk it whole)."""
+    hit = spec.__dict__.get("_mask_has_float")
+    if hit is None:
+        hit = spec.__dict__["_mask_has_float"] = _mask_has_float(spec)
+    return hit
+
+
+def _mask_has_float(spec: ir.Spec) -> bool:
     if spec.mask is None:
         return False
     scope = X.Scope({p.name: p for p in spec.params}, allow_score=True)
@@ -372,7 +381,10 @@ def lists_of(tiles: torch.Tensor) -> torch.Tensor:
 
 def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
     """Whether the spec's mask depends on the batch index b and on the query head h (a tensor
-    parameter can only vary with them through an index that names them)."""
-    if spec.mask is None:
-        return False, False
-    return X.uses(spec.mask, "b"), X.uses(spec.mask, "h")
+    parameter can only vary with them through an index that names them). Computed once per
+    Spec object, as ``mask_has_float``."""
+    hit = spec.__dict__.get("_mask_extents")
+    if hit is None:
+        hit = spec.__dict__["_mask_extents"] = (False, False) if spec.mask is None else \
+            (X.uses(spec.mask, "b"), X.uses(spec.mask, "h"))
+    return hit

@@ -209,3 +209,22 @@ def test_caret_follows_tabs():
     lines = str(e).splitlines()
     assert lines[1] == "    \tmask = kv < windw"
     assert lines[2] == "    \t" + " " * (e.column - 2) + "^"
+
+
+def test_fingerprint_and_mask_facts_are_computed_once_per_spec(monkeypatch):
+    """Spec.fingerprint (a sha256 of the canonical dump, ~0.5 ms) and the mask facts block masks
+    ask for are computed once per Spec object, and equal specs give equal fingerprints."""
+    from flashgen import sparsity
+    from flashgen.lang import ir
+
+    text = "attention d { param doc: i32[batch, seqlen_k]\n mask = doc[b, q] == doc[b, kv] }"
+    spec = frontend.parse(text)
+    calls = []
+    real = ir.canonical_json
+    monkeypatch.setattr(ir, "canonical_json", lambda s: calls.append(1) or real(s))
+    fp = spec.fingerprint()
+    assert spec.fingerprint() == fp and len(calls) == 1
+    assert frontend.parse(text).fingerprint() == fp and len(calls) == 2  # another object: its own dump
+    assert frontend.parse(text.replace("==", "!=")).fingerprint() != fp
+    assert sparsity.mask_extents(spec) == (True, False) and sparsity.mask_extents(spec) == (True, False)
+    assert sparsity.mask_has_float(spec) is False and spec.__dict__["_mask_has_float"] is False
