@@ -120,13 +120,17 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
     losses = []
     calls_before = common.fgen_calls()
 
+    graphs = not args.no_compile and args.compile_mode in ("reduce-overhead", "max-autotune")  # CUDA graphs
+
     def step(i):
+        if graphs:  # a new step: the graphs' outputs of the last one may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         with amp:
             out = fwd(input_ids=ids[i], labels=ids[i], use_cache=False)
         out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.detach().float())
+        losses.append(out.loss.detach().float().clone())  # a copy: a graph's output is overwritten by its next run
 
     t0 = time.perf_counter()
     for i in range(args.warmup):
@@ -211,6 +215,12 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
         return logits[:, -1:].argmax(-1)
 
     fn = torch.compile(decode, mode=args.gen_compile_mode, backend=args.compile_backend) if not args.no_compile else decode
+    if not args.no_compile and args.gen_compile_mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs
+        graphed = fn
+
+        def fn(tok, pos):  # each step marked, its token copied out of the graph's output buffer
+            torch.compiler.cudagraph_mark_step_begin()
+            return graphed(tok, pos).clone()
     calls_before = common.fgen_calls()
     with torch.no_grad():
         t0 = time.perf_counter()
