@@ -694,3 +694,30 @@ def test_register_rejects_reserved_names_saying_why(name, why):
     with pytest.raises(ValueError, match=re.escape(f"name: {name!r}") + ".*" + why) as e:
         fg_hf.register(name)
     assert "choose another" in str(e.value)
+
+
+def test_compiled_packed_call_takes_a_dropout_that_changes():
+    """Under torch.compile a dropout probability that changes between calls becomes a symbolic
+    float: the packed-sequence path guards on p > 0 (one graph for p 0, one for p > 0) instead of
+    failing in fullgraph mode (the tiles of its block lists are a constant of the graph)."""
+    cfg = transformers.LlamaConfig(vocab_size=100, num_hidden_layers=1, hidden_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128)
+    mod = transformers.LlamaForCausalLM(cfg).model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), \
+        torch.randn(1, 2, 12, 16, generator=g)
+    ids = torch.full((1, 12), -1, dtype=torch.int32)
+    ids[:, 5:] = -2  # two packed sequences
+
+    def f(q, k, v, m, p):
+        return fg_hf.attention_forward(mod, q, k, v, m, dropout=p, scaling=0.25)[0]
+
+    torch._dynamo.reset()
+    try:
+        cf = torch.compile(f, backend="aot_eager", fullgraph=True)
+        outs = [cf(q, k, v, ids, p) for p in (0.0, 0.1, 0.2, 0.0)]
+    finally:
+        torch._dynamo.reset()
+    assert all(torch.isfinite(o).all() for o in outs)
+    torch.testing.assert_close(outs[0], outs[3], rtol=0, atol=0)  # p 0: deterministic
+    assert not torch.equal(outs[0], outs[1])  # p 0.1 dropped something

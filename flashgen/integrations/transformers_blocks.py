@@ -109,8 +109,12 @@ def packed_attention(o: AttentionOp, q, k, v, scale, dropout_p: float, params: d
     registered op with the lists of ``flashgen::hf_packed_block_lists`` (the same mask, classified
     once) at its own tiles instead of lists classified per call. Returns out [B, H, N, d]."""
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # A branch, not the comparison itself: under torch.compile a dropout_p that changed between
+    # calls is a symbolic float, whose comparison _meta (a constant of the graph) cannot take; the
+    # branch makes dynamo guard on p > 0 instead
+    drops = True if dropout_p > 0 else False  # noqa: SIM210
     fr, fc, br, bc, dr, dc, full_kept, use_dq = _meta(o.spec.name, str(q.device), q.dtype, q.shape[-1],
-                                                      q.shape[1] != k.shape[1], grad, dropout_p > 0,
+                                                      q.shape[1] != k.shape[1], grad, drops,
                                                       torch.are_deterministic_algorithms_enabled())
     seq_id, left, right = params["seq_id"], params["left"], params["right"]
     block_kv, block_q, block_dq = torch.ops.flashgen.hf_packed_block_lists(
