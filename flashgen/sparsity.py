@@ -22,7 +22,6 @@ mask, so repeated calls with one ``BlockMask`` do no extra work and never synchr
 
 from __future__ import annotations
 
-import functools
 import numbers
 import weakref
 
@@ -306,23 +305,27 @@ def _same(have: tuple | None, now) -> bool:
     return ref() is now and tuple(rest) == _identity(now)[1:]
 
 
-@functools.cache
+def _per_spec(spec: ir.Spec, name: str, compute):
+    """A fact about ``spec`` computed once per Spec object and kept in its instance dict (the spec
+    is immutable; a functools cache would hash it, walking it whole, at every lookup)."""
+    facts = spec.__dict__
+    hit = facts.get(name)
+    if hit is None:
+        hit = facts[name] = compute(spec)
+    return hit
+
+
 def mask_names(spec: ir.Spec) -> frozenset[str]:
     """Names the spec's mask reads (positions and parameters); cached (every bound call asks)."""
-    return frozenset(n.id for n in X.walk(spec.mask) if isinstance(n, ir.Name)) if spec.mask is not None \
-        else frozenset()
+    return _per_spec(spec, "_mask_names", lambda s: frozenset(n.id for n in X.walk(s.mask) if isinstance(n, ir.Name))
+                     if s.mask is not None else frozenset())
 
 
-@functools.cache
 def mask_has_float(spec: ir.Spec) -> bool:
     """Whether the mask computes with floats somewhere (its rounding may then differ between the
-    CPU's torch classification and the kernels' own arithmetic at a block's boundary). Computed
-    once per Spec object (kept in its instance dict: the spec is immutable, and hashing it for a
-    cache would walk it whole)."""
-    hit = spec.__dict__.get("_mask_has_float")
-    if hit is None:
-        hit = spec.__dict__["_mask_has_float"] = _mask_has_float(spec)
-    return hit
+    CPU's torch classification and the kernels' own arithmetic at a block's boundary); once per
+    spec object."""
+    return _per_spec(spec, "_mask_has_float", _mask_has_float)
 
 
 def _mask_has_float(spec: ir.Spec) -> bool:
@@ -381,10 +384,6 @@ def lists_of(tiles: torch.Tensor) -> torch.Tensor:
 
 def mask_extents(spec: ir.Spec) -> tuple[bool, bool]:
     """Whether the spec's mask depends on the batch index b and on the query head h (a tensor
-    parameter can only vary with them through an index that names them). Computed once per
-    Spec object, as ``mask_has_float``."""
-    hit = spec.__dict__.get("_mask_extents")
-    if hit is None:
-        hit = spec.__dict__["_mask_extents"] = (False, False) if spec.mask is None else \
-            (X.uses(spec.mask, "b"), X.uses(spec.mask, "h"))
-    return hit
+    parameter can only vary with them through an index that names them); once per spec object."""
+    return _per_spec(spec, "_mask_extents", lambda s: (False, False) if s.mask is None else
+                     (X.uses(s.mask, "b"), X.uses(s.mask, "h")))

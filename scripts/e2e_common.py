@@ -306,6 +306,12 @@ class Budget:
         return self.left() > estimate_s
 
 
+def cuda_graphs(mode: str | None) -> bool:
+    """Whether torch.compile's ``mode`` captures CUDA graphs: a step must then be marked
+    (torch.compiler.cudagraph_mark_step_begin) and outputs kept past the next step copied out."""
+    return mode in ("reduce-overhead", "max-autotune")
+
+
 def replot(src: Path, out: Path, prefix: str, finish) -> int:
     """``--replot``: the report ``src`` (``<prefix>-<tag>.json``) read back, its table printed
     and its plots drawn into ``out`` by the script's ``finish``, and the report written there too

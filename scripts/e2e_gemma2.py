@@ -120,7 +120,7 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
     losses = []
     calls_before = common.fgen_calls()
 
-    graphs = not args.no_compile and args.compile_mode in ("reduce-overhead", "max-autotune")  # CUDA graphs
+    graphs = not args.no_compile and common.cuda_graphs(args.compile_mode)
 
     def step(i):
         if graphs:  # a new step: the graphs' outputs of the last one may be overwritten
@@ -215,7 +215,7 @@ def generate_run(args, model, impl: str, batch: int, context: int, device, dtype
         return logits[:, -1:].argmax(-1)
 
     fn = torch.compile(decode, mode=args.gen_compile_mode, backend=args.compile_backend) if not args.no_compile else decode
-    if not args.no_compile and args.gen_compile_mode in ("reduce-overhead", "max-autotune"):  # CUDA graphs
+    if not args.no_compile and common.cuda_graphs(args.gen_compile_mode):
         graphed = fn
 
         def fn(tok, pos):  # each step marked, its token copied out of the graph's output buffer

@@ -201,7 +201,7 @@ def train_run(args, run: dict, data: dict, device: torch.device, budget: common.
     losses = []
     calls_before = common.fgen_calls()
 
-    graphs = run["compiled"] and args.compile_mode in ("reduce-overhead", "max-autotune")  # CUDA graphs
+    graphs = run["compiled"] and common.cuda_graphs(args.compile_mode)
 
     def step(i: int):
         if graphs:  # a new step: the graphs' outputs of the last one may be overwritten

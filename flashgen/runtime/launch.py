@@ -117,16 +117,6 @@ def num_sms(t: torch.Tensor) -> int:
     return _num_sms(t.get_device()) if t.is_cuda else 0
 
 
-def misaligned(t: torch.Tensor) -> bool:
-    """``_misaligned`` for the other runtime modules (runtime/plans.py)."""
-    return _misaligned(t)
-
-
-def strides(t: torch.Tensor, packed: Packed | None = None) -> tuple[int, int, int]:
-    """``_strides`` for the other runtime modules (runtime/plans.py)."""
-    return _strides(t, packed)
-
-
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """``_aligned`` for the other runtime modules (runtime/decode.py)."""
     return _aligned(t)
@@ -172,67 +162,92 @@ def params_block(op, values) -> ctypes.Structure | None:
 
 @dataclass(frozen=True)
 class ForwardPlan:
-    """What an eager forward call with given input metadata launches, learnt from a validated
-    call: the library, the ABI block with everything but the pointers filled, and the LSE's
-    shape. A later call whose metadata (shapes, strides, dtypes, devices, scale, tensor
-    parameters' metadata, the environment that selects libraries, the forced family and the
-    tuning store's generation: ``plan_key``) is the same passed the same validation, so it only
-    checks what the metadata does not fix (pointer alignment, scalar parameter values)."""
+    """What a forward call with given input metadata launches, learnt from a validated call: the
+    library, the ABI block with everything but the pointers filled, the LSE's shape, the family's
+    per-call fields and the block lists' tiles. Two caches hold them: the eager call's
+    (``plan_key``: shapes, strides, dtypes, devices, scale, tensor parameters' metadata, the
+    environment that selects libraries, the forced family and the tuning store's generation; a
+    planned call still checks the scalar parameter values) and the registered op's
+    (runtime/plans.py, whose key holds the scalar values too)."""
 
     lib: cache.LoadedLibrary
     args: bytes
     lse_shape: tuple[int, ...]
     fill: Callable | None = None  # the family's per-call fields (LaunchFields.fwd), None: none
+    lists: tuple[int, int, int] | None = None  # (rows, cols, full_kept) of the call's block_kv; None: no lists
+
+
+def scale_key(scale):
+    """A scale's part of a plan key: a float by its exact bits (-0.0 and 0.0 are equal floats)."""
+    return scale.hex() if isinstance(scale, float) else scale
 
 
 def plan_key(op, q, k, v, scale, values) -> tuple:
-    """The key of ``ForwardPlan``s: every input property the validation and the library choice
-    read, except pointers and scalar parameter values."""
+    """The key of the eager call's ``ForwardPlan``s: every input property the validation and the
+    library choice read, except pointers and scalar parameter values."""
     params = tuple((x.dtype, x.device, x.shape, x.stride()) if isinstance(x, torch.Tensor) else type(x)
                    for x in values) if values else ()
-    scale = scale.hex() if isinstance(scale, float) else scale  # exact bits: -0.0 and 0.0 are equal floats
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, k.dtype, k.device,
-            v.dtype, v.device, scale, params, env.library_selection(), families.forced_block(), op.generation())
+            v.dtype, v.device, scale_key(scale), params, env.library_selection(), families.forced_block(),
+            op.generation())
 
 
-def forward_plan(op, q, k, v, scale, values, out) -> ForwardPlan | None:
-    """The plan of a padded-layout forward call that just ran validated (None where a call
-    cannot be planned: per-call block lists, inputs that needed an aligned copy, empty ones)."""
+def make_forward_plan(op, fam: families.Family, q, k, v, scale: float, blocks: Blocks | None,
+                      out: torch.Tensor) -> ForwardPlan | None:
+    """The plan of a padded-layout forward call that just ran validated on ``fam`` with the
+    validated ``scale`` and ``blocks`` (lists the call was given: their tiles go in the plan, the
+    tensor comes with each call); None for inputs that needed an aligned copy or empty outputs."""
     if out.numel() == 0 or (q.is_cuda and any(_misaligned(t) for t in (q, k, v))):
         return None
     B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
-    dtype = IR_DTYPE[q.dtype]
-    fam = op.choose_family(q.device, dtype, d, False, False, False).family
-    if fam.block_classifier and op.auto_sparse and env.auto_block_mask():
-        return None
-    lib = op.library(fam, q.device, dtype, d, False, False, max(Nq, Nk))
+    lib = op.library(fam, q.device, IR_DTYPE[q.dtype], d, False, blocks is not None, max(Nq, Nk))
     args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *_strides(q, None), *_strides(k, None),
-                     *_strides(v, None), *_strides(out, None), op.scale_for(scale, d), 0, None, None)
+                     *_strides(v, None), *_strides(out, None), scale, 0, None, None)
     if q.is_cuda:
         args.num_sms = _num_sms(q.get_device())
     fields = op.launch_fields(lib)
-    return ForwardPlan(lib, bytes(args), (B, Hq, Nq), fields.fwd if fields.fills_fwd else None)
+    lists = (blocks.meta[0], blocks.meta[1], blocks.meta[6]) if blocks is not None else None
+    return ForwardPlan(lib, bytes(args), (B, Hq, Nq), fields.fwd if fields.fills_fwd else None, lists)
 
 
-def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """out and lse of a call launched from its plan; None when the call must take the full path
-    (a pointer not 16-byte aligned, or outputs to be poisoned)."""
+def forward_plan(op, q, k, v, scale, values, out) -> ForwardPlan | None:
+    """The eager call's plan of a padded-layout forward call without block lists that just ran
+    validated (None where a call cannot be planned: per-call block lists, inputs that needed an
+    aligned copy, empty ones)."""
+    d = q.shape[-1]
+    fam = op.choose_family(q.device, IR_DTYPE[q.dtype], d, False, False, False).family
+    if fam.block_classifier and op.auto_sparse and env.auto_block_mask():
+        return None
+    return make_forward_plan(op, fam, q, k, v, op.scale_for(scale, d), None, out)
+
+
+def launch_planned(op, plan: ForwardPlan, q, k, v, values, block_kv=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out and lse of a forward launched from its plan (``values``: the checked parameters;
+    ``block_kv``: the call's lists where the plan has lists); None when the call must take the
+    full path (a pointer not 16-byte aligned, or outputs to be poisoned)."""
     if poison_outputs or (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
         return None
-    block = None
-    if values:
-        values = op.check_params(q, k, dict(zip((p.name for p in op.spec.params), values, strict=True)))
-        block = op.params_block(values)
+    block = op.params_block(values) if values else None
     out = torch.empty_like(q)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
     args = FgFwdArgs.from_buffer_copy(plan.args)
     args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
     if block is not None:
         args.params = ctypes.addressof(block)
+    if plan.lists is not None:
+        args.kv_blocks = Blocks.lists(block_kv, *plan.lists)
     if plan.fill is not None:
         plan.fill(args, values)
     check_status(plan.lib, "fwd", _launch(plan.lib.fwd, args, q))
     return out, lse
+
+
+def planned_forward(op, plan: ForwardPlan, q, k, v, values) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The eager call's ``launch_planned``: the scalar parameter values checked first (its key
+    holds only their types)."""
+    if values:
+        values = op.check_params(q, k, dict(zip((p.name for p in op.spec.params), values, strict=True)))
+    return launch_planned(op, plan, q, k, v, values)
 
 
 def launch_forward(op, q, k, v, scale: float, values=(), dropout_p: float = 0.0,

@@ -20,14 +20,11 @@ libraries, the forced family and the tuning generation, so a change of any of th
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .. import env, families
-from ..abi import FgFwdArgs
 from ..build import cache
 from . import launch
 from .checks import Blocks, dims
@@ -50,7 +47,7 @@ def _param(x):
 
 def _scale(scale) -> tuple:
     """The scale's part of a plan key: its exact bits (-0.0 and 0.0 are equal floats)."""
-    return (type(scale), scale.hex() if isinstance(scale, float) else scale)
+    return (type(scale), launch.scale_key(scale))
 
 
 def _environment(op) -> tuple:
@@ -91,58 +88,21 @@ def _float_values(op, values) -> list:
     return [float(x) if p.kind == "float" else x for p, x in zip(op.spec.params, values, strict=True)]
 
 
-@dataclass(frozen=True)
-class RawForwardPlan:
-    """A planned raw forward: the library, the ABI block with everything but the pointers (and
-    the parameters' and block lists' pointers) filled, the LSE's shape, the family's per-call
-    fields (None: none) and the block lists' tiles (None: no lists)."""
-
-    lib: cache.LoadedLibrary
-    args: bytes
-    lse_shape: tuple[int, ...]
-    fill: Callable | None
-    lists: tuple[int, int, int] | None  # (rows, cols, full_kept) of block_kv
-
-
 def forward_plan(op, fam: families.Family, q, k, v, scale: float, blocks: Blocks | None, given_lists: bool,
-                 out: torch.Tensor) -> RawForwardPlan | None:
+                 out: torch.Tensor) -> launch.ForwardPlan | None:
     """The plan of a raw forward call that just ran validated (scale: the validated one; blocks:
     the validated lists) on family ``fam``; None where it cannot be planned (lists classified by
     the call itself, inputs that needed an aligned copy, empty outputs)."""
     if blocks is not None and not given_lists:
         return None
-    if out.numel() == 0 or (q.is_cuda and any(launch.misaligned(t) for t in (q, k, v))):
-        return None
-    B, Hq, Hkv, Nq, Nk, d = dims(q, k, None)
-    lib = op.library(fam, q.device, launch.IR_DTYPE[q.dtype], d, False, blocks is not None, max(Nq, Nk))
-    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, Hkv, Nq, Nk, d, *launch.strides(q, None), *launch.strides(k, None),
-                     *launch.strides(v, None), *launch.strides(out, None), scale, 0, None, None)
-    if q.is_cuda:
-        args.num_sms = launch.num_sms(q)
-    fields = op.launch_fields(lib)
-    lists = (blocks.meta[0], blocks.meta[1], blocks.meta[6]) if blocks is not None else None
-    return RawForwardPlan(lib, bytes(args), (B, Hq, Nq), fields.fwd if fields.fills_fwd else None, lists)
+    return launch.make_forward_plan(op, fam, q, k, v, scale, blocks, out)
 
 
-def run_forward(op, plan: RawForwardPlan, q, k, v, values, block_kv) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """out and lse of a raw forward launched from its plan; None when the call must take the full
-    path (a pointer not 16-byte aligned)."""
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15:
-        return None
-    values = _float_values(op, values) if values else values
-    block = op.params_block(values)
-    out = torch.empty_like(q)
-    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
-    args = FgFwdArgs.from_buffer_copy(plan.args)
-    args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
-    if block is not None:
-        args.params = ctypes.addressof(block)
-    if plan.lists is not None:
-        args.kv_blocks = Blocks.lists(block_kv, *plan.lists)
-    if plan.fill is not None:
-        plan.fill(args, values)
-    launch.check_status(plan.lib, "fwd", launch.call_entry(plan.lib.fwd, args, q))
-    return out, lse
+def run_forward(op, plan: launch.ForwardPlan, q, k, v, values, block_kv) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """out and lse of a raw forward launched from its plan (its key holds the scalar values, so
+    they passed the validation); None when the call must take the full path (a pointer not
+    16-byte aligned)."""
+    return launch.launch_planned(op, plan, q, k, v, _float_values(op, values) if values else values, block_kv)
 
 
 @dataclass(frozen=True)
