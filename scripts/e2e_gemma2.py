@@ -157,6 +157,9 @@ def train_run(args, impl: str, seqlen: int, device, budget: common.Budget) -> di
     if impl == "fgen":
         res["fgen_calls"] = {k: v - calls_before.get(k, 0) for k, v in common.fgen_calls().items()
                              if v != calls_before.get(k, 0)}
+    if args.profile_steps and done == steps:  # after the timed steps: the figures above are untouched
+        res["profile"] = common.kernel_profile(lambda k: step(k % steps), args.profile_steps, device, top=25)
+        common.print_profile(f"{impl} {seqlen}", res["profile"])
     return res
 
 
@@ -298,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-smoke", action="store_true",
                     help="with --smoke: compile too (with --compile-backend, default 'eager': dynamo only)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 with --smoke)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after a training run's timed steps, this many more under torch.profiler: the top kernels "
+                         "by device time per step go into the JSON ('profile') and are printed (a diagnostic)")
     ap.add_argument("--time-limit", type=float, default=570.0, help="seconds; later measurements are skipped past it")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model (2 layers, width 64, head dim 16, window 8), CPU, fp32, 2 steps, no compile "
@@ -343,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
                     ("--window", args.window), ("--vocab", args.vocab)):
         if v < 1:
             raise SystemExit(f"error: {what}: expected >= 1, got {v}")
+    if not 0 <= args.profile_steps <= args.steps:
+        raise SystemExit(f"error: --profile-steps: expected 0 to --steps ({args.steps}), got {args.profile_steps}")
     if args.batch_tokens < max(seqlens):
         raise SystemExit(f"error: --batch-tokens {args.batch_tokens} is less than --train-seqlens {max(seqlens)}")
     if args.threads is not None:
