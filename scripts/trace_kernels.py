@@ -6,13 +6,13 @@ implementation's table of device kernels (and host operators) sorted by device t
     python3 scripts/trace_kernels.py --spec document --seqlen 4096 [--head-dim 128] [--backward]
         [--impls flashgen,flashgen-bm,flex] [--param NAME=VALUE ...] [--steps 3] [--device cuda]
     python3 scripts/trace_kernels.py --spec sliding_window --decode 1x4096,1x32768 --param window=4096
-        [--heads 32 --kv-heads 8]
+        [--heads 32 --kv-heads 8] [--sq 1]
 
 Prefill shapes follow ``flashgen bench`` (bf16 on CUDA, fp32 on the CPU; B = max(1, 16384 // N),
 H 16; example parameters of flashgen.params.example_params with ``--param`` overrides). A step
 is one forward, or with ``--backward`` one forward and the gradients of q, k, v for a random
 dout. ``flashgen-bm`` is the op given ``flashgen.block_mask`` of the spec (block size 128),
-built before the trace. ``--decode BxL,...``: one ``op.with_kvcache`` call per step (Sq 1, a
+built before the trace. ``--decode BxL,...``: one ``op.with_kvcache`` call per step (``--sq`` queries, a
 contiguous cache of L slots with L - 1 keys cached, H ``--heads`` / ``--kv-heads``, parameters
 sized for positions up to L as with_kvcache takes them) per shape;
 ``--impls`` is then ignored. Each table comes after ``--warmup`` untraced steps; the line above
@@ -54,6 +54,7 @@ def options(argv=None) -> argparse.Namespace:
                     help="trace op.with_kvcache at these batch x cache shapes instead")
     ap.add_argument("--heads", type=int, default=32, help="query heads of --decode")
     ap.add_argument("--kv-heads", type=int, default=8, help="KV heads of --decode")
+    ap.add_argument("--sq", type=int, default=1, help="queries per sequence of --decode (the last Sq positions)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps, then traced steps")
     ap.add_argument("--warmup", type=int, default=5, help="untraced steps first")
     ap.add_argument("--rows", type=int, default=12, help="table rows per implementation")
@@ -65,7 +66,7 @@ def options(argv=None) -> argparse.Namespace:
     bad = [x for x in a.impl_list if x not in IMPLS]
     if bad:
         ap.error(f"argument --impls: unknown implementation {bad[0]!r} (expected some of {', '.join(IMPLS)})")
-    for name in ("head_dim", "seqlen", "steps", "heads", "kv_heads", "rows"):
+    for name in ("head_dim", "seqlen", "steps", "heads", "kv_heads", "rows", "sq"):
         if getattr(a, name) < 1:
             ap.error(f"argument --{name.replace('_', '-')}: expected >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
@@ -170,14 +171,14 @@ def decode(a: argparse.Namespace) -> None:
     for B, L in a.decode:
         gen = torch.Generator(device=dev).manual_seed(0)
         kc, vc = (torch.randn(B, a.kv_heads, L, d, device=dev, dtype=dtype, generator=gen) for _ in range(2))
-        q = torch.randn(B, a.heads, 1, d, device=dev, dtype=dtype, generator=gen)
+        q = torch.randn(B, a.heads, a.sq, d, device=dev, dtype=dtype, generator=gen)
         lens = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
         pv = fg_params.example_params(op.spec, B, a.heads, L, L, dev, gen, **a.params)  # positions up to L
-        print(f"# {op.name} decode B={B} cache={L} H={a.heads}/{a.kv_heads} d={d} on {dev}")
+        print(f"# {op.name} decode B={B} cache={L} Sq={a.sq} H={a.heads}/{a.kv_heads} d={d} on {dev}")
 
         def step():
             op.with_kvcache(q, kc, vc, cache_seqlens=lens, **pv)
-        trace(f"with_kvcache B={B} L={L}", step, a)
+        trace(f"with_kvcache B={B} L={L} Sq={a.sq}", step, a)
 
 
 def main(argv=None) -> int:
