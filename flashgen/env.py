@@ -112,7 +112,8 @@ def family() -> str | None:
     return (_get("FLASHGEN_FAMILY") or "").strip() or None
 
 
-_SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TILE", "FLASHGEN_AUTOTUNE",
+_SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TILE", "FLASHGEN_CUDA_DECODE_TILE",
+              "FLASHGEN_AUTOTUNE",
               "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR")
 
 
@@ -168,6 +169,16 @@ def cuda_bwd_tile() -> tuple[tuple[str, int], ...]:
     checked by flashgen.tiles (BwdTile.legal)."""
     return _tile("FLASHGEN_CUDA_BWD_TILE", "BMxWxWDxWQ", ("bwd_block_m", "bwd_warps", "bwd_warps_d", "bwd_warps_mdq"),
                  "64x8x1x2")
+
+
+def cuda_decode_tile() -> tuple[tuple[str, int], ...]:
+    """FLASHGEN_CUDA_DECODE_TILE=BNxST (e.g. 64x3): force the sm80 decode kernel's tile (BN keys
+    per shared-memory stage, 16 per warp; ST stages) instead of the family's choice
+    (flashgen/families/sm80.py, decode_tile). For tuning experiments; each tile is a separate
+    cache entry. Returns (('decode_block_n', BN), ('decode_stages', ST)), () when unset;
+    ValueError naming the variable when it is not two integers joined by 'x'. Which tiles are
+    legal is checked by decode_tile."""
+    return _tile("FLASHGEN_CUDA_DECODE_TILE", "BNxST", ("decode_block_n", "decode_stages"), "64x3")
 
 
 def _strtol(text: str) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .. import env
 from .. import tiles as tile_rules
 from ..build import artifact
 from ..lang import ir
@@ -140,8 +141,18 @@ def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
     """The decode instantiation's config: ``decode_block_n`` keys per stage (16 per warp: 64 or
     32), ``decode_stages`` (3 or 2), ``decode_smem``. The first of 64 x 3, 64 x 2, 32 x 3,
     32 x 2 that lets two CTAs share a multiprocessor's shared memory on ``arch`` (a memory-bound
-    kernel wants bytes in flight), else the first that fits one CTA."""
+    kernel wants bytes in flight), else the first that fits one CTA. FLASHGEN_CUDA_DECODE_TILE
+    (env.cuda_decode_tile) forces another: ValueError naming it when that tile is not one (32, 64
+    or 128 keys, 2 to 4 stages, within the shared memory)."""
     optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
+    forced = dict(env.cuda_decode_tile())
+    if forced:
+        n, st = forced["decode_block_n"], forced["decode_stages"]
+        if n not in (32, 64, 128) or not 2 <= st <= 4 or decode_smem(head_dim, n, st) > optin:
+            raise ValueError(f"FLASHGEN_CUDA_DECODE_TILE: {n}x{st} is not a decode tile at head_dim {head_dim} on "
+                             f"{arch} (keys 32, 64 or 128, 2 to 4 stages, within {optin:,} B of shared memory: "
+                             f"{decode_smem(head_dim, n, st):,} B)")
+        return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": decode_smem(head_dim, n, st)}
     options = [(n, st) for n in (64, 32) for st in (3, 2)]
     fits = [o for o in options if 2 * (decode_smem(head_dim, *o) + 1024) <= optin + 1024] or \
         [o for o in options if decode_smem(head_dim, *o) <= optin] or [options[-1]]
