@@ -123,6 +123,19 @@ def test_decode_tile_fits_and_keeps_two_ctas_per_sm():
     assert sm80.decode_tile("sm_90a", 256)["decode_block_n"] == 32
 
 
+def test_decode_tile_forced_by_the_environment(monkeypatch):
+    monkeypatch.setenv("FLASHGEN_CUDA_DECODE_TILE", "128x2")
+    assert sm80.decode_tile("sm_90a", 128) == {"decode": 1, "decode_block_n": 128, "decode_stages": 2,
+                                               "decode_smem": sm80.decode_smem(128, 128, 2)}
+    assert any(v in (b"128x2", "128x2") for v in flashgen.env.library_selection())  # in the op's library key
+    for bad, why in (("128x4", "282,880 B"), ("48x3", "keys 32, 64 or 128"), ("64x5", "2 to 4 stages"),
+                     ("64", "expected BNxST")):
+        monkeypatch.setenv("FLASHGEN_CUDA_DECODE_TILE", bad)
+        with pytest.raises(ValueError, match="FLASHGEN_CUDA_DECODE_TILE") as e:
+            sm80.decode_tile("sm_90a", 128)
+        assert why in str(e.value)
+
+
 def test_family_serves_decode_where_it_has_kernels():
     spec = frontend.parse(SPECS / "causal.attn")
     fam = families.get("sm80")
@@ -251,7 +264,8 @@ def ptxas_report(text: str) -> dict[str, tuple[int, int, int]]:
 @pytest.mark.parametrize("spec, dtype, head_dim, arch", NVCC_CASES, ids=["-".join(map(str, c)) for c in NVCC_CASES])
 def test_decode_unit_compiles_without_spills(spec, dtype, head_dim, arch, tmp_path):
     """The decode unit as a build renders it compiles for its arch with a build's flags, with no
-    warning, no register spill and no stack frame in any of its three kernels."""
+    warning, no register spill and no stack frame in any of its kernels (append, attention, and
+    the combine with one and with four warps per row)."""
     from torch.utils.cpp_extension import COMMON_NVCC_FLAGS
 
     inst = families.get("sm80").decode_instantiation(frontend.parse(SPECS / f"{spec}.attn"), arch, ir.DType(dtype),
@@ -268,7 +282,7 @@ def test_decode_unit_compiles_without_spills(spec, dtype, head_dim, arch, tmp_pa
     assert "warning" not in res.stderr.lower(), res.stderr
     report = ptxas_report(res.stderr)
     kernels = {k: v for k, v in report.items() if "decode" in k}
-    assert len(kernels) == 3, report  # append, attention, combine
+    assert len(kernels) == 4, report  # append, attention, combine (1 and 4 warps a row)
     for name, (regs, st, ld) in kernels.items():
         assert st == 0 and ld == 0, f"{name} spills: {st} B stores, {ld} B loads"
         assert 0 < regs <= 255

@@ -387,3 +387,71 @@ def test_merge_minus_inf_partials_weigh_nothing():
         flashgen.merge_attention([], [])
     with pytest.raises(ValueError, match="lses: 1 entries for 2 outs"):
         flashgen.merge_attention([o1, o1], [l1])
+
+
+def test_calls_keep_none_of_their_tensors_alive(ops):
+    """A decode call (eager and through the registered op, first and repeated metadata) holds no
+    reference to its tensors afterwards: a cache that kept them would keep a CUDA graph pool's
+    allocations alive (torch.compile's mode="reduce-overhead" refuses that)."""
+    import gc
+    import weakref
+
+    op, g = ops["causal"], torch.Generator().manual_seed(5)
+    kc, vc = caches(g, CAP)
+    for call in ("eager", "op", "eager", "op"):
+        tensors = {"q": torch.randn(B, HQ, 2, D, generator=g),
+                   "cache_seqlens": torch.tensor([5, 17, 30], dtype=torch.int32),
+                   "cache_leftpad": torch.tensor([0, 2, 1], dtype=torch.int32),
+                   "k": torch.randn(B, HKV, 2, D, generator=g), "v": torch.randn(B, HKV, 2, D, generator=g)}
+        refs = {n: weakref.ref(t) for n, t in tensors.items()}
+        t = tensors
+        if call == "eager":
+            out = op.with_kvcache(t.pop("q"), kc, vc, **t)
+        else:
+            out, _ = op.torch_kvcache(t.pop("q"), kc, vc, t.pop("cache_seqlens"), None, t.pop("k"), t.pop("v"),
+                                      t.pop("cache_leftpad"), None, 0)
+        del tensors, t
+        gc.collect()
+        assert out.shape == (B, HQ, 2, D)
+        alive = [n for n, r in refs.items() if r() is not None]
+        assert not alive, f"{call} call: {alive} still referenced"
+
+
+def test_appended_keys_in_the_caches_own_memory_are_copied_first(ops):
+    """New k / v that are views of the cache they are written into (or of the other cache)
+    reach the cache as they were before the call, not as the append half-overwrote them."""
+    op = ops["causal"]
+    base = torch.arange(CAP, dtype=torch.float32).view(1, 1, CAP, 1).expand(B, HKV, CAP, D).contiguous()
+    kc, vc = base.clone(), base.clone() + 100
+    want_k, want_v = kc[:, :, 4:8].clone(), vc[:, :, 2:6].clone()
+    q = torch.randn(B, HQ, 1, D, generator=torch.Generator().manual_seed(1))
+    lens = torch.full((B,), 5, dtype=torch.int32)
+    op.with_kvcache(q, kc, vc, cache_seqlens=lens, k=kc[:, :, 4:8], v=vc[:, :, 2:6])
+    assert torch.equal(kc[:, :, 5:9], want_k) and torch.equal(vc[:, :, 5:9], want_v)
+
+
+def test_dropout_p_zero_is_accepted_and_anything_else_refused(ops):
+    op, g = ops["causal"], torch.Generator().manual_seed(2)
+    kc, vc = caches(g, CAP)
+    q = torch.randn(B, HQ, 1, D, generator=g)
+    lens = torch.tensor([3, 9, 40], dtype=torch.int32)
+    torch.testing.assert_close(op.with_kvcache(q, kc, vc, cache_seqlens=lens, dropout_p=0.0),
+                               op.with_kvcache(q, kc, vc, cache_seqlens=lens), rtol=0, atol=0)
+    for p in (0.1, True):
+        with pytest.raises(NotImplementedError, match="dropout_p"):
+            op.with_kvcache(q, kc, vc, cache_seqlens=lens, dropout_p=p)
+
+
+def test_validate_under_fullgraph_compile_names_the_argument(ops):
+    """validate=True reads device values on the host: fullgraph compilation refuses it with our
+    reason (validate=False), a plain compile breaks the graph there and still validates."""
+    op, g = ops["causal"], torch.Generator().manual_seed(3)
+    kc, vc = caches(g, CAP)
+    q = torch.randn(B, HQ, 1, D, generator=g)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, n: op.with_kvcache(q, kc, vc, cache_seqlens=n, validate=True), fullgraph=True)
+    with pytest.raises(Exception, match="pass validate=False"):
+        f(q, torch.tensor([3, 9, 40], dtype=torch.int32))
+    f = torch.compile(lambda q, n: op.with_kvcache(q, kc, vc, cache_seqlens=n, validate=True))
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        f(q, torch.tensor([3, 9, CAP + 1], dtype=torch.int32))

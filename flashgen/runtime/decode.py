@@ -129,11 +129,13 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
             saying what to do instead, unless the spec declares a parameter of that name.
         ValueError: also v_cache that is k_cache's memory in a call that writes k and v.
         NotImplementedError: autograd (an input requires grad with grad mode on: decoding is
-            inference only), ``dropout_p`` (no dropout), or a kernel family without decode
+            inference only), ``dropout_p`` other than 0 (no dropout), or a kernel family without decode
             kernels for the call (sm90; sm80 at head dims that are not multiples of 16),
             naming what it lacks.
         KernelError: the kernel reported a failure.
     """
+    if _is_zero(params.get("dropout_p")):  # eval-mode code passes dropout_p=0.0: no dropout, as asked
+        params = {n: x for n, x in params.items() if n != "dropout_p"}
     for name in ("dropout_p", "dropout_seed"):
         if name in params:
             raise NotImplementedError(f"{name}: with_kvcache is inference only and applies no dropout (a spec's "
@@ -172,7 +174,7 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
                                           "torch.no_grad() or torch.inference_mode(), or pass detached tensors")
     if validate:
         call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, num_splits)
-        check_values(call)
+        check_values_on_host(call)
     args = (q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits, *values)
     if launch.direct(q, k_cache, v_cache, values) and all(
             t is None or type(t) is torch.Tensor for t in (cache_seqlens, block_table, k, v, cache_leftpad)):
@@ -271,7 +273,8 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
                 shape = [B, Hkv, want[2] if want[2] else "seqlen_new", d]  # (k's own count once it is 4-D)
                 raise ValueError(f"{name}: expected a {q.dtype} tensor of shape [batch, kv_heads, seqlen_new, "
                                  f"head_dim] = [{', '.join(map(str, shape))}] on {device} with a contiguous last "
-                                 f"dim, got {describe_tensor(t)}")
+                                 f"dim, got {describe_tensor(t)}"
+                                 + (f" with strides {t.stride()}" if isinstance(t, torch.Tensor) else ""))
         Sn = k.shape[2]
         if Sn > capacity:
             raise ValueError(f"k: {Sn} new keys exceed the cache's capacity of {capacity} slots")
@@ -293,6 +296,18 @@ def _refuse_shared_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.numel() > 0 and k_cache.data_ptr() == v_cache.data_ptr():
         raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
                          "with the other; pass separate cache tensors (or k=None, v=None to read only)")
+
+
+def _is_zero(x) -> bool:
+    """A real number equal to 0 (not a bool, not a tensor)."""
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == 0
+
+
+@torch.compiler.disable(reason="with_kvcache(validate=True) reads cache_seqlens, cache_leftpad and block_table on "
+                               "the host; inside torch.compile(fullgraph=True) pass validate=False")
+def check_values_on_host(call: KvCall) -> None:
+    """``check_values`` outside torch.compile's graphs (the values are read on the host)."""
+    check_values(call)
 
 
 def check_values(call: KvCall) -> None:
@@ -360,6 +375,9 @@ def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, va
     block = op.params_block(values)
     paged = call.block_table is not None
     own = lib.decode is not None  # the family's decode kernels (16-byte copies: aligned q, k, v)
+    if k is not None:  # new keys or values in a cache's own memory: copied first, so the append cannot
+        caches = {k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()}  # overwrite
+        k, v = (t.clone() if t.numel() and t.untyped_storage().data_ptr() in caches else t for t in (k, v))
     if own:
         q = launch.aligned(q)
         k, v = (launch.aligned(t) if t is not None else None for t in (k, v))
@@ -409,7 +427,7 @@ def implementation_for(op):
     ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
     family (one with the 'decode' feature), the parameters, the launch."""
     spec = op.spec
-    checked: dict[tuple, KvCall] = Bounded()  # tensor metadata -> the validated call (its tensors replaced per call)
+    checked: dict[tuple, KvCall] = Bounded()  # tensor metadata -> the validated call, without its tensors
 
     def implementation(q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits,
                        *values):
@@ -423,8 +441,9 @@ def implementation_for(op):
         if call is None:
             call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
                                  num_splits)
-            if key is not None:
-                checked[key] = call
+            if key is not None:  # without this call's tensors: a cache must not keep them alive (a CUDA
+                # graph's memory pool refuses live allocations that are not its outputs)
+                checked[key] = replace(call, cache_seqlens=None, cache_leftpad=None, block_table=None)
         else:  # the same metadata passed the checks: only the metadata tensors are this call's
             if call.seqlen_new:  # (pointers are not metadata)
                 _refuse_shared_cache(k_cache, v_cache)

@@ -50,8 +50,8 @@
 //     as the copy is issued). Page indices are clamped into [0, num_pages) wherever they are
 //     used, so no value reads out of bounds; the table is read only for keys before kv_end.
 //
-//  3. decode_combine_kernel (num_splits > 1): one warp per query row merges the splits by their
-//     LSEs: M = max lse_s; w_s = exp(lse_s - M); out = sum w_s O_s / sum w_s; lse = M + log sum
+//  3. decode_combine_kernel (num_splits > 1): one warp (four from 8 splits on) per query row
+//     merges the splits by their LSEs (on sm_90 a programmatic dependent launch: launch_combine): M = max lse_s; w_s = exp(lse_s - M); out = sum w_s O_s / sum w_s; lse = M + log sum
 //     w_s. A split with lse -inf weighs 0 and its O is never read (no NaN from it); every split
 //     -inf: out 0, lse -inf; any split NaN: out and lse NaN.
 //
@@ -685,52 +685,127 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kSmem <= 80 * 1024 ? 2 :
 
 // ------------------------------------------------------------------ 3. combine
 
-template <class Element, int kHeadDim, class P>
+// kW warps per query row (4 when there are many splits, else 1: then a CTA serves 4 rows); the
+// row's warps take the splits s = part, part + kW, ... and add their sums through shared memory.
+// Each lane owns the row's 4-column chunks c = lane, lane + 32, ... The split loop is unrolled so
+// that several splits' loads are in flight at once (a row's splits are independent reads: the
+// kernel's time is their latency, not their bytes). On sm_90 the kernel is launched as a
+// programmatic dependent of the attention kernel (launch_combine): it may start while that
+// kernel's last CTAs run, and waits for its writes with griddepcontrol.wait before any read.
+template <class Element, int kHeadDim, int kW, class P>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const P p) {
-  constexpr int kD = kHeadDim;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
-  if (row >= p.rows_all) return;
+  constexpr int kD = kHeadDim, kRowsPerCta = 4 / kW, kChunks = (kD / 4 + 31) / 32;
+  __shared__ float4 part_sum[kW > 1 ? kW : 1][kW > 1 ? kD / 4 : 1];
+  __shared__ float part_stat[4][2];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, part = warp % kW;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerCta + warp / kW;
+  if (row >= p.rows_all) return;  // kW > 1: the CTA's one row, so the whole CTA leaves together
   const int S = p.splits;
+  const float* lse_row = p.lse_accum + row;
   float mx = -INFINITY;
   bool nan_row = false;
-  for (int sp = lane; sp < S; sp += 32) {
-    const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
+  for (int sp = part * 32 + lane; sp < S; sp += 32 * kW) {
+    const float x = lse_row[int64_t(sp) * p.rows_all];
     nan_row |= x != x;
     mx = fmaxf(mx, x);
   }
   mx = detail::warp_max(mx);
   nan_row = __any_sync(0xffffffffu, nan_row);
-  float wsum = 0.f;
-  for (int sp = lane; sp < S; sp += 32) {
-    const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
-    wsum += mx == -INFINITY ? 0.f : __expf(x - mx);
-  }
+  if constexpr (kW > 1) {
+    if (lane == 0) part_stat[warp][0] = mx, part_stat[warp][1] = nan_row ? 1.f : 0.f;
+    __syncthreads();
 #pragma unroll
-  for (int off = 16; off >= 1; off /= 2) wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    for (int w = 0; w < kW; ++w) mx = fmaxf(mx, part_stat[w][0]), nan_row |= part_stat[w][1] != 0.f;
+  }
+  float wsum = 0.f;
+  float4 acc[kChunks];
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (mx != -INFINITY && !nan_row) {
+    const float* o_row = p.o_accum + row * kD;
+#pragma unroll 4
+    for (int sp = part; sp < S; sp += kW) {
+      const float x = lse_row[int64_t(sp) * p.rows_all];
+      float4 v[kChunks];
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const int c = lane + 32 * j;
+        v[j] = c < kD / 4 ? *reinterpret_cast<const float4*>(o_row + int64_t(sp) * p.rows_all * kD + 4 * c)
+                          : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+      // A split of lse -inf weighs 0 and its O (zeros: an empty split writes 0) does not reach the row.
+      const bool keep = x != -INFINITY;
+      const float wgt = keep ? __expf(x - mx) : 0.f;
+      wsum += wgt;
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        if (keep)
+          acc[j].x += wgt * v[j].x, acc[j].y += wgt * v[j].y, acc[j].z += wgt * v[j].z, acc[j].w += wgt * v[j].w;
+    }
+  }
+  if constexpr (kW > 1) {
+    __syncthreads();  // part_stat read by every warp before it is reused
+    if (lane == 0) part_stat[warp][0] = wsum;
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j)
+      if (lane + 32 * j < kD / 4) part_sum[part][lane + 32 * j] = acc[j];
+    __syncthreads();
+    if (part != 0) return;
+    wsum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) wsum += part_stat[w][0];
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      const int c = lane + 32 * j;
+      if (c >= kD / 4) continue;
+      float4 t = part_sum[0][c];
+#pragma unroll
+      for (int w = 1; w < kW; ++w) {
+        const float4 u = part_sum[w][c];
+        t.x += u.x, t.y += u.y, t.z += u.z, t.w += u.w;
+      }
+      acc[j] = t;
+    }
+  }
   const bool empty = mx == -INFINITY || !(wsum > 0.f);
   const float inv = empty ? 0.f : 1.f / wsum;
   const float nanf_ = __int_as_float(0x7fffffff);
+  const float f = nan_row ? nanf_ : inv;  // NaN * anything: the row's NaN
   const int64_t i = row % p.sq, h = row / p.sq % p.heads_q, b = row / (int64_t(p.sq) * p.heads_q);
   Element* dst = p.o + b * p.o_sb + h * p.o_sh + i * p.o_sn;
-  for (int c = lane; c < kD / 4; c += 32) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (!empty && !nan_row) {
-      for (int sp = 0; sp < S; ++sp) {
-        const float x = p.lse_accum[int64_t(sp) * p.rows_all + row];
-        if (x == -INFINITY) continue;  // weighs 0: its O is never read
-        const float wgt = __expf(x - mx);
-        const float4 v = *reinterpret_cast<const float4*>(p.o_accum + (int64_t(sp) * p.rows_all + row) * kD + 4 * c);
-        acc.x += wgt * v.x, acc.y += wgt * v.y, acc.z += wgt * v.z, acc.w += wgt * v.w;
-      }
-    }
-    const float f = nan_row ? nanf_ : inv;  // NaN * anything: the row's NaN
+#pragma unroll
+  for (int j = 0; j < kChunks; ++j) {
+    const int c = lane + 32 * j;
+    if (c >= kD / 4) continue;
     uint2 v;
-    v.x = ptx::pack2<Element>(acc.x * f, acc.y * f);
-    v.y = ptx::pack2<Element>(acc.z * f, acc.w * f);
+    v.x = ptx::pack2<Element>(acc[j].x * f, acc[j].y * f);
+    v.y = ptx::pack2<Element>(acc[j].z * f, acc[j].w * f);
     *reinterpret_cast<uint2*>(dst + 4 * c) = v;
   }
   if (lane == 0) p.lse[row] = nan_row ? nanf_ : (empty ? -INFINITY : mx + __logf(wsum));
+}
+
+// Launches the combine: 4 warps per row from 8 splits on, else 1; on sm_90 and newer as a
+// programmatic dependent launch (the kernel waits for the attention kernel's writes itself).
+template <class Element, int kHeadDim, class P>
+cudaError_t launch_combine(const P& p, cudaStream_t stream, bool dependent) {
+  const bool wide = p.splits >= 8;
+  auto kernel = wide ? decode_combine_kernel<Element, kHeadDim, 4, P> : decode_combine_kernel<Element, kHeadDim, 1, P>;
+  const unsigned grid = unsigned(wide ? p.rows_all : (p.rows_all + 3) / 4);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(128);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = dependent ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
 }
 
 // ------------------------------------------------------------------ host launcher
@@ -850,8 +925,11 @@ int launch_decode(const FgFwdArgs& a) {
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "decode launch", err);
   if (splits > 1) {
-    decode_combine_kernel<Element, kHeadDim, P><<<unsigned((p.rows_all + 3) / 4), 128, 0, stream>>>(p);
-    err = cudaGetLastError();
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    const char* pdl_env = getenv("FLASHGEN_DECODE_PDL");  // =0: a plain launch (diagnostic switch)
+    err = launch_combine<Element, kHeadDim>(p, stream, major >= 9 && !(pdl_env && pdl_env[0] == '0'));
+    if (err == cudaSuccess) err = cudaGetLastError();
     if (err != cudaSuccess) return detail::fail_cuda(FG_ERR_LAUNCH, "decode combine launch", err);
   }
   return FG_OK;
