@@ -38,7 +38,11 @@ L = its length), and the ratio mixed GB/s / uniform GB/s.
 
 Timing: CUDA: an L2 flush (zeroing 256 MiB) before each timed call, CUDA events around the call,
 the median of ``reps`` calls after 3 warm-up calls (so the cache is read from HBM, not from L2);
-CPU: perf_counter around each call, median (no cache flush).
+CPU: perf_counter around each call, median (no cache flush). ``graphs=True`` (--graphs): on
+CUDA each row's call is captured once in a CUDA graph and its replays are timed the same way,
+for ours, the peers and the read-only pass alike: the kernels' rate without the host's per-call
+work (a batch-1 call of ~50 µs of kernels is otherwise host-bound in eager mode); the note says
+"CUDA graph".
 """
 
 from __future__ import annotations
@@ -299,12 +303,32 @@ def _failed(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {lines[0][:80] if lines else ''}"
 
 
-def _time_row(row: DecodeRow, fn: Callable | None, device: torch.device, reps: int) -> None:
-    """Fill row.ms and row.gbps (row.bytes over the median time) from timing ``fn``; a failure
-    goes into row.note, not raised; ``fn`` None: left untimed."""
+def graphed(fn: Callable, device: torch.device) -> Callable:
+    """``fn`` captured once in a CUDA graph (after warm-up calls on a side stream, as
+    torch.cuda.graphs asks); returns the graph's replay, which launches the same kernels on the
+    same tensors without the host's per-call work."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _time_row(row: DecodeRow, fn: Callable | None, device: torch.device, reps: int, graphs: bool = False) -> None:
+    """Fill row.ms and row.gbps (row.bytes over the median time) from timing ``fn`` (with
+    ``graphs`` on CUDA: the replays of its CUDA graph, ``graphed``); a failure goes into
+    row.note, not raised; ``fn`` None: left untimed."""
     if fn is None:
         return
     try:
+        if graphs and device.type == "cuda":
+            fn = graphed(fn, device)
+            row.note = (row.note + "; " if row.note else "") + "CUDA graph"
         row.ms = bench.time_fn(fn, device, reps=reps, flush_l2=True)  # (no flush on the CPU)
         row.gbps = row.bytes / (row.ms * 1e-3) / 1e9
     except Exception as e:  # reported on its row, not fatal
@@ -317,7 +341,7 @@ def variant_name(page_size: int, num_splits: int) -> str:
 
 def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, device: torch.device, *,
         heads: int, kv_heads: int, seqlen_q: int = 1, variants=((0, 0),), reps: int = 10,
-        include: set[str] | None = None, params: dict | None = None,
+        include: set[str] | None = None, params: dict | None = None, graphs: bool = False,
         log: Callable[[str], None] = print) -> list[DecodeRow]:
     """Time ours (one row per (page_size, num_splits) of ``variants``), the peers (``include``
     limits them; ValueError for a name that is no decode peer here, ``check_peers``) and the
@@ -351,7 +375,7 @@ def run(op: AttentionOp, shapes: list[tuple[int, int, int]], dtype: ir.DType, de
             def record(name, fn, nb, note="", page_size=0):
                 row = DecodeRow(name, B, L, H, Hkv, Sq, d, dtype.value, op.spec.name, page_size, device.type, nb,
                                 None, None, note)
-                _time_row(row, fn, device, reps)
+                _time_row(row, fn, device, reps, graphs)
                 group.append(row)
                 log(format_row(row))
 
@@ -420,7 +444,7 @@ def sequence_bytes(spec: ir.Spec, lengths: list[int], Hq: int, Hkv: int, Sq: int
 
 def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: ir.DType, device: torch.device, *,
               heads: int, kv_heads: int, seqlen_q: int = 1, variants=((0, 0),), reps: int = 10,
-              params: dict | None = None, seed: int = MIXED_SEED,
+              params: dict | None = None, seed: int = MIXED_SEED, graphs: bool = False,
               log: Callable[[str], None] = print) -> tuple[list[DecodeRow], dict]:
     """Ours on one batch of mixed cache lengths next to a uniform batch of the same total: B
     sequences with cache_seqlens = mixed_lengths(batch, capacity, seed) (``flashgen-mixed...``
@@ -472,7 +496,7 @@ def run_mixed(op: AttentionOp, batch: int, capacity: int, head_dim: int, dtype: 
                     extra = split_note(op, q, dtype, Hkv, L, s, pv)
                     row.note += f"; {extra}" if extra else ""
                     kept = row.note
-                    _time_row(row, ours, device, reps)  # a timing failure replaces the note
+                    _time_row(row, ours, device, reps, graphs)  # a timing failure replaces the note
                     row.note = kept if row.note == kept else f"{kept}; {row.note}"
                 except Exception as e:  # reported on its row, not fatal
                     row.note += f"; {_failed(e)}"

@@ -5,7 +5,7 @@ read-only pass over the same bytes, in one run on one device, sweeping page size
                                     [--heads 32 --kv-heads 8 --head-dim 128 --dtype bf16] [--sq 1[,4...]]
                                     [--param NAME=VALUE ...] [--mixed B:MAX]
                                     [--paged 0,16,256] [--splits 0] [--family sm80] [--reps 100]
-                                    [--device cuda] [--json out.json]
+                                    [--graphs] [--device cuda] [--json out.json]
 
 A thin layer over flashgen/bench_decode.py (what `flashgen bench SPEC --decode` runs; its
 docstring defines the bytes, rows and timing): this adds explicit B x cache shapes and several
@@ -98,6 +98,8 @@ def options(argv=None) -> argparse.Namespace:
     ap.add_argument("--splits", default="0", help="num_splits values to time (0: the family's choice)")
     ap.add_argument("--family", default=None, help="kernel family (default: sm80 on cuda, cpu on cpu)")
     ap.add_argument("--reps", type=int, default=100, help="timed calls per row (median)")
+    ap.add_argument("--graphs", action="store_true",
+                    help="CUDA: time the replays of each call captured in a CUDA graph (no host work per call)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--json", default=None, help="write the rows here")
     args = ap.parse_args(argv)
@@ -191,13 +193,13 @@ def main(argv=None) -> int:
                 variants = [(p, s) for p in args.pages for s in args.split_list]
                 rows += bench_decode.run(op, [(B, cap, args.head_dim)], dtype, dev, heads=args.heads,
                                          kv_heads=args.kv_heads, seqlen_q=sq, variants=variants, reps=args.reps,
-                                         params=args.params)
+                                         params=args.params, graphs=args.graphs)
             if args.mixed:
                 B, cap = args.mixed
                 variants = [(p, s) for p in args.pages for s in args.split_list]
                 got, summary = bench_decode.run_mixed(op, B, cap, args.head_dim, dtype, dev, heads=args.heads,
                                                       kv_heads=args.kv_heads, seqlen_q=sq, variants=variants,
-                                                      reps=args.reps, params=args.params)
+                                                      reps=args.reps, params=args.params, graphs=args.graphs)
                 rows += got
                 mixed.append(summary)
     extra = {}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import flashgen
 from flashgen import bench_decode, reference
+from flashgen.lang import ir
 from flashgen.cli import main
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -150,3 +151,11 @@ def test_bench_help_mentions_decode(capsys):
     assert e.value.code == 0
     for option in ("--decode", "--cache-len", "--kv-heads", "--sq", "--page-size", "--num-splits"):
         assert option in text
+
+
+def test_graphs_is_a_no_op_on_the_cpu():
+    """--graphs captures CUDA graphs; on the CPU the rows are timed as without it (no note)."""
+    op = flashgen.compile(SPECS / "causal.attn")
+    rows = bench_decode.run(op, [(1, 32, 16)], ir.DType.FP32, torch.device("cpu"), heads=2, kv_heads=1, reps=1,
+                            graphs=True, log=lambda s: None)
+    assert rows and all(r.ms is not None and r.ms > 0 and "CUDA graph" not in r.note for r in rows)
