@@ -455,3 +455,22 @@ def test_validate_under_fullgraph_compile_names_the_argument(ops):
     f = torch.compile(lambda q, n: op.with_kvcache(q, kc, vc, cache_seqlens=n, validate=True))
     with pytest.raises(ValueError, match="cache_seqlens"):
         f(q, torch.tensor([3, 9, CAP + 1], dtype=torch.int32))
+
+
+def test_planned_calls_equal_validated_calls_and_key_on_scale_and_values(ops):
+    """A repeated decode call launches from its plan (runtime/decode.py): it gives what the first,
+    fully validated call gave, and a different scale or parameter value is a different plan."""
+    op, g = ops["sliding_window"], torch.Generator().manual_seed(4)
+    kc, vc = caches(g, CAP)
+    q = torch.randn(B, HQ, 2, D, generator=g)
+    lens = torch.tensor([7, 20, 41], dtype=torch.int32)
+    first = {(w, s): op.with_kvcache(q, kc, vc, cache_seqlens=lens, window=w, scale=s, return_lse=True)
+             for w in (5, 9) for s in (None, 0.3)}
+    for (w, s), (out, lse) in first.items():
+        again = op.with_kvcache(q, kc, vc, cache_seqlens=lens.clone(), window=w, scale=s, return_lse=True)
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    outs = [o for o, _ in first.values()]
+    assert all(not torch.equal(a, b) for i, a in enumerate(outs) for b in outs[i + 1:])
+    # a bad value after a planned call of the same metadata is still refused
+    with pytest.raises(TypeError, match="window"):
+        op.with_kvcache(q, kc, vc, cache_seqlens=lens, window=5.0)

@@ -21,7 +21,7 @@ from ..abi import FgFwdArgs, FgKvCache
 from ..caches import Bounded
 from ..lang import expr as X
 from ..lang import keyrange
-from . import launch
+from . import launch, plans
 from .checks import IR_DTYPE, check_q_dtype, describe_tensor, plain_number, ranges_text
 
 MAX_PAGE_SIZE = 256
@@ -356,78 +356,123 @@ def key_span(spec, values, capacity: int, seqlen_q: int) -> int:
     return span
 
 
-def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
-                   fam, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and lse of one decode launch of a validated call (appending k / v into the cache first),
-    on ``fam``; no host synchronisation. A family with decode kernels of their own (sm80) gets
-    its split count from its launch fields (``kv_splits``: ``num_splits`` 0 chooses, 1 disables)
-    and, when it splits, the fp32 workspaces of the partial outputs and LSEs, allocated here per
-    call (args.h, FgKvCache)."""
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a decode call with given metadata launches, learnt from a validated call: the
+    library, the ABI block with every pointer null (sizes, the caches' strides and paging, the
+    scale, the split count), the workspaces' shapes, the family's per-call fields."""
+
+    lib: object
+    args: bytes
+    own: bool  # the family's decode kernels (16-byte copies: aligned pointers) rather than its forward
+    lse_shape: tuple[int, ...]
+    workspaces: tuple[tuple[int, ...], tuple[int, ...]] | None  # o_accum, lse_accum (splits > 1)
+    fill: object  # the family's LaunchFields.fwd
+    seqlen_new: int
+
+
+def make_plan(op, call: KvCall, q, k_cache, v_cache, scale: float, values, fam, num_splits: int = 0) -> DecodePlan:
+    """The plan of a validated decode call on ``fam``: a family with decode kernels of its own
+    (sm80) gets its split count from its launch fields (``kv_splits``: ``num_splits`` 0
+    chooses, 1 disables) and, when it splits, fp32 workspaces of the partial outputs and LSEs
+    (args.h, FgKvCache), allocated per call."""
     B, Hq, Sq, d = call.batch, call.heads_q, call.seqlen_q, call.head_dim
-    fill = float("nan") if launch.poison_outputs else None
-    out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
-    lse = q.new_empty((B, Hq, Sq), dtype=torch.float32)
-    if fill is not None:
-        lse.fill_(fill)
-    if B == 0 or (out.numel() == 0 and not call.seqlen_new):
-        return out, lse
     lib = op.decode_library(fam, q.device, IR_DTYPE[q.dtype], d, call.capacity)
-    block = op.params_block(values)
-    paged = call.block_table is not None
-    own = lib.decode is not None  # the family's decode kernels (16-byte copies: aligned q, k, v)
-    if k is not None:  # new keys or values in a cache's own memory: copied first, so the append cannot
-        caches = {k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()}  # overwrite
-        k, v = (t.clone() if t.numel() and t.untyped_storage().data_ptr() in caches else t for t in (k, v))
-    if own:
-        q = launch.aligned(q)
-        k, v = (launch.aligned(t) if t is not None else None for t in (k, v))
+    paged = call.block_table is not None or call.page_size > 0
 
     def strides(t):
         s = t.stride()
         return (s[0], s[2], s[1]) if paged else s[:3]
 
-    args = FgFwdArgs(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        B, Hq, call.heads_kv, Sq, call.capacity, d,
-        *q.stride()[:3], *strides(k_cache), *strides(v_cache), *out.stride()[:3],
-        scale, 0, None, ctypes.addressof(block) if block is not None else None,
-    )  # fmt: skip
-    ptr = lambda t: t.data_ptr() if t is not None else None
-    kn = k.stride()[:3] if k is not None else (0, 0, 0)
-    vn = v.stride()[:3] if v is not None else (0, 0, 0)
-    args.kv_cache = FgKvCache(
-        call.cache_seqlens.data_ptr(), ptr(call.cache_leftpad), ptr(call.block_table),
-        call.block_table.stride(0) if paged else 0, call.num_pages, call.page_size, call.max_pages, call.capacity,
-        ptr(k), ptr(v), call.seqlen_new, *kn, *vn, 1)
+    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, call.heads_kv, Sq, call.capacity, d, *q.stride()[:3], *strides(k_cache),
+                     *strides(v_cache), *q.stride()[:3], scale, 0, None, None)
+    args.kv_cache = FgKvCache(None, None, None, 0, call.num_pages, call.page_size, call.max_pages, call.capacity,
+                              None, None, call.seqlen_new, 0, 0, 0, 0, 0, 0, 1)
     fields = op.launch_fields(lib)
-    fields.fwd(args, values)
+    own = lib.decode is not None
+    workspaces = None
     if own:
         args.num_sms = launch.num_sms(q)
-        splits = fields.kv_splits(args, lib.instantiation, int(num_splits),
-                                  key_span(op.spec, values, call.capacity, Sq))
+        splits = fields.kv_splits(args, lib.instantiation, int(num_splits), key_span(op.spec, values, call.capacity, Sq))
         args.kv_cache.num_splits = splits
-        if splits > 1:  # kept alive until the launches are enqueued (the allocator is stream-ordered)
-            o_accum = q.new_empty((splits, B, Hq, Sq, d), dtype=torch.float32)
-            lse_accum = q.new_empty((splits, B, Hq, Sq), dtype=torch.float32)
+        if splits > 1:
+            workspaces = ((splits, B, Hq, Sq, d), (splits, B, Hq, Sq))
+    return DecodePlan(lib, bytes(args), own, (B, Hq, Sq), workspaces, fields.fwd, call.seqlen_new)
+
+
+def run_plan(op, plan: DecodePlan, q, k_cache, v_cache, cache_seqlens, cache_leftpad, block_table, k, v,
+             values) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of one decode launch from ``plan`` (appending k / v into the cache first); no
+    host synchronisation. New k / v inside a cache's own memory are copied first, so the append
+    never overwrites its own source."""
+    fill = float("nan") if launch.poison_outputs else None
+    out = torch.empty_like(q) if fill is None else torch.full_like(q, fill)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if fill is not None:
+        lse.fill_(fill)
+    if plan.lse_shape[0] == 0 or (out.numel() == 0 and not plan.seqlen_new):
+        return out, lse
+    if k is not None:
+        caches = {k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr()}
+        k, v = (t.clone() if t.numel() and t.untyped_storage().data_ptr() in caches else t for t in (k, v))
+    if plan.own:  # the family's decode kernels take 16-byte aligned q, k, v
+        q = launch.aligned(q)
+        k, v = (launch.aligned(t) if t is not None else None for t in (k, v))
+    block = op.params_block(values)
+    args = FgFwdArgs.from_buffer_copy(plan.args)
+    args.q, args.k, args.v, args.out, args.lse = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), \
+        out.data_ptr(), lse.data_ptr()
+    args.q_stride_b, args.q_stride_h, args.q_stride_n = q.stride()[:3]
+    args.o_stride_b, args.o_stride_h, args.o_stride_n = out.stride()[:3]
+    if block is not None:
+        args.params = ctypes.addressof(block)
+    kv = args.kv_cache
+    kv.seqlens = cache_seqlens.data_ptr()
+    kv.leftpad = cache_leftpad.data_ptr() if cache_leftpad is not None else None
+    if block_table is not None:
+        kv.block_table, kv.block_table_stride = block_table.data_ptr(), block_table.stride(0)
+    if k is not None:
+        kv.k_new, kv.v_new = k.data_ptr(), v.data_ptr()
+        kv.kn_stride_b, kv.kn_stride_h, kv.kn_stride_n = k.stride()[:3]
+        kv.vn_stride_b, kv.vn_stride_h, kv.vn_stride_n = v.stride()[:3]
+    plan.fill(args, values)
+    if plan.own:
+        if plan.workspaces is not None:  # kept alive until the launches are enqueued (the allocator is stream-ordered)
+            o_accum = q.new_empty(plan.workspaces[0], dtype=torch.float32)
+            lse_accum = q.new_empty(plan.workspaces[1], dtype=torch.float32)
             if fill is not None:
                 o_accum.fill_(fill)
                 lse_accum.fill_(fill)
-            args.kv_cache.o_accum, args.kv_cache.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
-        launch.check_status(lib, "decode", launch.call_entry(lib.decode, args, q))
+            kv.o_accum, kv.lse_accum = o_accum.data_ptr(), lse_accum.data_ptr()
+        launch.check_status(plan.lib, "decode", launch.call_entry(plan.lib.decode, args, q))
     else:
-        launch.check_status(lib, "fwd", launch.call_entry(lib.fwd, args, q))
-    if call.seqlen_new:
+        launch.check_status(plan.lib, "fwd", launch.call_entry(plan.lib.fwd, args, q))
+    if plan.seqlen_new:
         torch.autograd.graph.increment_version(k_cache)
         torch.autograd.graph.increment_version(v_cache)
     return out, lse
 
 
+def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
+                   fam, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse of one decode launch of a validated call (``make_plan`` then ``run_plan``)."""
+    plan = make_plan(op, call, q, k_cache, v_cache, scale, values, fam, num_splits)
+    return run_plan(op, plan, q, k_cache, v_cache, call.cache_seqlens, call.cache_leftpad, call.block_table, k, v,
+                    values)
+
+
 def implementation_for(op):
     """The decode op's implementation for ``op`` (registered by runtime/library.py's
     ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
-    family (one with the 'decode' feature), the parameters, the launch."""
+    family (one with the 'decode' feature), the parameters, the launch. Two memos, neither
+    holding a tensor (a CUDA graph's memory pool refuses live allocations that are not its
+    outputs): the validated call by tensor metadata, and the launch plan by that metadata, the
+    scale, the parameters (tensors' metadata, scalars' values) and the environment that selects
+    libraries (runtime/plans.py ``call_key``): a call with a known key skips the validation, the
+    family and split choices and the packing of the ABI block."""
     spec = op.spec
     checked: dict[tuple, KvCall] = Bounded()  # tensor metadata -> the validated call, without its tensors
+    planned: dict[tuple, tuple[DecodePlan, tuple]] = Bounded()  # call_key -> (plan, validated scalar values)
 
     def implementation(q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad, scale, num_splits,
                        *values):
@@ -435,14 +480,23 @@ def implementation_for(op):
         try:
             key = (num_splits, *((t.dtype, t.device, t.shape, t.stride()) if t is not None else None
                                  for t in tensors))
+            pkey = (key, plans.call_key(op, scale, (), values))
         except (AttributeError, TypeError):
-            key = None
+            key = pkey = None
+        hit = planned.get(pkey) if pkey is not None else None
+        if hit is not None:
+            plan, scalars = hit
+            if k is not None:
+                _refuse_shared_cache(k_cache, v_cache)
+            values = [x if isinstance(x, torch.Tensor) else s for x, s in zip(values, scalars, strict=True)]
+            return run_plan(op, plan, q, k_cache, v_cache, cache_seqlens.contiguous(),
+                            cache_leftpad.contiguous() if cache_leftpad is not None else None,
+                            block_table.contiguous() if block_table is not None else None, k, v, values)
         call = checked.get(key) if key is not None else None
         if call is None:
             call = check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cache_leftpad,
                                  num_splits)
-            if key is not None:  # without this call's tensors: a cache must not keep them alive (a CUDA
-                # graph's memory pool refuses live allocations that are not its outputs)
+            if key is not None:
                 checked[key] = replace(call, cache_seqlens=None, cache_leftpad=None, block_table=None)
         else:  # the same metadata passed the checks: only the metadata tensors are this call's
             if call.seqlen_new:  # (pointers are not metadata)
@@ -454,6 +508,10 @@ def implementation_for(op):
         scale = op.scale_for(scale, call.head_dim)
         values = op.check_params(q, k_cache, {p.name: x for p, x in zip(spec.params, values, strict=True)},
                                  call.sizes())
-        return launch_kvcache(op, call, q, k_cache, v_cache, k, v, scale, values, fam, num_splits)
+        plan = make_plan(op, call, q, k_cache, v_cache, scale, values, fam, num_splits)
+        if pkey is not None:
+            planned[pkey] = (plan, tuple(None if isinstance(x, torch.Tensor) else x for x in values))
+        return run_plan(op, plan, q, k_cache, v_cache, call.cache_seqlens, call.cache_leftpad, call.block_table, k, v,
+                        values)
 
     return implementation
