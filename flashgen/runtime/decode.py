@@ -41,6 +41,7 @@ _FLASH_ATTN_ONLY = {
     "window_size": "use a sliding-window spec (specs/sliding_window.attn)",
     "alibi_slopes": "use the ALiBi spec (specs/alibi.attn) and its slopes parameter",
 }
+_SCREENED = frozenset(("dropout_p", "dropout_seed", *_FLASH_ATTN_ONLY, *_PREFILL_ONLY))
 
 
 @dataclass(frozen=True)
@@ -134,22 +135,9 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
             naming what it lacks.
         KernelError: the kernel reported a failure.
     """
-    if _is_zero(params.get("dropout_p")):  # eval-mode code passes dropout_p=0.0: no dropout, as asked
-        params = {n: x for n, x in params.items() if n != "dropout_p"}
-    for name in ("dropout_p", "dropout_seed"):
-        if name in params:
-            raise NotImplementedError(f"{name}: with_kvcache is inference only and applies no dropout (a spec's "
-                                      "`dropout` line is ignored here, as in eval mode)")
-    declared = {p.name for p in op.spec.params}
-    for name, instead in _FLASH_ATTN_ONLY.items():
-        if name in params and name not in declared:
-            raise TypeError(f"{name}: FlashAttention's flash_attn_with_kvcache takes it, with_kvcache does not; "
-                            f"{instead}")
-    for name in _PREFILL_ONLY:
-        if name in params:
-            raise TypeError(f"{name}: not an argument of with_kvcache (it takes q, k_cache, v_cache, cache_seqlens, "
-                            "block_table, k, v, cache_leftpad, scale, return_lse, num_splits, validate and the "
-                            "spec's parameters)")
+    if params.keys() & _SCREENED:  # keywords that are no parameter of with_kvcache (most calls pass none)
+        _screen_keywords(op, params)
+        params = {n: x for n, x in params.items() if n != "dropout_p"}  # 0 (eval-mode code passes it)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse: expected a bool, got {type(return_lse).__name__}")
     # NumPy (any numbers.Integral / numbers.Real) scalars as the Python numbers the schema takes, as op(...)
@@ -182,6 +170,25 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
     else:
         out, lse = op.torch_kvcache(*args)
     return (out, lse) if return_lse else out
+
+
+def _screen_keywords(op, params: dict) -> None:
+    """Refuse the keywords with_kvcache does not take (dropout other than p = 0, FlashAttention's
+    and the prefill call's), each saying what to do instead."""
+    if "dropout_p" in params and not _is_zero(params["dropout_p"]) or "dropout_seed" in params:
+        name = "dropout_seed" if "dropout_seed" in params else "dropout_p"
+        raise NotImplementedError(f"{name}: with_kvcache is inference only and applies no dropout (a spec's "
+                                  "`dropout` line is ignored here, as in eval mode)")
+    declared = {p.name for p in op.spec.params}
+    for name, instead in _FLASH_ATTN_ONLY.items():
+        if name in params and name not in declared:
+            raise TypeError(f"{name}: FlashAttention's flash_attn_with_kvcache takes it, with_kvcache does not; "
+                            f"{instead}")
+    for name in _PREFILL_ONLY:
+        if name in params:
+            raise TypeError(f"{name}: not an argument of with_kvcache (it takes q, k_cache, v_cache, cache_seqlens, "
+                            "block_table, k, v, cache_leftpad, scale, return_lse, num_splits, validate and the "
+                            "spec's parameters)")
 
 
 def _int32_vector(name: str, t, B: int, device: torch.device) -> torch.Tensor:
