@@ -474,3 +474,18 @@ def test_planned_calls_equal_validated_calls_and_key_on_scale_and_values(ops):
     # a bad value after a planned call of the same metadata is still refused
     with pytest.raises(TypeError, match="window"):
         op.with_kvcache(q, kc, vc, cache_seqlens=lens, window=5.0)
+
+
+def test_empty_calls_launch_nothing_and_load_no_library(ops, monkeypatch):
+    op = ops["causal"]
+
+    def refuse(*a, **k):
+        raise AssertionError("an empty decode call asked for a library")
+    monkeypatch.setattr(op, "decode_library", refuse)
+    kc = torch.zeros(0, HKV, CAP, D)
+    out, lse = op.with_kvcache(torch.zeros(0, HQ, 1, D), kc, kc.clone(), cache_seqlens=torch.zeros(0, dtype=torch.int32),
+                               return_lse=True)
+    assert out.shape == (0, HQ, 1, D) and lse.shape == (0, HQ, 1)
+    kc, vc = caches(torch.Generator().manual_seed(6), CAP)
+    out = op.with_kvcache(torch.zeros(B, HQ, 0, D), kc, vc, cache_seqlens=torch.full((B,), 4, dtype=torch.int32))
+    assert out.shape == (B, HQ, 0, D)

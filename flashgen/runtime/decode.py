@@ -384,6 +384,8 @@ def make_plan(op, call: KvCall, q, k_cache, v_cache, scale: float, values, fam, 
     chooses, 1 disables) and, when it splits, fp32 workspaces of the partial outputs and LSEs
     (args.h, FgKvCache), allocated per call."""
     B, Hq, Sq, d = call.batch, call.heads_q, call.seqlen_q, call.head_dim
+    if B == 0 or (Hq * Sq * d == 0 and not call.seqlen_new):  # nothing to launch: no library either
+        return DecodePlan(None, b"", False, (B, Hq, Sq), None, None, call.seqlen_new)
     lib = op.decode_library(fam, q.device, IR_DTYPE[q.dtype], d, call.capacity)
     paged = call.block_table is not None or call.page_size > 0
 
