@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-seed", type=int, default=0)
     ap.add_argument("--compile-mode", default=None, help="torch.compile mode for training (default torch's)")
     ap.add_argument("--gen-compile-mode", default=None, help="torch.compile mode for decoding (default torch's; "
-                    "'reduce-overhead' adds CUDA graphs)")
+                    "'reduce-overhead' adds CUDA graphs, but transformers' static sliding-window cache "
+                         "counts tokens in a Python int, so a graph is recorded per step)")
     ap.add_argument("--compile-backend", default="inductor",
                     help="torch.compile backend (default inductor; 'eager' traces with dynamo only: a cheap check)")
     ap.add_argument("--no-compile", action="store_true", help="run everything uncompiled")
