@@ -128,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
                     "pages of this size (1 to 256, dividing every --cache-len) shuffled in the pool")
     be.add_argument("--num-splits", type=int, help="--decode: with_kvcache's num_splits (default 0: the family "
                     "chooses; 1 no split)")
+    be.add_argument("--graphs", action="store_true", default=None,
+                    help="--decode on CUDA: time each row's call as CUDA-graph replays (ours, the peers and the "
+                         "read-only pass alike): the kernels' rate without the host's per-call work")
 
     tu = sub.add_parser("tune", formatter_class=_Help, help="time candidate CUDA tiles of a spec and store the fastest (later calls use it)")
     tu.add_argument("spec", type=Path)
@@ -385,7 +388,7 @@ def _run(args, op, given: dict, device: torch.device) -> int:
 
 
 _DECODE_ONLY = {"cache_len": "--cache-len", "kv_heads": "--kv-heads", "sq": "--sq", "page_size": "--page-size",
-                "num_splits": "--num-splits"}
+                "num_splits": "--num-splits", "graphs": "--graphs"}
 
 
 def cmd_bench(args) -> int:
@@ -469,7 +472,8 @@ def _bench_decode(args, device: torch.device) -> int:
     try:
         rows = decode_bench.run(op, shapes, dtype, device, heads=heads, kv_heads=kv_heads, seqlen_q=sq,
                                 variants=((page_size, splits),), reps=args.reps,
-                                include=set(args.peers) if args.peers else None, params=given)
+                                include=set(args.peers) if args.peers else None, params=given,
+                                graphs=bool(args.graphs))
     except IndexError as e:
         raise _drawn_index_error(op, given, e) from None
     if args.json:

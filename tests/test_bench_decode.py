@@ -126,6 +126,7 @@ def test_peer_masks_give_the_decode_result(spec, sq, params):
     (["--cache-len", "128"], "--cache-len: applies with --decode only"),
     (["--sq", "2"], "--sq: applies with --decode only"),
     (["--page-size", "16"], "--page-size: applies with --decode only"),
+    (["--graphs"], "--graphs: applies with --decode only"),
     (["--decode", "--peers", "eager"], "--peers: 'eager' is a prefill peer, not a decode one (the decode peers on "
                                        "cpu: sdpa)"),
     (["--decode", "--peers", "spda"], "--peers: unknown peer 'spda' (the decode peers on cpu: sdpa); did you mean "
