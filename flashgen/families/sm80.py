@@ -148,11 +148,12 @@ def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
     forced = dict(env.cuda_decode_tile())
     if forced:
         n, st = forced["decode_block_n"], forced["decode_stages"]
-        if n not in (32, 64, 128) or not 2 <= st <= 4 or decode_smem(head_dim, n, st) > optin:
+        smem = decode_smem(head_dim, n, st)
+        if n not in (32, 64, 128) or not 2 <= st <= 4 or smem > optin:
             raise ValueError(f"FLASHGEN_CUDA_DECODE_TILE: {n}x{st} is not a decode tile at head_dim {head_dim} on "
                              f"{arch} (keys 32, 64 or 128, 2 to 4 stages, within {optin:,} B of shared memory: "
-                             f"{decode_smem(head_dim, n, st):,} B)")
-        return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": decode_smem(head_dim, n, st)}
+                             f"{smem:,} B)")
+        return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": smem}
     options = [(n, st) for n in (64, 32) for st in (3, 2)]
     fits = [o for o in options if 2 * (decode_smem(head_dim, *o) + 1024) <= optin + 1024] or \
         [o for o in options if decode_smem(head_dim, *o) <= optin] or [options[-1]]

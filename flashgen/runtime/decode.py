@@ -387,14 +387,14 @@ def make_plan(op, call: KvCall, q, k_cache, v_cache, scale: float, values, fam, 
     if B == 0 or (Hq * Sq * d == 0 and not call.seqlen_new):  # nothing to launch: no library either
         return DecodePlan(None, b"", False, (B, Hq, Sq), None, None, call.seqlen_new)
     lib = op.decode_library(fam, q.device, IR_DTYPE[q.dtype], d, call.capacity)
-    paged = call.block_table is not None or call.page_size > 0
+    paged = call.page_size > 0
 
     def strides(t):
         s = t.stride()
         return (s[0], s[2], s[1]) if paged else s[:3]
 
-    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, call.heads_kv, Sq, call.capacity, d, *q.stride()[:3], *strides(k_cache),
-                     *strides(v_cache), *q.stride()[:3], scale, 0, None, None)
+    args = FgFwdArgs(0, 0, 0, 0, 0, B, Hq, call.heads_kv, Sq, call.capacity, d, 0, 0, 0, *strides(k_cache),
+                     *strides(v_cache), 0, 0, 0, scale, 0, None, None)  # pointers, q's and out's strides: per call
     args.kv_cache = FgKvCache(None, None, None, 0, call.num_pages, call.page_size, call.max_pages, call.capacity,
                               None, None, call.seqlen_new, 0, 0, 0, 0, 0, 0, 1)
     fields = op.launch_fields(lib)
@@ -462,14 +462,6 @@ def run_plan(op, plan: DecodePlan, q, k_cache, v_cache, cache_seqlens, cache_lef
     return out, lse
 
 
-def launch_kvcache(op, call: KvCall, q, k_cache, v_cache, k, v, scale: float, values,
-                   fam, num_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and lse of one decode launch of a validated call (``make_plan`` then ``run_plan``)."""
-    plan = make_plan(op, call, q, k_cache, v_cache, scale, values, fam, num_splits)
-    return run_plan(op, plan, q, k_cache, v_cache, call.cache_seqlens, call.cache_leftpad, call.block_table, k, v,
-                    values)
-
-
 def implementation_for(op):
     """The decode op's implementation for ``op`` (registered by runtime/library.py's
     ``register_kvcache``; ``with_kvcache`` calls it directly in eager mode): validation, the
@@ -489,7 +481,7 @@ def implementation_for(op):
         try:
             key = (num_splits, *((t.dtype, t.device, t.shape, t.stride()) if t is not None else None
                                  for t in tensors))
-            pkey = (key, plans.call_key(op, scale, (), values))
+            pkey = (key, plans.call_key(op, scale, values))
         except (AttributeError, TypeError):
             key = pkey = None
         hit = planned.get(pkey) if pkey is not None else None

@@ -57,10 +57,11 @@ def _environment(op) -> tuple:
     return (env.library_selection(), env.raw("FLASHGEN_AUTO_BLOCK_MASK"), families.forced_block(), op.generation())
 
 
-def call_key(op, scale, tensors, values) -> tuple:
-    """A plan key for other calls (the decode op's): ``tensors``' metadata (None kept), the scale's
-    bits, each parameter's metadata or type and value, the environment that selects libraries."""
-    return (_scale(scale), *(_meta(t) for t in tensors), *(_param(x) for x in values), _environment(op))
+def call_key(op, scale, values) -> tuple:
+    """The scalar part of another call's plan key (the decode op's, beside its tensors' metadata):
+    the scale's bits, each parameter's metadata or type and value, the environment that selects
+    libraries."""
+    return (_scale(scale), *(_param(x) for x in values), _environment(op))
 
 
 def forward_key(op, q, k, v, scale, values, dropout, varlen, blocks) -> tuple | None:
