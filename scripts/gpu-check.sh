@@ -40,7 +40,11 @@ done
 # (scripts/trace_kernels.py: kernel tables of document ids forward+backward at 4K, with and without
 # a block mask, next to FlexAttention, and of the sliding-window decode at cache 4K and 32K), "e2e"
 # (transformers end to end: scripts/e2e_gpt2.py compiled at 1K with loss curves, scripts/e2e_gemma2.py
-# training and decoding at 4K; each script stops itself inside 10 minutes).
+# training and decoding at 4K; each script stops itself inside 10 minutes), "decode-graphs" (the decode
+# bandwidth table with every row timed as CUDA-graph replays: the kernels without host time, Sq 1 and 4),
+# "read-ceiling" (scripts/read_ceiling.py: the read rate of the decode's shapes by load method, ld.global,
+# cp.async with and without the L2 prefetch hint, TMA bulk copies, next to torch.sum and SDPA cuDNN, at
+# stages of 64 x 3 and 128 x 2 rows).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -126,9 +130,20 @@ f.build('cuda', ['bf16'], [64, 256])" 2>&1 | tail -2 | tee "$out/e2e-build.txt"
         | tee "$out/e2e-gpt2.txt"
       FLASHGEN_CACHE_DIR=.fgcache-tests python3 scripts/e2e_gemma2.py --out "$out/e2e" --part train,generate \
         --train-seqlens 4096 --gen-contexts 4096 2>&1 | grep -v Warning | tail -16 | tee "$out/e2e-gemma2.txt" ;;
+    decode-graphs)
+      for sq in 1 4; do
+        FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/causal.attn --decode --graphs --device cuda \
+          --sq $sq --json "$out/decode-graphs-sq$sq.json" 2>&1 | grep -v Warning | tee -a "$out/decode-graphs.txt"
+      done ;;
+    read-ceiling)
+      for st in "64 3" "128 2"; do
+        set -- $st
+        python3 scripts/read_ceiling.py --rows "$1" --stages "$2" --json "$out/read-ceiling-$1x$2.json" 2>&1 \
+          | grep -v Warning | tee -a "$out/read-ceiling.txt"
+      done ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged bwd-flex dropout-share d64-tile trace e2e)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile trace e2e decode-graphs read-ceiling)" >&2 ;;
   esac
 done
