@@ -23,7 +23,7 @@ from .sparsity import BlockMask
 
 
 def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.dtype, *,
-             check_bounds: bool = True) -> torch.Tensor:
+             check_bounds: bool = True, live: torch.Tensor | None = None) -> torch.Tensor:
     """Evaluate a mask or score expression in PyTorch, broadcasting over [B, H, Nq, Nk].
 
     ``env`` holds the position tensors (b, h, q, kv as broadcastable int64 aranges), seqlen_q,
@@ -32,6 +32,13 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
     parameter raises IndexError naming it, where the kernels would clamp; with ``check_bounds``
     False — inside traced code such as FlexAttention's mods — indices are clamped like the
     kernels do).
+
+    ``live``: None, or a bool tensor broadcastable to the result, False where the value will not
+    be used (keys the mask removes). Where an element is not live, and in the branch of a
+    ``where`` that does not select it, sqrt, log and exp get 1, 1 and 0 and a divisor gets 1
+    instead of their operands ("double where"), so their values and derivatives stay finite
+    there: the selections that drop those elements then pass gradients of 0, never 0 · inf or
+    0 · NaN. The values where elements are live, in selected branches, are unchanged.
     """
     decl = {p.name: p for p in spec.params}
     scope = X.Scope(decl, allow_score=True)
@@ -42,12 +49,24 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
     fns_t = {"abs": torch.abs, "exp": torch.exp, "log": torch.log, "tanh": torch.tanh, "sqrt": torch.sqrt,
              "sign": torch.sign}
 
+    safe_input = {"sqrt": 1.0, "log": 1.0, "exp": 0.0}
+
+    def guard(x, live, safe: float):
+        """x where ``live``, ``safe`` elsewhere (a tensor x of a float dtype only)."""
+        if live is None or not is_t(x) or not x.is_floating_point():
+            return x
+        return torch.where(live, x, safe)
+
+    def narrow(live, c):
+        """The live elements of the branch a tensor condition ``c`` selects (None: all)."""
+        return c if live is None else live & c
+
     def to_float(x):
         if is_t(x):
             return x.to(fdtype) if not x.is_floating_point() or x.dtype != fdtype else x
         return float(x)
 
-    def ev(n: ir.Expr):
+    def ev(n: ir.Expr, live=None):
         t = X.type_of(n, scope)
         if isinstance(n, ir.Num):
             return float(n.value) if t == X.FLOAT else int(n.value)
@@ -63,7 +82,7 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
             tensor = params[p.name]
             idx = []
             for d, i in enumerate(n.indices):
-                iv = ev(i)
+                iv = ev(i, live)
                 size = tensor.shape[d]
                 if size == 1 and p.shape[d].broadcast:
                     iv = 0
@@ -85,12 +104,12 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                 return out.to(fdtype)
             return out.to(torch.int64) if t == X.INT else out.to(torch.bool)
         if isinstance(n, ir.Unary):
-            x = ev(n.operand)
+            x = ev(n.operand, live)
             if n.op == "not":
                 return torch.logical_not(x) if is_t(x) else not x
             return -x
         if isinstance(n, ir.BinOp):
-            a, b = ev(n.lhs), ev(n.rhs)
+            a, b = ev(n.lhs, live), ev(n.rhs, live)
             if n.op in ("and", "or"):
                 if not is_t(a) and not is_t(b):
                     return (a and b) if n.op == "and" else (a or b)
@@ -108,15 +127,25 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
                     return torch.where(zero, torch.zeros_like(r), r)
                 if not is_t(a) and not is_t(b):  # float floor division: IEEE (±inf, nan by 0)
                     return math.floor(a / b) if b else (math.copysign(math.inf, a) if a else math.nan)
-                return torch.floor(a / b)
+                return torch.floor(a / guard(b, live, 1.0))
             if n.op == "/" and not is_t(a) and not is_t(b) and b == 0:  # IEEE, as the kernels: ±inf, nan
                 return math.copysign(math.inf, a) * math.copysign(1.0, b) if a and a == a else math.nan
+            if n.op == "/":
+                b = guard(b, live, 1.0)
             ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv,
                    "<": operator.lt, "<=": operator.le, ">": operator.gt, ">=": operator.ge,
                    "==": operator.eq, "!=": operator.ne}
             return ops[n.op](a, b)
         if isinstance(n, ir.Call):
-            args = [ev(x) for x in n.args]
+            if n.fn == "where":  # each branch is live only where the condition selects it
+                c = ev(n.args[0], live)
+                if is_t(c) and live is not None:
+                    branches = (ev(n.args[1], narrow(live, c)), ev(n.args[2], narrow(live, ~c)))
+                else:
+                    branches = (ev(n.args[1], live), ev(n.args[2], live))
+                args = [c, *branches]
+            else:
+                args = [ev(x, live) for x in n.args]
             if t == X.FLOAT:
                 args = [to_float(x) if not (is_t(x) and x.dtype == torch.bool) and not isinstance(x, bool) else x
                         for x in args]
@@ -137,10 +166,12 @@ def evaluate(e: ir.Expr, spec: ir.Spec, env: dict, params: dict, fdtype: torch.d
             if not is_t(x):  # IEEE results (inf, nan) like the kernels, not Python's exceptions
                 return float(fns_t[n.fn](torch.tensor(float(x), dtype=torch.float64))) if t == X.FLOAT else \
                     {"abs": abs, "sign": lambda v: (v > 0) - (v < 0)}[n.fn](x)
+            if n.fn in safe_input:
+                x = guard(x, live, safe_input[n.fn])
             return fns_t[n.fn](x)
         raise AssertionError(n)
 
-    out = ev(e)
+    out = ev(e, live)
     if not is_t(out):
         t = X.type_of(e, scope)
         out = torch.tensor(out, dtype=fdtype if t == X.FLOAT else torch.int64 if t == X.INT else torch.bool,
@@ -334,13 +365,14 @@ def _attention(spec: ir.Spec, q, k, v, scale, lowp_matmuls, dropout_p, dropout_s
         s = _RoundGrad.apply(s, q.dtype)
     s = s * scale
     env = positions(B, Hq, Nq, Nk, q.device, batch_offset)
-    if spec.score is not None:
-        s = evaluate(spec.score, spec, env | {"score": s}, params, acc).to(acc).expand(s.shape)
     keep = _keep_mask(spec, Nq, Nk, q.device, B, Hq, params, batch_offset)
     if keep is None:
         keep = torch.ones(1, 1, Nq, Nk, dtype=torch.bool, device=q.device)
     if block_keep is not None:
         keep = keep & block_keep
+    if spec.score is not None:  # safe operands where the mask removes the key (evaluate's ``live``), so
+        # a score expression non-finite there (sqrt(q - kv) above the diagonal) leaves no NaN gradient
+        s = evaluate(spec.score, spec, env | {"score": s}, params, acc, live=keep).to(acc).expand(s.shape)
     # A score of −inf (a score expression can make one) counts as masked, as in the kernels.
     keep = keep.expand(s.shape) & ~torch.isneginf(s).detach()
     # Masking by selection ("double where") and a max-subtracted softmax: rows with no visible key

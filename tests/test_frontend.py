@@ -114,6 +114,12 @@ def test_bad_character():
         ("head_dim 512", 2, 12, "head_dim 512 is not supported"),
         ("head_dim 64, 64", 2, 16, "head_dim 64 is listed twice"),
         ("dtype bf17", 2, 9, "unknown dtype 'bf17'"),
+        # a list names each entry once (head_dim and dtype are the list-valued lines)
+        ("dtype bf16, bf16", 2, 15, "dtype bf16 is listed twice"),
+        ("dtype fp16, bf16, fp16", 2, 21, "dtype fp16 is listed twice"),
+        ("dtype bf16, fp16, bfloat16", 2, 21, "dtype bfloat16 is listed twice (as 'bf16')"),
+        ("dtype fp32,float", 2, 14, "dtype float is listed twice (as 'fp32')"),
+        ("head_dim 64, 128, 64", 2, 21, "head_dim 64 is listed twice"),
         ("mask = q >= kv + score", 2, 20, "'score' can only be used in a score expression"),
         ("mask = kv + 1", 2, 10, "mask must be a condition"),
         ("mask = kv < windw", 2, 15, "unknown name 'windw'"),

@@ -430,6 +430,61 @@ def test_appended_keys_in_the_caches_own_memory_are_copied_first(ops):
     assert torch.equal(kc[:, :, 5:9], want_k) and torch.equal(vc[:, :, 5:9], want_v)
 
 
+def test_writing_into_caches_that_share_memory_is_refused_on_every_call(ops):
+    """A call that appends k / v into caches with an element in common (views of one buffer that
+    overlap fully or in part: shifted slots, shifted pages, a flat buffer cut with an overlap)
+    raises ValueError naming k_cache and v_cache before anything is written, on the first call of
+    its metadata and on later calls of the same metadata (the memoised validation and plan:
+    pointers are no part of their keys). Views of one buffer that share no element still work:
+    its two halves, k and v interleaved slot by slot."""
+    op, g = ops["causal"], torch.Generator().manual_seed(6)
+    q = torch.randn(B, HQ, 1, D, generator=g)
+    kn, vn = torch.randn(B, HKV, 1, D, generator=g), torch.randn(B, HKV, 1, D, generator=g)
+    lens = torch.tensor([3, 9, 20], dtype=torch.int32)
+
+    def call(kc, vc, **kw):
+        return op.with_kvcache(q, kc, vc, cache_seqlens=lens, k=kn, v=vn, return_lse=True, **kw)
+
+    def refused(kc, vc, **kw):
+        before = kc.clone(), vc.clone()
+        with pytest.raises(ValueError, match="^v_cache: is k_cache's memory.*pass k_cache and v_cache that share"):
+            call(kc, vc, **kw)
+        assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])  # refused before any launch
+
+    slots = torch.randn(B, HKV, 2 * CAP, D, generator=g)  # slots [0, CAP) and [CAP/2, 3 CAP/2) overlap
+    n = B * HKV * CAP * D
+    flat = torch.randn(2 * n, generator=g)  # two cuts of a flat buffer sharing 5 elements
+    shifted = torch.randn(B, CAP + 1, HKV, D, generator=g)  # [B, S, H, d] caches one slot apart
+    table = torch.arange(B * 3, dtype=torch.int32).view(B, 3)
+    pool = torch.randn(B * 3 + 2, 16, HKV, D, generator=g)  # pages [0, 9) and [2, 11) overlap
+    cases = [
+        ((slots[:, :, :CAP], slots[:, :, CAP // 2:CAP // 2 + CAP]), (slots[:, :, :CAP], slots[:, :, CAP:]), {}),
+        ((flat[:n].view(B, HKV, CAP, D), flat[n - 5:2 * n - 5].view(B, HKV, CAP, D)),
+         (flat[:n].view(B, HKV, CAP, D), flat[n:].view(B, HKV, CAP, D)), {}),
+        ((shifted[:, :CAP].transpose(1, 2), shifted[:, 1:].transpose(1, 2)), None, {}),
+        ((pool[:B * 3], pool[2:]), (pool[:B * 3], torch.randn(B * 3, 16, HKV, D, generator=g)),
+         {"block_table": table}),
+    ]
+    for overlapping, apart, kw in cases:
+        refused(*overlapping, **kw)  # the metadata's first call: the full validation
+        if apart is not None:  # the same metadata, caches apart: validated and planned ...
+            kc, vc = apart
+            want = call(kc.clone(), vc.clone(), **kw)
+            got = call(kc, vc, **kw)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        refused(*overlapping, **kw)  # ... and overlapping caches of that metadata still refused
+    # views of one buffer that share no element: its two halves, and k and v interleaved by slot
+    halves = torch.randn(2, B, HKV, CAP, D, generator=g)
+    inter = torch.randn(B, CAP, 2, HKV, D, generator=g)
+    for kc, vc in ((halves[0], halves[1]), (inter[:, :, 0].transpose(1, 2), inter[:, :, 1].transpose(1, 2))):
+        want_k, want_v = kc.clone(), vc.clone()
+        want = call(want_k, want_v)
+        for _ in range(2):  # validated, then planned
+            got = call(kc, vc)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 def test_dropout_p_zero_is_accepted_and_anything_else_refused(ops):
     op, g = ops["causal"], torch.Generator().manual_seed(2)
     kc, vc = caches(g, CAP)

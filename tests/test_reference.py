@@ -89,3 +89,63 @@ def test_visible_pairs():
             mask = reference.keep_mask(spec, nq, nk)
             expected = nq * nk if mask is None else int(mask.sum())
             assert reference.visible_pairs(spec, nq, nk) == expected
+
+
+def _grads(spec, q, k, v, dout, **params):
+    """(out, lse, [grads of q, k, v and the float64 tensor parameters])."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *params.values())]
+    out, lse = reference.attention(spec, *leaves[:3], return_lse=True, **dict(zip(params, leaves[3:], strict=True)))
+    grads = torch.autograd.grad((out * dout).sum(), leaves)
+    return out, lse, grads
+
+
+def _oracle(q, k, v, dout, score_fn, keep, **params):
+    """The same as ``_grads`` from a hand-written attention whose score modification
+    ``score_fn(s, i, j, **params)`` is only ever given safe inputs, masked by ``keep`` [Nq, Nk]."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *params.values())]
+    ql, kl, vl = leaves[:3]
+    i = torch.arange(q.shape[2], dtype=torch.float64).view(-1, 1)
+    j = torch.arange(k.shape[2], dtype=torch.float64).view(1, -1)
+    s = score_fn((ql @ kl.transpose(-1, -2)) / math.sqrt(q.shape[-1]), i, j, *leaves[3:])
+    s = torch.where(keep, s, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ vl
+    return out, lse, torch.autograd.grad((out * dout).sum(), leaves)
+
+
+@pytest.mark.parametrize("case", ["sqrt", "log", "divide", "parameter", "where"])
+def test_score_non_finite_only_where_unused_leaves_no_nan_gradient(case):
+    """A score expression that is non-finite only at keys the mask removes (sqrt or log of
+    q - kv, a division by q - kv + 1: negative or zero above the diagonal), or only in the
+    branch of a where that is not selected, gives exact outputs and finite, exact gradients:
+    the reference substitutes safe operands there (a double where), so its selections never pass
+    0 · NaN or 0 · inf back."""
+    nq = nk = 7
+    q, k, v, dout = (rand(2, 2, nq, 8, seed=s) for s in range(4))
+    params = {}
+    causal = torch.ones(nq, nk, dtype=torch.bool).tril()
+    if case == "sqrt":
+        body, keep = "mask = causal; score = score * sqrt(q - kv + 1)", causal
+        fn = lambda s, i, j: s * torch.sqrt((i - j + 1).clamp(min=1))  # noqa: E731
+    elif case == "log":
+        body, keep = "mask = causal; score = score * log(q - kv + 2)", causal
+        fn = lambda s, i, j: s * torch.log((i - j + 2).clamp(min=2))  # noqa: E731
+    elif case == "divide":
+        body, keep = "mask = causal; score = score / (q - kv + 1)", causal
+        fn = lambda s, i, j: s / (i - j + 1).clamp(min=1)  # noqa: E731
+    elif case == "parameter":  # the parameter's gradient too
+        body, keep = "param slopes: f32[heads]; mask = causal; score = score - slopes[h] * sqrt(q - kv)", causal
+        params = {"slopes": torch.tensor([0.5, 0.25], dtype=torch.float64)}
+        fn = lambda s, i, j, sl: s - sl.view(1, -1, 1, 1) * torch.sqrt((i - j).clamp(min=0))  # noqa: E731
+    else:  # no mask: the unselected branch is NaN (sqrt of a negative score) at kept keys
+        body, keep = "score = where(score > 0, sqrt(score), score)", torch.ones(nq, nk, dtype=torch.bool)
+        fn = lambda s, i, j: torch.where(s > 0, torch.sqrt(torch.where(s > 0, s, 1.0)), s)  # noqa: E731
+    spec = frontend.parse(f"attention t {{ {body} }}")
+    out, lse, grads = _grads(spec, q, k, v, dout, **params)
+    for name, g in zip(("q", "k", "v", *params), grads, strict=True):
+        assert torch.isfinite(g).all(), f"{case}: NaN or inf in the gradient of {name}"
+    want_out, want_lse, want = _oracle(q, k, v, dout, fn, keep, **params)
+    torch.testing.assert_close(out, want_out, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

@@ -129,7 +129,8 @@ def test_packed_layout_keeps_host_values_and_schedules():
     packed = checks.packed_layout(q, q, cq, cq)
     assert packed.host_cu_q.tolist() == [0, 3, 3, 10] and packed.host_cu_k.tolist() == [0, 3, 3, 10]
     assert packed.schedules == {}
-    assert checks.packed_layout(q, q, cq, cq) is packed  # the cached layout, its tables with it
+    again = checks.packed_layout(q, q, cq, cq)  # the cached layout, its tables with it
+    assert again == packed and again.schedules is packed.schedules and again.host_cu_q is packed.host_cu_q
 
 
 def test_cpu_calls_take_no_queue():

@@ -167,10 +167,11 @@ def test_packed_sequences_match_eager(name):
     ref_logits, ref_grads = go("eager")
     whole, _ = go("eager", attention_mask=mask)  # not packed: one sequence per row
     assert (whole - ref_logits).abs().max() > 1e-3  # the packing changes the result
-    before = Counter(fg_hf.call_counts)
+    before, packed_before = Counter(fg_hf.call_counts), Counter(fg_hf.packed_calls)
     logits, grads = go("fgen")
     ran = fg_hf.call_counts - before
     assert ran and not [k for k in ran if k.startswith("fallback")], ran  # the packed mask function recognised
+    assert fg_hf.packed_calls - packed_before == ran  # every layer ran as a packed call
     assert_same(ref_logits, logits, "logits")
     for n in ref_grads:
         assert_same(ref_grads[n], grads[n], f"grad of {n}")
@@ -179,8 +180,10 @@ def test_packed_sequences_match_eager(name):
         for n in row:
             starts.append(starts[-1] + n)
     cu = torch.tensor(starts, dtype=torch.int32)
+    packed_before = Counter(fg_hf.packed_calls)
     logits, _ = go("fgen", cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
     assert_same(ref_logits, logits, "logits with cu_seq_lens")
+    assert sum((fg_hf.packed_calls - packed_before).values()) == 2  # both layers, packed
 
 
 def test_training_under_torch_compile_runs_flashgen(monkeypatch):
@@ -721,3 +724,58 @@ def test_compiled_packed_call_takes_a_dropout_that_changes():
     assert all(torch.isfinite(o).all() for o in outs)
     torch.testing.assert_close(outs[0], outs[3], rtol=0, atol=0)  # p 0: deterministic
     assert not torch.equal(outs[0], outs[1])  # p 0.1 dropped something
+
+
+def _pair(cfg, cls):
+    """Two models of ``cls`` from copies of ``cfg`` with the same weights: eager and fgen."""
+    import copy
+
+    torch.manual_seed(0)
+    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation="fgen").eval()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+@pytest.mark.parametrize("src_len, tgt_len", [(11, 7), (7, 11)])
+def test_cross_attention_without_encoder_mask_sees_every_encoder_state(src_len, tgt_len):
+    """Cross-attention with no encoder attention_mask attends to all encoder states, also when
+    the decoder input is shorter than the encoder's (the mask function once cut the keys to the
+    queries' count, as for a partly written static cache)."""
+    cfg = transformers.BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                                  encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0)
+    ref, ours = _pair(cfg, transformers.BartForConditionalGeneration)
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(3, VOCAB, (2, src_len), generator=g)
+    tgt = torch.randint(3, VOCAB, (2, tgt_len), generator=g)
+    before = Counter(fg_hf.call_counts)
+    with torch.no_grad():
+        want = ref(input_ids=src, decoder_input_ids=tgt).logits
+        got = ours(input_ids=src, decoder_input_ids=tgt).logits
+    assert sum((fg_hf.call_counts - before).values()) == 3  # encoder, decoder self- and cross-attention
+    assert not any(k.startswith("fallback") for k in fg_hf.call_counts - before)
+    assert_same(want, got, "BART logits without an encoder mask")
+
+
+@pytest.mark.parametrize("local", [6, 8])
+def test_bidirectional_sliding_window_is_the_masks_window(local):
+    """ModernBERT's local layers pass sliding_window = config.sliding_window + 1 (flash-attention's
+    convention) while its mask keeps |q - kv| <= config.sliding_window: flashgen keeps the mask's
+    window (logits and gradients equal eager's)."""
+    cfg = transformers.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, intermediate_size=64, local_attention=local,
+                                        global_attn_every_n_layers=2, layer_types=["sliding_attention"],
+                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                        sep_token_id=2)
+    ref, ours = _pair(cfg, transformers.ModernBertForMaskedLM)
+    assert ours.model.layers[0].attn.sliding_window == cfg.sliding_window + 1  # the convention this tests
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for m in (ref, ours):
+        m.zero_grad()
+        logits = m(ids).logits
+        logits.square().mean().backward()
+        outs.append((logits.detach(), m.model.layers[0].attn.Wqkv.weight.grad.clone()))
+    assert_same(outs[0][0], outs[1][0], "ModernBERT logits")
+    assert_same(outs[0][1], outs[1][1], "ModernBERT Wqkv gradient")

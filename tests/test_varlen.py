@@ -243,6 +243,39 @@ def test_validated_layout_is_reused_until_cu_seqlens_change(monkeypatch):
     assert len(calls) == 3
 
 
+def test_validated_layouts_hold_no_cu_seqlens_alive(monkeypatch):
+    """The memo of validated layouts holds the cu_seqlens tensors weakly: after a call they are
+    freed as soon as the caller drops them (a tensor of a CUDA graph's memory pool must not be
+    kept alive), while they live a repeated call still reuses the validation (no second host
+    copy), and a tensor written in place is validated again."""
+    import gc
+    import weakref
+
+    from flashgen.runtime import checks
+
+    c = op("causal")
+    lens = [4, 7, 0, 2]
+    q, k, v, _ = inputs(lens, lens, 2, 2, 16, torch.float32, seed=4)
+    cq, ck = cu_seqlens(lens), cu_seqlens(lens)
+    calls = []
+    real = checks._validate_packed
+    monkeypatch.setattr(checks, "_validate_packed", lambda *a: calls.append(1) or real(*a))
+    first = c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    again = c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert len(calls) == 1 and torch.equal(first, again)  # the memo's hit
+    ck.add_(0)  # an in-place write bumps the version: validated again
+    c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    assert len(calls) == 2
+    refs = [weakref.ref(cq), weakref.ref(ck)]
+    del cq, ck
+    gc.collect()
+    assert all(r() is None for r in refs), "the memo keeps the cu_seqlens tensors alive"
+    # new tensors (their ids may be the freed ones') are validated: an id alone never hits
+    cq, ck = cu_seqlens(lens), cu_seqlens(lens)
+    torch.testing.assert_close(c(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck), first, rtol=0, atol=0)
+    assert len(calls) == 3
+
+
 def test_metadata_errors_name_the_argument():
     c = op("causal")
     q, k, v, cq, ck = _meta_inputs()

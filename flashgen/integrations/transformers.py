@@ -70,7 +70,6 @@ from collections import Counter
 
 import torch
 from torch._dynamo.comptime import comptime
-from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import paths
@@ -80,6 +79,11 @@ from ..runtime.op import AttentionOp
 from ..families.sm80 import DECODE_HEAD_DIMS
 from ..runtime.op import compile as _compile
 from . import transformers_blocks
+from .transformers_patterns import TF as _tf  # (the names tests and the traced functions use)
+from .transformers_patterns import composed_pattern as _composed_pattern  # noqa: F401
+from .transformers_patterns import pattern as _pattern
+from .transformers_patterns import traced_pattern as _traced_pattern  # noqa: F401
+from .transformers_patterns import transformers_modules as _transformers
 
 # A window wider than any sequence the kernels take (positions are below 2**30): "no bound".
 UNBOUNDED = 1 << 30
@@ -95,6 +99,9 @@ PACKED_SPECS = ("transformers_packed", "transformers_packed_plain")  # sequence 
 call_counts: Counter[str] = Counter()
 # Of those calls, the ones that ran as decoding steps through op.with_kvcache, per spec name.
 kvcache_calls: Counter[str] = Counter()
+# Of those calls, the ones that ran as packed (varlen) calls, from cu_seq_lens_q/k or from packed
+# sequence ids (position_ids that restart), per spec name.
+packed_calls: Counter[str] = Counter()
 # Runs of the packed-sequence spec's block classification under torch.compile (one per training
 # step and mask type, however many layers: transformers_blocks), compiled calls included.
 block_list_calls = transformers_blocks.block_list_calls
@@ -105,7 +112,6 @@ block_list_calls = transformers_blocks.block_list_calls
 DECODE_MAX_QUERIES = 16
 
 _ops: dict[str, AttentionOp] = {}
-_tf: dict[str, object] = {}  # transformers' modules the traced functions use (``_transformers``)
 _ops_lock = threading.Lock()
 _warned: set[tuple[str, str]] = set()
 _packed_cache = WeakIdKeyDictionary()  # packed sequence ids -> (version, cu_seqlens, max_seqlen)
@@ -209,17 +215,6 @@ def register(name: str = "fgen") -> str:
     return name
 
 
-def _transformers() -> dict[str, object]:
-    """transformers' ``masking_utils`` and ``integrations.sdpa_attention``, imported once (by
-    ``register``) outside any traced code: an import statement that dynamo traces is a graph
-    break ("Bad import result") with some torch and transformers versions, at every mask and
-    every fallback of a compiled model."""
-    if not _tf:
-        from transformers import masking_utils
-        from transformers.integrations import sdpa_attention
-
-        _tf.update(masking_utils=masking_utils, sdpa_attention=sdpa_attention)
-    return _tf
 
 
 def _warn_once(reason: str, instead: str) -> None:
@@ -249,234 +244,6 @@ def _warn_now(reason: str, instead: str, stacklevel: int) -> None:
 
 # --- the mask function ---------------------------------------------------------------------------
 
-def _closure(fn) -> dict:
-    cells = getattr(fn, "__closure__", None) or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
-
-
-def _pattern(fn, device="cpu"):
-    """("causal" | "bidirectional", packed sequence ids or None) for the mask functions
-    transformers builds for causal, sliding-window and bidirectional layers (windows come to the
-    attention function as ``sliding_window``), or None for any other pattern.
-
-    transformers' own causal and bidirectional functions are recognised by identity. The
-    patterns it composes (sliding windows, packed sequences) are closures it builds at every
-    call, read from their closure cells (``_composed_pattern``). While torch.compile traces,
-    dynamo cannot read closure cells: the pattern is read first from the torch calls the
-    function makes on probe indices (``_traced_pattern``, on ``device``), which dynamo traces
-    without a graph break; only a function not recognised there is read from its closure, outside
-    the tracing (a graph break): one with a call dynamo does not pass to a torch function mode (the
-    builtin ``abs`` of a bidirectional sliding window), or a pattern that falls back anyway."""
-    mu = _transformers()["masking_utils"]
-
-    if fn is mu.causal_mask_function:
-        return "causal", None
-    if fn is mu.bidirectional_mask_function:
-        return "bidirectional", None
-    if torch.compiler.is_compiling():
-        traced = _traced_pattern(fn, device)
-        if traced is not None:
-            return traced
-    return _composed_pattern(fn)
-
-
-@torch.compiler.disable  # closure cells cannot be read while dynamo traces (it would see no pattern)
-def _composed_pattern(fn):
-    """``_pattern`` of a composed mask function (one of transformers' ``and_masks`` closures),
-    read from its closure cells, outside torch.compile's tracing."""
-    from transformers import masking_utils as mu
-
-    qual = getattr(fn, "__qualname__", "")
-    if qual == "and_masks.<locals>.and_mask":
-        parts = _closure(fn).get("mask_functions")
-        if not isinstance(parts, tuple) or len(parts) != 2:
-            return None
-        a, b = (getattr(p, "__qualname__", "") for p in parts)
-        if a == "sliding_window_overlay.<locals>.inner_mask" and parts[1] is mu.causal_mask_function:
-            return "causal", None
-        if (a == "sliding_window_bidirectional_overlay.<locals>.inner_mask"
-                and parts[1] is mu.bidirectional_mask_function):
-            return "bidirectional", None
-        if b == "packed_sequence_mask_function.<locals>.inner_mask":
-            # packed sequences: the pattern on positions remapped into each sequence (newer
-            # transformers), or on the row's own indices (as transformers 5.17 builds it): the same
-            # mask, since a sequence's tokens are consecutive and its positions go up by one
-            base = parts[0]
-            if a == "remap_positions_for_packed_sequence.<locals>.inner_mask":
-                base = _closure(parts[0]).get("mask_function")
-            inner = _pattern(base) if callable(base) else None
-            ids = _closure(parts[1]).get("packed_sequence_mask")
-            if inner is None or inner[1] is not None or not isinstance(ids, torch.Tensor):
-                return None
-            return inner[0], ids
-    return None
-
-
-class _Recorder(TorchFunctionMode):
-    """Records the torch calls made under it: (name, args, kwargs, result), dunder names without
-    their underscores ("__and__" -> "and"; in-place calls keep their trailing one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        name = getattr(func, "__name__", "")
-        if name[:2] == "__" and name[-2:] == "__":  # (slices: dynamo does not trace str.startswith)
-            name = name[2:-2]
-        self.calls.append((name, args, kwargs, out))
-        return out
-
-
-def _term(x, calls, end: int, leaves, used: list):
-    """The expression that computed ``x`` by the first ``end`` of the recorded ``calls`` from the
-    probe tensors ``leaves`` ((name, tensor) pairs): (call name, *argument terms), a leaf's name,
-    ("tensor", t) for any other tensor (a closure's), ("const", v) for any other value, a tuple of
-    terms for a tuple or list; ("unknown",) for a call with keyword arguments (but new_ones).
-    Appends the indices of the calls it uses to ``used``."""
-    if isinstance(x, torch.Tensor):
-        for i in range(end - 1, -1, -1):  # the last call that returned x (an in-place one shows)
-            name, args, kwargs, out = calls[i]
-            if out is x:
-                used.append(i)
-                if kwargs and name != "new_ones":
-                    return ("unknown",)
-                return (name, *(_term(a, calls, i, leaves, used) for a in args))
-        for name, leaf in leaves:
-            if x is leaf:
-                return name
-        return ("tensor", x)
-    if isinstance(x, (tuple, list)):
-        return tuple(_term(a, calls, end, leaves, used) for a in x)
-    return ("const", x)
-
-
-def _same(a, b) -> bool:
-    """Terms ``a`` and ``b`` are the same (tensors: the same object)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return a is b
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
-def _call(t, name: str, n: int) -> bool:
-    """Term ``t`` is a call of ``name`` with ``n`` arguments."""
-    return isinstance(t, tuple) and len(t) == n + 1 and t[0] == name
-
-
-def _const(t, kind) -> bool:
-    return _call(t, "const", 1) and type(t[1]) is kind
-
-
-def _conjuncts(t, out: list) -> list:
-    """The terms ``t`` ands together (``&`` flattened, ``.to(device)`` dropped, and without the
-    all-True ``new_ones`` that and_masks starts from), appended to ``out``."""
-    while _call(t, "to", 2) and _call(t[2], "const", 1) and isinstance(t[2][1], torch.device):
-        t = t[1]
-    if _call(t, "and", 2):
-        _conjuncts(t[1], out)
-        _conjuncts(t[2], out)
-    elif not (isinstance(t, tuple) and len(t) > 0 and t[0] == "new_ones"):
-        out.append(t)
-    return out
-
-
-def _base_kind(conj: list, q, kv):
-    """"causal" for the conjuncts [kv <= q] and [kv > q - w, kv <= q] (any order, any int w),
-    "bidirectional" for [q >= 0] and [|q - kv| <= w, q >= 0], None otherwise; ``q`` and ``kv``
-    are the terms of the query's and the key's positions."""
-    kinds = []
-    for c in conj:
-        if _same(c, ("le", kv, q)):
-            kinds.append("causal")
-        elif _call(c, "gt", 2) and _same(c[1], kv) and _call(c[2], "sub", 2) and _same(c[2][1], q) \
-                and _const(c[2][2], int):
-            kinds.append("window")
-        elif _same(c, ("ge", q, ("const", 0))):
-            kinds.append("bidirectional")
-        elif _call(c, "le", 2) and _call(c[1], "abs", 1) and _same(c[1][1], ("sub", q, kv)) and _const(c[2], int):
-            kinds.append("bidirectional window")
-        else:
-            return None
-    kinds = tuple(sorted(kinds))
-    if kinds in (("causal",), ("causal", "window")):
-        return "causal"
-    if kinds in (("bidirectional",), ("bidirectional", "bidirectional window")):
-        return "bidirectional"
-    return None
-
-
-def _indexed(t, pos: str):
-    """The tensor of the first term ``tensor[b, pos]`` within ``t``, or None."""
-    if not isinstance(t, tuple):
-        return None
-    if _call(t, "getitem", 2) and _call(t[1], "tensor", 1) and _same(t[2], ("b", pos)):
-        return t[1][1]
-    for part in t[1:]:
-        hit = _indexed(part, pos)
-        if hit is not None:
-            return hit
-    return None
-
-
-def _sequence_ids(c):
-    """``ids`` for the term ``ids[b, q] == ids[b, kv]`` (either side first), else None."""
-    if not _call(c, "eq", 2):
-        return None
-    for x, y in ((c[1], c[2]), (c[2], c[1])):
-        ids = _indexed(x, "q")
-        if ids is not None and _same(x, ("getitem", ("tensor", ids), ("b", "q"))) \
-                and _same(y, ("getitem", ("tensor", ids), ("b", "kv"))):
-            return ids
-    return None
-
-
-def _traced_pattern(fn, device):
-    """``_pattern`` of a mask function from the torch calls it makes on probe indices (one-element
-    int64 tensors b, h, q, kv on ``device``; for torch.compile, which traces these calls, where the
-    closure cells that ``_composed_pattern`` reads are out of reach). Recognises the expressions of
-    transformers' causal, bidirectional, sliding-window and bidirectional-window functions, and
-    their packed-sequence forms (``ids[b, q] == ids[b, kv]`` and the pattern, either on the row's
-    indices ``q``, ``kv``, as transformers 5.17 builds it, or on positions remapped through one
-    tensor ``p[b, q]``, ``p[b, kv]``, as newer releases do; the same mask, since the tokens of a
-    sequence are consecutive and its positions go up by one); None for any other (a call it does
-    not know, a keyword argument, a tensor from elsewhere, an in-place call, a call other than an
-    index read whose result the returned mask does not use, such as a condition that picked the
-    expression)."""
-    leaves = tuple((name, torch.zeros(1, dtype=torch.int64, device=device)) for name in ("b", "h", "q", "kv"))
-    recorder = _Recorder()
-    with recorder:
-        out = fn(*(t for _, t in leaves))
-    if not isinstance(out, torch.Tensor):
-        return None
-    used = []
-    term = _term(out, recorder.calls, len(recorder.calls), leaves, used)
-    for i, (name, _, _, _) in enumerate(recorder.calls):
-        # unused: index reads (a bidirectional mask ignores the remapped key position) and, outside
-        # torch.compile, attribute reads such as .device; any other call may have chosen the result
-        if i not in used and name not in ("getitem", "get"):
-            return None
-    conj = _conjuncts(term, [])
-    ids, rest = None, []
-    for c in conj:
-        same = _sequence_ids(c) if ids is None else None
-        if same is not None:
-            ids = same
-        else:
-            rest.append(c)
-    kind = _base_kind(rest, "q", "kv")
-    if ids is None or kind is not None:  # unpacked, or packed on the row's own indices
-        return None if kind is None else (kind, ids)
-    p = _indexed(rest[0], "q") if rest else None
-    if p is None:
-        return None
-    kind = _base_kind(rest, ("getitem", ("tensor", p), ("b", "q")), ("getitem", ("tensor", p), ("b", "kv")))
-    return None if kind is None else (kind, ids)
-
-
 def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
                  mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function for flashgen (``AttentionMaskInterface``).
@@ -505,9 +272,13 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
             _pattern_masks[dense] = True
         return dense
-    _, packed = pattern
+    kind, packed = pattern
     if packed is not None:
         return (-1 - packed).to(torch.int32)
+    if attention_mask is None and kind == "bidirectional":
+        # every key slot holds a token: an encoder's, or cross-attention's encoder states, whose
+        # kv_length has nothing to do with the queries' q_offset + q_length
+        return None
     if attention_mask is None:  # batch rows of one mask (models may view it as [batch_size, -1])
         if not isinstance(q_offset, torch.Tensor):
             seen = int(q_offset) + q_length - kv_offset
@@ -629,14 +400,24 @@ def _autocast_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def _window(module, is_causal, sliding_window) -> tuple[bool, int, int]:
-    """(causal, left, right) of the kernels' window(left, right) for this layer."""
+    """(causal, left, right) of the kernels' window(left, right) for this layer.
+
+    A causal window keeps the last ``sliding_window`` keys (left = sliding_window - 1). A
+    bidirectional window keeps |q - kv| <= w, where w is the ``config.sliding_window`` that
+    transformers' mask function (create_bidirectional_sliding_window_mask) reads: the layers'
+    own argument follows two conventions (ModernBERT passes w + 1, for flash-attention's
+    window_size = (sliding_window - 1, sliding_window - 1); T5Gemma's encoder passes w), so it
+    only says whether the layer is windowed, except for a config without an int window."""
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     config = getattr(module, "config", None)
     causal = bool(causal) and getattr(config, "is_causal", True) is not False
     if causal:
         return True, (int(sliding_window) - 1 if sliding_window else UNBOUNDED), 0
-    if sliding_window:  # transformers' bidirectional window: |q - kv| <= sliding_window
-        return False, int(sliding_window), int(sliding_window)
+    if sliding_window:
+        w = getattr(config, "sliding_window", None)
+        if isinstance(w, bool) or not isinstance(w, int):
+            w = int(sliding_window)
+        return False, w, w
     return False, UNBOUNDED, UNBOUNDED
 
 
@@ -779,6 +560,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             mask = torch.ones(1, width, dtype=torch.bool, device=query.device)
         params.update(key_mask=mask, softcap=float(softcap) if softcap else 0.0)
     _count(call_counts, name)
+    if packed is not None:
+        _count(packed_calls, name)
     if packed is None and seq_ids is None and _decodes(query, key, value, dropout):
         # The last nq positions of nk keys: exactly with_kvcache's call with nk cached keys and
         # no append (positions, the window and the key mask index the same slots as the prefill

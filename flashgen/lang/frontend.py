@@ -340,14 +340,16 @@ class _Lowering:
         fields["head_dims"] = tuple(sorted(dims))
 
     def stmt_dtype(self, st: Tree, fields: dict) -> None:
-        out = []
+        out: dict[ir.DType, str] = {}  # dtype -> the spelling that listed it first
         for tok in st.children:
             dt = DTYPE_NAMES.get(str(tok))
             if dt is None:
                 raise self.error(tok, f"unknown dtype '{tok}'", expected="one of fp16, bf16, fp32",
                                  hint=did_you_mean(str(tok), DTYPE_NAMES))
-            if dt not in out:
-                out.append(dt)
+            if dt in out:  # also under another spelling (bf16, bfloat16)
+                first = out[dt]
+                raise self.error(tok, f"dtype {tok} is listed twice" + (f" (as '{first}')" if first != tok else ""))
+            out[dt] = str(tok)
         fields["dtypes"] = tuple(sorted(out, key=lambda d: d.value))
 
     def stmt_scale(self, st: Tree, fields: dict) -> None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import numbers
 import threading
+import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -212,9 +213,12 @@ def check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 # Validated packed layouts by cu_seqlens tensor: a model passes the same cu_seqlens to each of its
 # attention layers, forward and backward, and each would otherwise pay a device-to-host copy and
 # a synchronisation. Keyed by the tensors' identity and version counters (an in-place torch write
-# bumps the version: validated again) and the call's sizes; the entry holds the tensors, so an
-# id is not reused while its entry lives.
-_PACKED_CACHE: OrderedDict[tuple, Packed] = OrderedDict()
+# bumps the version: validated again) and the call's sizes. An entry holds weak references to
+# the tensors and the layout without them: the cache keeps no caller's tensor alive (one
+# allocated in a CUDA graph's memory pool must not outlive its owner's wish), an entry whose
+# tensor is gone is a miss and is dropped, and a hit requires the references to resolve to the
+# call's own tensors, so an id reused by a new tensor never hits an old entry.
+_PACKED_CACHE: OrderedDict[tuple, tuple[weakref.ref, weakref.ref, Packed]] = OrderedDict()
 _PACKED_CACHE_SIZE = 32
 _PACKED_LOCK = threading.Lock()
 
@@ -234,21 +238,29 @@ def packed_layout(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqle
     """Validate the packed layout's metadata against q [total_q, Hq, d] and k [total_k, Hkv, d]
     and resolve max_seqlen_q / max_seqlen_k (None: the longest sequence); raises TypeError /
     ValueError naming the argument. Reads the cu_seqlens values on the host: one device-to-host
-    copy when they live on a GPU, once per cu_seqlens tensor and version (later calls with the
-    same tensors, unmodified by torch, reuse the result: writes torch does not see, through
-    ``.data`` or DLPack, are not noticed)."""
+    copy when they live on a GPU, once per cu_seqlens tensor and version while the tensors live
+    (later calls with the same tensors, unmodified by torch, reuse the result, sharing its
+    ``schedules``: writes torch does not see, through ``.data`` or DLPack, are not noticed).
+    The memo holds the tensors weakly: it never keeps a caller's cu_seqlens alive."""
     check_cu_seqlens_meta(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     key = _packed_key(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if key is not None:
         with _PACKED_LOCK:
             hit = _PACKED_CACHE.get(key)
-            if hit is not None and hit.cu_seqlens_q is cu_seqlens_q and hit.cu_seqlens_k is cu_seqlens_k:
-                _PACKED_CACHE.move_to_end(key)
-                return hit
+            if hit is not None:
+                ref_q, ref_k, bare = hit
+                if ref_q() is cu_seqlens_q and ref_k() is cu_seqlens_k:
+                    _PACKED_CACHE.move_to_end(key)
+                    return replace(bare, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                del _PACKED_CACHE[key]  # a tensor of the entry is gone (its id reused): a miss
     packed = _validate_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if key is not None and packed.cu_seqlens_q is cu_seqlens_q and packed.cu_seqlens_k is cu_seqlens_k:
+        entry = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k),
+                 replace(packed, cu_seqlens_q=None, cu_seqlens_k=None))
         with _PACKED_LOCK:
-            _PACKED_CACHE[key] = packed
+            for old in [x for x, (rq, rk, _) in _PACKED_CACHE.items() if rq() is None or rk() is None]:
+                del _PACKED_CACHE[old]  # entries of freed tensors (their host tables with them)
+            _PACKED_CACHE[key] = entry
             while len(_PACKED_CACHE) > _PACKED_CACHE_SIZE:
                 _PACKED_CACHE.popitem(last=False)
     return packed

@@ -12,6 +12,7 @@ device memory and clamp, so a decode step needs no host synchronisation.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -128,7 +129,10 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
         TypeError: a keyword of FlashAttention's flash_attn_with_kvcache with no counterpart
             here (cache_batch_idx, rotary_*, softmax_scale, causal, window_size, alibi_slopes),
             saying what to do instead, unless the spec declares a parameter of that name.
-        ValueError: also v_cache that is k_cache's memory in a call that writes k and v.
+        ValueError: also, in a call that writes k and v, v_cache and k_cache sharing memory (the
+            same tensor, or views of one buffer with an element in common; views that share no
+            element, such as ``kv[0]`` and ``kv[1]``, are fine, and so is one tensor as both
+            caches in a call that only reads).
         NotImplementedError: autograd (an input requires grad with grad mode on: decoding is
             inference only), ``dropout_p`` other than 0 (no dropout), or a kernel family without decode
             kernels for the call (sm90; sm80 at head dims that are not multiples of 16),
@@ -297,12 +301,78 @@ def check_kvcache(op, q, k_cache, v_cache, cache_seqlens, block_table, k, v, cac
 
 
 def _refuse_shared_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """ValueError when a call that appends k and v gets one cache tensor twice: ``v_cache``
-    starting at ``k_cache``'s first element (the same tensor, or a view of it), where writing v
-    would overwrite k."""
-    if k_cache.numel() > 0 and k_cache.data_ptr() == v_cache.data_ptr():
-        raise ValueError("v_cache: is k_cache's memory, so writing the new k and v would overwrite one "
-                         "with the other; pass separate cache tensors (or k=None, v=None to read only)")
+    """ValueError naming k_cache and v_cache when a call that appends k and v gets caches that
+    share memory: the same tensor twice, or views of one buffer with an element in common, where
+    writing v would overwrite k. Views of one buffer that share no element (``kv[0]`` and
+    ``kv[1]``, or ``kv[:, :, 0]`` and ``kv[:, :, 1]`` of an interleaved ``[B, S, 2, H, d]``
+    buffer) pass. Run on every writing call, memo hits included (pointers are no part of the
+    memos' keys): disjoint byte ranges, the common case, cost a few integer comparisons; ranges
+    that interleave are decided exactly from the shapes and strides (``_views_overlap``,
+    memoised on integers)."""
+    if k_cache.numel() == 0:  # (v_cache has k_cache's shape: checked before)
+        return
+    size = k_cache.element_size()
+    k0, v0 = k_cache.data_ptr(), v_cache.data_ptr()
+    k1 = k0 + _reach(k_cache) * size  # last bytes' starts: the ranges are [k0, k1 + size), [v0, v1 + size)
+    v1 = v0 + _reach(v_cache) * size
+    if k1 + size <= v0 or v1 + size <= k0:
+        return
+    if k0 == v0 or _views_overlap(tuple(k_cache.shape), tuple(k_cache.stride()), tuple(v_cache.stride()),
+                                  v0 - k0, size):
+        raise ValueError("v_cache: is k_cache's memory (the same tensor, or a view with elements in common with "
+                         "k_cache), so writing the new k and v would overwrite one with the other; pass k_cache "
+                         "and v_cache that share no element (or k=None, v=None to read only)")
+
+
+def _reach(t: torch.Tensor) -> int:
+    """The offset, in elements, of a non-empty tensor's last element from its first (strides are
+    never negative in torch)."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+_SEARCH_LIMIT = 4096  # nodes of _views_overlap's search; beyond it the views count as overlapping
+
+
+@functools.lru_cache(maxsize=256)
+def _views_overlap(shape: tuple[int, ...], k_strides: tuple[int, ...], v_strides: tuple[int, ...], delta: int,
+                   size: int) -> bool:
+    """Whether two views of ``shape`` (element strides ``k_strides`` and ``v_strides``, elements
+    of ``size`` bytes, the second starting ``delta`` bytes after the first) have an element in
+    common: integers i, j in [0, shape) with |Σ i·ks − Σ j·vs − δ| < 1 element (δ = delta / size,
+    an element that straddles the other's only partly counts as shared). Terms of equal stride
+    merge into one coefficient range; a search over the strides, largest first, bounds each
+    coefficient by what the smaller ones can still reach. Conservative (True) past
+    ``_SEARCH_LIMIT`` nodes, which layouts made of slices of one buffer never come near."""
+    ranges: dict[int, list[int]] = {}
+    for n, ks, vs in zip(shape, k_strides, v_strides, strict=True):
+        for stride, lo, hi in ((ks, 0, n - 1), (vs, 1 - n, 0)):
+            if stride and n > 1:
+                r = ranges.setdefault(stride, [0, 0])
+                r[0] += lo
+                r[1] += hi
+    terms = sorted(((s, lo, hi) for s, (lo, hi) in ranges.items()), reverse=True)
+    low = [0] * (len(terms) + 1)  # what terms i.. can reach at least / at most
+    high = [0] * (len(terms) + 1)
+    for i in range(len(terms) - 1, -1, -1):
+        s, lo, hi = terms[i]
+        low[i], high[i] = low[i + 1] + lo * s, high[i + 1] + hi * s
+    target = (delta // size, -(-delta // size))  # the sum must equal one of these (one when aligned)
+    budget = [_SEARCH_LIMIT]
+
+    def reaches(i: int, lo: int, hi: int) -> bool:  # some sum of terms i.. in [lo, hi]
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True
+        if hi < low[i] or lo > high[i]:
+            return False
+        if i == len(terms):
+            return True
+        s, cmin, cmax = terms[i]
+        first = max(cmin, -((high[i + 1] - lo) // s))  # c·s ≥ lo − high[i + 1]
+        last = min(cmax, (hi - low[i + 1]) // s)  # c·s ≤ hi − low[i + 1]
+        return any(reaches(i + 1, lo - c * s, hi - c * s) for c in range(first, last + 1))
+
+    return reaches(0, target[0], target[1])
 
 
 def _is_zero(x) -> bool:
@@ -487,7 +557,7 @@ def implementation_for(op):
         hit = planned.get(pkey) if pkey is not None else None
         if hit is not None:
             plan, scalars = hit
-            if k is not None:
+            if plan.seqlen_new:  # pointers are no part of the key: checked on every call that writes
                 _refuse_shared_cache(k_cache, v_cache)
             values = [x if isinstance(x, torch.Tensor) else s for x, s in zip(values, scalars, strict=True)]
             return run_plan(op, plan, q, k_cache, v_cache, cache_seqlens.contiguous(),
