@@ -81,6 +81,16 @@ def test_unknown_statement_position_and_suggestion():
     assert "did you mean 'mask'?" in text
 
 
+def test_reserved_statement_is_refused_and_never_offered():
+    """block_size is reserved by the grammar for a later version: writing it says so, and no
+    error's list of what was expected offers it."""
+    e = error("attention x {\n  block_size 64\n}\n")
+    assert (e.line, e.column) == (2, 3) and "'block_size' is not supported in this version" in str(e)
+    for text in ("attention x {\n  foo\n}\n", "attention x {\n  mask = causal\n", "attention x {\n  blok_size 4\n}"):
+        e = error(text)
+        assert e.expected and "dropout" in e.expected and "block_size" not in e.expected, (text, e.expected)
+
+
 def test_unknown_mask_suggestion():
     e = error("attention x {\n  mask = casual\n}")
     assert (e.line, e.column) == (2, 10)

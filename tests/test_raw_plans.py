@@ -172,3 +172,25 @@ def test_a_negated_view_is_materialised():
     ref = op.torch_op(-q, k, v, None, False)[0]
     assert torch.equal(op(torch._neg_view(q), k, v), ref)
     assert torch.equal(op.torch_op(torch._neg_view(q), k, v, None, False)[0], ref)
+
+
+@pytest.mark.parametrize("value", [[0.1, 0.2], {"a": 1}, "slopes"], ids=["list", "dict", "str"])
+def test_unplannable_parameter_values_get_the_validations_error(value):
+    """A parameter passed as a value a plan key cannot hold (a list, a dict: unhashable) or of the
+    wrong type takes the full path, whose validation names the argument, in the eager op call, the
+    raw op and the decode call alike (not a TypeError from the plan lookup)."""
+    import numpy as np
+
+    op = spec_op("alibi")
+    q, k, v, _ = inputs(7)
+    want = r"^slopes: expected a torch.Tensor \(slopes: f32\[heads\]\), got "
+    for bad in (value, np.asarray([0.1, 0.2], dtype=np.float32)):
+        with pytest.raises(TypeError, match=want):
+            op(q, k, v, slopes=bad)
+        kc, vc = torch.zeros(2, 2, 64, 32), torch.zeros(2, 2, 64, 32)
+        with pytest.raises(TypeError, match=want):
+            op.with_kvcache(q[:, :, :1], kc, vc, cache_seqlens=torch.tensor([3, 9], dtype=torch.int32), slopes=bad)
+    window = spec_op("sliding_window")
+    with pytest.raises(TypeError, match=r"^window: expected an int, got list"):
+        window(q, k, v, window=[3])
+    assert plans.forward_key(op, q, k, v, None, [[0.1]], (), (None,) * 4, (None, None, None, [])) is None

@@ -303,6 +303,28 @@ def test_cpu_block_mask_binding_is_by_object_and_only_for_what_the_mask_reads():
     assert flashgen.BlockMask.from_pattern(torch.ones(1, 1, dtype=torch.bool), np_int(64)).block_size == (64, 64)
 
 
+def test_cpu_block_mask_without_the_parameters_the_mask_does_not_read():
+    """A block mask is built without score-only parameters (ALiBi's slopes, a float and a
+    tensor of a custom spec) and serves calls that pass them: the same result as without it;
+    a parameter the mask reads is still required, named."""
+    al = op("alibi")
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 64, 16, generator=g) for _ in range(3))
+    bm = flashgen.block_mask(al, 64, 64, block_size=16)
+    slopes = alibi_slopes(4, "cpu")
+    torch.testing.assert_close(al(q, k, v, block_mask=bm, slopes=slopes), al(q, k, v, slopes=slopes),
+                               rtol=1e-6, atol=1e-6)
+    custom = flashgen.compile("attention score_params {\n    param n: int\n    param c: float\n"
+                              "    param bias: f32[heads, seqlen_q|1]\n    mask = kv <= q and kv + n > q\n"
+                              "    score = score * c + bias[h, q]\n}\n")
+    bm = flashgen.block_mask(custom, 64, 64, block_size=16, n=24)
+    bias = torch.randn(4, 64, generator=g)
+    torch.testing.assert_close(custom(q, k, v, block_mask=bm, n=24, c=0.5, bias=bias),
+                               custom(q, k, v, n=24, c=0.5, bias=bias), rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match=r"^missing parameter\(s\) of spec 'score_params': n: int"):
+        flashgen.block_mask(custom, 64, 64, block_size=16)
+
+
 def np_int(x):
     import numpy as np
 

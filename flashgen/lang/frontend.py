@@ -18,7 +18,10 @@ from ..errors import SpecError, did_you_mean
 from . import expr as X
 from . import ir
 
-STATEMENTS = ("head_dim", "dtype", "scale", "mask", "score", "param", "dropout", "block_size")
+STATEMENTS = ("head_dim", "dtype", "scale", "mask", "score", "param", "dropout")
+# Statements the grammar reserves for a later version: rejected with "not supported in this
+# version", and never offered in an error's list of what was expected.
+RESERVED_STATEMENTS = ("block_size",)
 
 # Spellings accepted on `dtype` lines.
 DTYPE_NAMES = {
@@ -215,6 +218,8 @@ def _describe(terminals) -> str:
         except KeyError:
             names.append(t)
             continue
+        if pattern.type == "str" and pattern.value in RESERVED_STATEMENTS:
+            continue
         names.append(f"'{pattern.value}'" if pattern.type == "str" else t.lower())
     names = sorted(set(names))
     return names[0] if len(names) == 1 else "one of " + ", ".join(names)
@@ -245,7 +250,7 @@ def _syntax_error(e: lark.exceptions.UnexpectedInput, text: str, file: str) -> S
         expected = set(e.expected or ())
         tok = e.token
         found = "end of line" if tok.type == "_NL" else str(tok)
-    keywords = {t for t in expected if t.upper() in {s.upper() for s in STATEMENTS}}
+    keywords = {t for t in expected if t.upper() in {s.upper() for s in STATEMENTS + RESERVED_STATEMENTS}}
     hint = None
     if keywords and found.isidentifier():
         hint = did_you_mean(found, STATEMENTS)

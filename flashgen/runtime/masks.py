@@ -13,8 +13,8 @@ import torch
 from ..lang import expr as X
 from ..lang import ir
 from ..reference import evaluate, positions
-from ..sparsity import EMPTY, FULL, PARTIAL, BlockMask, cdiv, check_block_size, mask_extents, mask_has_float
-from .checks import as_device, dim_text
+from ..sparsity import EMPTY, FULL, PARTIAL, BlockMask, cdiv, check_block_size, mask_extents, mask_has_float, mask_names
+from .checks import PARAM_TORCH_DTYPE, as_device, dim_text, eval_dim
 from .launch import classify
 from .op import AttentionOp
 from .op import compile as compile_spec
@@ -47,7 +47,8 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
         cu_seqlens_q, cu_seqlens_k: for the packed (varlen) layout: each sequence's blocks are
             classified with its own lengths (its cu_seqlens values are read on the host once).
         **params: the spec's parameters, as the call will pass them (the mask must be built
-            with the same values the call uses: a full block skips the element mask).
+            with the same values the call uses: a full block skips the element mask); those the
+            mask does not read (ALiBi's slopes) may be left out.
 
     Returns a BlockMask with ``full_kept`` True. On CUDA a generated kernel classifies the blocks
     (cuda/classify.cuh: closed-form key ranges first, then keep() on the blocks they leave open;
@@ -136,7 +137,7 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
 
     dummy_q = torch.empty((batch, heads, 0, 8), device=device)
     sizes = {"batch": batch, "heads": heads, "seqlen_q": seqlen_q, "seqlen_k": seqlen_k}
-    values = op.check_params(dummy_q, dummy_q, params, sizes)
+    values = op.check_params(dummy_q, dummy_q, _score_only_placeholders(spec, params, sizes, device), sizes)
     pvals = {p.name: v for p, v in zip(spec.params, values, strict=True)}
     nqb, nkb = cdiv(seqlen_q, bq), cdiv(seqlen_k, bk)
     if spec.mask is None:
@@ -165,6 +166,31 @@ def block_mask(op, seqlen_q: int, seqlen_k: int, batch: int | None = None, heads
     hmax = max(p.shape[1] for p in parts)
     return bound(BlockMask(torch.cat([p.expand(1, hmax, nqb, nkb) for p in parts]), (bq, bk), seqlen_q, seqlen_k,
                            full_kept=True))
+
+
+def _score_only_placeholders(spec: ir.Spec, params: dict, sizes: dict, device: torch.device) -> dict:
+    """``params`` with a placeholder for each parameter the mask does not read and the caller left
+    out (ALiBi's slopes: the blocks do not depend on it, and the mask is not bound to it): 1 for an
+    int, 0.0 for a float, zeros of the declared dtype and full shape for a tensor. A parameter
+    whose shape cannot be sized here stays missing (check_params then names it)."""
+    read = mask_names(spec)
+    out, ints = dict(params), dict(sizes)
+    for p in spec.params:
+        if p.name in out:
+            if p.kind == "int" and isinstance(out[p.name], int):
+                ints[p.name] = out[p.name]
+            continue
+        if p.name in read:
+            continue
+        if p.kind == "int":
+            out[p.name] = ints[p.name] = 1
+        elif p.kind == "float":
+            out[p.name] = 0.0
+        else:
+            shape = [1 if d.broadcast else eval_dim(d.size, ints) for d in p.shape]
+            if all(isinstance(n, int) and n >= 1 for n in shape):
+                out[p.name] = torch.zeros(shape, dtype=PARAM_TORCH_DTYPE[p.dtype], device=device)
+    return out
 
 
 def classify_on_host(spec: ir.Spec, params: dict, batch: int, heads: int, nq: int, nk: int, bq: int, bk: int,

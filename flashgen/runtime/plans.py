@@ -37,12 +37,25 @@ def _meta(t) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
+class Unplannable(TypeError):
+    """A call argument that cannot be part of a plan key (an unhashable value where the schema
+    wants a scalar or a tensor, such as a list or a NumPy array): the call takes the full path,
+    whose validation names the argument."""
+
+
 def _param(x):
     """A spec parameter's part of a plan key: a tensor's metadata, a scalar's type and value (the
-    validation checks scalar values, and a bool must not pass for the int it equals)."""
+    validation checks scalar values, and a bool must not pass for the int it equals). Raises
+    Unplannable for a value that is neither a tensor nor hashable."""
     if isinstance(x, torch.Tensor):
         return _meta(x)
-    return (type(x), x)
+    key = (type(x), x)
+    if type(x) not in (int, float):
+        try:
+            hash(key)
+        except TypeError:
+            raise Unplannable(type(x).__name__) from None
+    return key
 
 
 def _scale(scale) -> tuple:
@@ -60,7 +73,7 @@ def _environment(op) -> tuple:
 def call_key(op, scale, values) -> tuple:
     """The scalar part of another call's plan key (the decode op's, beside its tensors' metadata):
     the scale's bits, each parameter's metadata or type and value, the environment that selects
-    libraries."""
+    libraries. Raises Unplannable (a TypeError) for a parameter value that cannot be keyed."""
     return (_scale(scale), *(_param(x) for x in values), _environment(op))
 
 
@@ -70,9 +83,12 @@ def forward_key(op, q, k, v, scale, values, dropout, varlen, blocks) -> tuple | 
     if launch.poison_outputs or any(x is not None for x in varlen) or (dropout and dropout[0]):
         return None
     block_kv, block_q, block_dq, meta = blocks
-    return (_meta(q), _meta(k), _meta(v), _scale(scale), tuple(_param(x) for x in values),
-            tuple(type(x) for x in dropout), _meta(block_kv), block_q is None, block_dq is None,
-            tuple(meta), _environment(op))
+    try:
+        params = tuple(_param(x) for x in values)
+    except Unplannable:
+        return None
+    return (_meta(q), _meta(k), _meta(v), _scale(scale), params, tuple(type(x) for x in dropout), _meta(block_kv),
+            block_q is None, block_dq is None, tuple(meta), _environment(op))
 
 
 def backward_key(op, q, k, v, out, lse, dout, dlse, scale, deterministic, values, need_params, dropout, varlen,
@@ -84,8 +100,12 @@ def backward_key(op, q, k, v, out, lse, dout, dlse, scale, deterministic, values
     if deterministic and any(need_params):
         return None
     block_kv, block_q, block_dq, meta = blocks
+    try:
+        params = tuple(_param(x) for x in values)
+    except Unplannable:
+        return None
     return (_meta(q), _meta(k), _meta(v), _meta(out), _meta(lse), _meta(dout), _meta(dlse), _scale(scale),
-            bool(deterministic), tuple(_param(x) for x in values), tuple(bool(x) for x in need_params),
+            bool(deterministic), params, tuple(bool(x) for x in need_params),
             tuple(type(x) for x in dropout), block_kv is None, _meta(block_q), _meta(block_dq), tuple(meta),
             _environment(op))
 
