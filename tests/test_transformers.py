@@ -731,8 +731,10 @@ def _pair(cfg, cls):
     import copy
 
     torch.manual_seed(0)
-    ref = cls._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
-    ours = cls._from_config(copy.deepcopy(cfg), attn_implementation="fgen").eval()
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    ref = make(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    torch.manual_seed(0)
+    ours = make(copy.deepcopy(cfg), attn_implementation="fgen").eval()
     ours.load_state_dict(ref.state_dict())
     return ref, ours
 
@@ -756,6 +758,13 @@ def test_cross_attention_without_encoder_mask_sees_every_encoder_state(src_len, 
     assert sum((fg_hf.call_counts - before).values()) == 3  # encoder, decoder self- and cross-attention
     assert not any(k.startswith("fallback") for k in fg_hf.call_counts - before)
     assert_same(want, got, "BART logits without an encoder mask")
+    pad = torch.ones_like(src)  # and with a padded source: the encoder mask's columns are its keys
+    pad[0, :3] = 0
+    pad[1, -2:] = 0
+    with torch.no_grad():
+        want = ref(input_ids=src, attention_mask=pad, decoder_input_ids=tgt).logits
+        got = ours(input_ids=src, attention_mask=pad, decoder_input_ids=tgt).logits
+    assert_same(want, got, "BART logits with a padded source")
 
 
 @pytest.mark.parametrize("local", [6, 8])
@@ -779,3 +788,57 @@ def test_bidirectional_sliding_window_is_the_masks_window(local):
         outs.append((logits.detach(), m.model.layers[0].attn.Wqkv.weight.grad.clone()))
     assert_same(outs[0][0], outs[1][0], "ModernBERT logits")
     assert_same(outs[0][1], outs[1][1], "ModernBERT Wqkv gradient")
+
+
+@pytest.mark.parametrize("kind", ["pegasus_x", "nllb_moe", "bigbird_pegasus"])
+def test_models_outside_the_flash_contract_fall_back_with_eager_masks(kind):
+    """Models whose layers do not follow flash-attention's 2-D mask contract get transformers'
+    eager 4-D masks from the mask function, and their attention falls back with a warning naming
+    the model: PegasusX (its decoder's self-attention says is_causal=False; causal only through
+    the mask: once computed bidirectionally), NLLB-MoE (no flash-attention support declared, the
+    same layers) and BigBirdPegasus (its own encoder attention adds the mask to 4-D scores: once a
+    crash). Logits equal eager's, and the decoder sees no later token."""
+    kw = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+              decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0,
+              activation_dropout=0.0, max_position_embeddings=64, pad_token_id=0, eos_token_id=2,
+              decoder_start_token_id=0)
+    cfg = {"pegasus_x": lambda: transformers.PegasusXConfig(**kw, block_size=4, num_global_tokens=2),
+           "nllb_moe": lambda: transformers.NllbMoeConfig(**kw, num_experts=4, expert_capacity=64),
+           "bigbird_pegasus": lambda: transformers.BigBirdPegasusConfig(**kw, attention_type="original_full")}[kind]()
+    ref, ours = _pair(cfg, transformers.AutoModelForSeq2SeqLM)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(3, VOCAB, (2, 9), generator=g)
+    tgt = torch.randint(3, VOCAB, (2, 5), generator=g)
+    later = tgt.clone()
+    later[:, -1] = (later[:, -1] + 1) % VOCAB
+    fg_hf._warned.clear()
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        want = ref(input_ids=src, decoder_input_ids=tgt).logits
+        got = ours(input_ids=src, decoder_input_ids=tgt).logits
+        moved = ours(input_ids=src, decoder_input_ids=later).logits
+    assert_same(want, got, f"{kind} logits")
+    assert torch.equal(got[:, 0], moved[:, 0])  # position 0 does not see the last decoder token
+    name = type(ref.model).__name__.removesuffix("Model")
+    assert any(name in str(w.message) and "2-D mask" in str(w.message) or "is_causal=False" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+
+
+def test_static_cache_mask_spanning_every_slot():
+    """A 2-D mask as long as the static cache (ones for the tokens so far, zeros for empty slots)
+    in chunked prefill: each chunk's queries see only the tokens before them, as with eager."""
+    cfg = config("llama")
+    ref, ours = _pair(cfg, transformers.LlamaForCausalLM)
+    ids = torch.randint(3, VOCAB, (2, 14), generator=torch.Generator().manual_seed(2))
+    caches = [transformers.StaticCache(config=m.config, max_cache_len=24) for m in (ref, ours)]
+    pos = 0
+    for n in (6, 4, 1, 3):
+        mask = torch.zeros(2, 24, dtype=torch.long)
+        mask[:, :pos + n] = 1
+        kw = dict(input_ids=ids[:, pos:pos + n], position_ids=torch.arange(pos, pos + n)[None].expand(2, -1),
+                  attention_mask=mask, use_cache=True)
+        with torch.no_grad():
+            want = ref(past_key_values=caches[0], **kw).logits
+            got = ours(past_key_values=caches[1], **kw).logits
+        assert_same(want, got, f"chunk of {n} at {pos}")
+        pos += n

@@ -257,11 +257,23 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     sequence ids ``[batch, seqlen]`` (see the module's docstring); for a pattern flashgen cannot
     express, the 4-D bool mask of transformers' ``sdpa_mask`` (the attention function then falls
     back to SDPA). Never synchronises with the device, except once for a multi-token call on a
-    static cache without an attention mask.
+    static cache (reading its offset: without an attention mask, or with one that may span the
+    cache's every slot).
     """
     mu = _transformers()["masking_utils"]
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
     device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
+    reason = contract_reason(getattr(kwargs.get("config"), "model_type", None))
+    if reason:  # the model's layers may not follow the 2-D mask contract: transformers' eager mask
+        if torch.compiler.is_compiling():  # (eager calls: the attention function's fallback warns, naming it)
+            _warn_once(reason, "sdpa or eager")
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
+        dense = mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                              kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                              **kwargs)
+        if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
+            _pattern_masks[dense] = reason
+        return dense
     pattern = _pattern(mask_function, device)
     if pattern is None:
         _warn_once(_PATTERN_REASON, "sdpa")
@@ -270,7 +282,7 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
                              kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                              allow_is_causal_skip=False, **kwargs)
         if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
-            _pattern_masks[dense] = True
+            _pattern_masks[dense] = _PATTERN_REASON
         return dense
     kind, packed = pattern
     if packed is not None:
@@ -290,12 +302,65 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             return (slots < q_offset + q_length).unsqueeze(0).expand(batch_size, -1)
         seen = int(q_offset) + q_length - kv_offset  # one host read (a prefill on a static cache)
         return torch.ones(1, min(seen, kv_length), dtype=torch.bool, device=device).expand(batch_size, -1)
+    end = None  # a causal mask's tokens so far, where it may span more (a static cache's every slot)
+    if kind != "causal":  # (a bidirectional mask's columns are its keys: an encoder's, cross-attention's)
+        pass
+    elif not isinstance(q_offset, torch.Tensor):
+        end = int(q_offset) + q_length
+    elif q_length > 1 and attention_mask.shape[-1] > q_length:
+        end = int(q_offset) + q_length  # one host read (a multi-token call on a static cache)
+    if end is not None and attention_mask.shape[-1] > end:
+        # the columns past the last query's position are slots not written yet (the 2-D mask is
+        # [batch, tokens so far]; eager reads a longer one from slot 0)
+        attention_mask = attention_mask[:, :end]
     mask = attention_mask[:, -kv_length:]  # the key slots' part (sliding caches keep the last ones)
     if mask.dtype != torch.bool:
         mask = mask != 0
     if q_length == 1 and mask.shape[-1] < kv_length:  # a static cache: unwritten slots are False
         mask = torch.nn.functional.pad(mask, (0, kv_length - mask.shape[-1]), value=False)
     return mask
+
+
+# Models whose layers do not say what their masks do, though the model declares flash-attention
+# support (transformers' own flash_attention_2 computes the same wrong result for them).
+NOT_FLASH_CONTRACT = {
+    "pegasus_x": "PegasusX's decoder self-attention layers declare is_causal=False and are made causal only by "
+                 "a 4-D mask",
+}
+_contract_reasons: dict[str | None, str] = {}
+
+
+@torch.compiler.assume_constant_result  # a constant of the traced graph: no graph break, no import traced
+def contract_reason(model_type: str | None) -> str:
+    """Why models of ``model_type`` (a config's) take transformers' eager 4-D masks and fall back
+    instead of flashgen's 2-D masks, or '' when they follow flash-attention's contract (a layer's
+    is_causal, sliding_window and the 2-D padding mask say everything): models whose class
+    declares neither flash-attention nor SDPA support, and those of NOT_FLASH_CONTRACT. Unknown
+    or composite model types: ''. Memoised per model type.
+
+    The test is the model class's declared support: flash-attention's (the 2-D mask contract
+    itself) or SDPA's (whose layers' is_causal must be right when transformers skips a causal
+    mask); a class that declares neither (NLLB-MoE, BigBirdPegasus, Informer, Speech2Text, BLOOM,
+    ...) may compute attention with its own code, reading the mask as a 4-D additive one."""
+    hit = _contract_reasons.get(model_type)
+    if hit is not None:
+        return hit
+    reason = NOT_FLASH_CONTRACT.get(model_type, "") if model_type else ""
+    if model_type and not reason:
+        try:
+            import transformers
+            from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+            name = MODEL_MAPPING_NAMES.get(model_type)
+            name = name[0] if isinstance(name, tuple | list) else name
+            cls = getattr(transformers, name, None) if name else None
+        except Exception:  # a transformers without the auto mapping: trust the layers
+            cls = None
+        if cls is not None and not (getattr(cls, "_supports_flash_attn", True) or getattr(cls, "_supports_sdpa", True)):
+            reason = (f"{cls.__name__} declares neither flash-attention nor SDPA support (its layers may not follow "
+                      "the 2-D mask contract flashgen takes)")
+    _contract_reasons[model_type] = reason
+    return reason
 
 
 # --- the attention function ----------------------------------------------------------------------
@@ -305,7 +370,7 @@ def _fallback_reason(module, query, key, value, attention_mask, s_aux, kwargs) -
         return f"attention_mask of type {type(attention_mask).__name__} (expected a tensor or None)"
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
         if not torch.compiler.is_compiling() and attention_mask in _pattern_masks:
-            return _PATTERN_REASON  # the mask function's own fallback, already warned for
+            return _pattern_masks[attention_mask]  # the mask function's own fallback, already warned for
         return f"a {attention_mask.dim()}-D attention_mask (flashgen takes 2-D padding masks)"
     if s_aux is not None:
         return "attention sinks (s_aux)"
