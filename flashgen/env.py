@@ -113,7 +113,8 @@ def family() -> str | None:
 
 
 _SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TILE", "FLASHGEN_CUDA_DECODE_TILE",
-              "FLASHGEN_AUTOTUNE", "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR")
+              "FLASHGEN_AUTOTUNE", "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR",
+              "FLASHGEN_CUDA_DECODE_BULK")
 
 
 _SELECTION_KEYS = tuple(_ENCODE(name) for name in _SELECTION) if _ENCODE is not None else ()
@@ -121,8 +122,9 @@ _SELECTION_KEYS = tuple(_ENCODE(name) for name in _SELECTION) if _ENCODE is not 
 
 def library_selection() -> tuple:
     """The raw values of the variables that change which library serves a call (family, forced
-    tiles, tuning, JIT, ahead-of-time and cache directories), as the environment holds them
-    (bytes on POSIX): part of the op's library key, read on every call."""
+    tiles, tuning, JIT, ahead-of-time and cache directories, the decode kernel's load variant),
+    as the environment holds them (bytes on POSIX): part of the op's library key, read on every
+    call."""
     if _RAW is None or not _SELECTION_KEYS:
         return tuple(map(os.environ.get, _SELECTION))
     return tuple(map(_RAW.get, _SELECTION_KEYS))
@@ -178,6 +180,23 @@ def cuda_decode_tile() -> tuple[tuple[str, int], ...]:
     ValueError naming the variable when it is not two integers joined by 'x'. Which tiles are
     legal is checked by decode_tile."""
     return _tile("FLASHGEN_CUDA_DECODE_TILE", "BNxST", ("decode_block_n", "decode_stages"), "64x3")
+
+
+def cuda_decode_bulk() -> int:
+    """FLASHGEN_CUDA_DECODE_BULK=1 (or 2): build the sm80 decode kernel's opt-in variant that loads
+    the K/V tiles with 1-D TMA bulk copies (one per key row, an mbarrier per stage) instead of
+    16-byte cp.async; 1: every warp issues its own rows' copies, 2: one warp issues all of them
+    (templates/include/flashgen/cuda/decode.cuh, DecodeBulkTile). Needs sm_90 or newer (the family
+    refuses an older target: flashgen/families/sm80.py, decode_tile). An A/B switch for timing the
+    two load paths; each value is a separate cache entry. 0 when unset, empty or 0; ValueError
+    naming the variable for anything but 0, 1 or 2."""
+    raw = os.environ.get("FLASHGEN_CUDA_DECODE_BULK", "").strip()
+    if raw in ("", "0"):
+        return 0
+    if raw in ("1", "2"):
+        return int(raw)
+    raise ValueError(f"FLASHGEN_CUDA_DECODE_BULK={raw!r}: expected 0 (cp.async, the default), 1 (bulk copies "
+                     "issued by every warp) or 2 (bulk copies issued by one warp)")
 
 
 def _strtol(text: str) -> tuple[int, int]:

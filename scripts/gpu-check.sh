@@ -44,7 +44,8 @@ done
 # bandwidth table with every row timed as CUDA-graph replays: the kernels without host time, Sq 1 and 4),
 # "read-ceiling" (scripts/read_ceiling.py: the read rate of the decode's shapes by load method, ld.global,
 # cp.async with and without the L2 prefetch hint, TMA bulk copies, next to torch.sum and SDPA cuDNN, at
-# stages of 64 x 3 and 128 x 2 rows).
+# stages of 64 x 3 and 128 x 2 rows), "decode-bulk" (the decode kernel's bulk-copy variant: its GPU tests, then
+# the decode-graphs table with FLASHGEN_CUDA_DECODE_BULK 0, 1 and 2, contiguous and paged by 16).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -141,9 +142,20 @@ f.build('cuda', ['bf16'], [64, 256])" 2>&1 | tail -2 | tee "$out/e2e-build.txt"
         python3 scripts/read_ceiling.py --rows "$1" --stages "$2" --json "$out/read-ceiling-$1x$2.json" 2>&1 \
           | grep -v Warning | tee -a "$out/read-ceiling.txt"
       done ;;
+    decode-bulk)
+      FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q tests/test_decode_bulk.py 2>&1 | tail -5 \
+        | tee "$out/decode-bulk.txt"
+      for page in 0 16; do
+        for bulk in 0 1 2; do
+          FLASHGEN_CUDA_DECODE_BULK=$bulk FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/causal.attn \
+            --decode --graphs --device cuda --page-size $page --peers sdpa-cudnn \
+            --json "$out/decode-bulk-$bulk-page$page.json" 2>&1 | grep -v Warning | sed "s/^/bulk=$bulk page=$page /" \
+            | tee -a "$out/decode-bulk.txt"
+        done
+      done ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged bwd-flex dropout-share d64-tile trace e2e decode-graphs read-ceiling)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile trace e2e decode-graphs read-ceiling decode-bulk)" >&2 ;;
   esac
 done

@@ -241,7 +241,8 @@ def describe(spec_name: str, target: tuple[str, str] | list, dtype: str, head_di
         return f"{spec_name}: block classifier (block_mask / per-call block lists), {backend} {arch}"
     if config.get("decode"):
         return (f"{spec_name}: decode kernels (with_kvcache), {backend} {arch}, {dtype}, head_dim {head_dim}, "
-                f"{config.get('decode_block_n')} keys x {config.get('decode_stages')} stages")
+                f"{config.get('decode_block_n')} keys x {config.get('decode_stages')} stages"
+                + (f", K/V by bulk copies ({config['decode_bulk']})" if config.get("decode_bulk") else ""))
     if head_dim is None:
         return (f"{spec_name}: {backend} {arch}, {dtype}, any head_dim (the {backend} kernels take the head dim "
                 f"and the layout at run time)")

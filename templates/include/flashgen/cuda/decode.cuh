@@ -49,6 +49,21 @@
 //     (FLASHGEN_DECODE_ROW_LOOKUP=0, a diagnostic switch: the page looked up per 16-byte chunk
 //     as the copy is issued). Page indices are clamped into [0, num_pages) wherever they are
 //     used, so no value reads out of bounds; the table is read only for keys before kv_end.
+//     Opt-in bulk-copy variant (FLASHGEN_CUDA_DECODE_BULK=1 or 2: config decode_bulk,
+//     DecodeBulkTile; sm_90 and newer; an A/B switch for the load path, not yet measured on a
+//     GPU): the K/V tiles come by 1-D TMA bulk copies (cp.async.bulk), one per key row of K and
+//     one of V (kD elements into the row's place at the padded pitch: the consumers, the row
+//     offsets and the arithmetic are the default's), each completing on its stage's mbarrier,
+//     whose phase it / kStages is tile it (expect_tx: the bytes of the tile's rows before
+//     kv_end, announced before the copies are issued). 1: thread tid copies row tid / 2 of K or
+//     V (lane 0 of each warp announces its warp's bytes); 2: warp 0 copies every row. A copy's
+//     operands are uniform registers, so a warp issues its lanes' copies one by one (an ELECT
+//     loop: 32 per warp per tile with 1, 4 x 32 in warp 0 with 2 at 64 keys). Rows at or past
+//     kv_end are zeroed by ordinary stores in the same step (a bulk copy cannot zero-fill); the
+//     loop's __syncthreads between a tile's issue and its use (at least one: kStages >= 2)
+//     makes them visible to every warp, and frees a stage only once every warp has read it, as
+//     in the default. Only a split's last tile has such rows, so no bulk copy ever follows a
+//     zero store into the same bytes. Q still comes by cp.async.
 //
 //  3. decode_combine_kernel (num_splits > 1): one warp (four from 8 splits on) per query row
 //     merges the splits by their LSEs (on sm_90 a programmatic dependent launch: launch_combine): M = max lse_s; w_s = exp(lse_s - M); out = sum w_s O_s / sum w_s; lse = M + log sum
@@ -107,8 +122,19 @@ struct DecodeTile {
   static constexpr int kSmem = kSmem_;
   static constexpr int kWarps = kBlockN / 16;
   static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBulk = 0;  // K/V tiles by 16-byte cp.async (DecodeBulkTile: by bulk copies)
   static_assert(kBlockN == 32 || kBlockN == 64 || kBlockN == 128, "16 keys per warp, 2 to 8 warps");
   static_assert(kStages >= 2 && kStages <= 4, "2 to 4 pipeline stages");
+};
+
+// The opt-in bulk-copy variant's tile (config decode_bulk, FLASHGEN_CUDA_DECODE_BULK; sm_90 and
+// newer): the same tile whose K/V rows are loaded by 1-D TMA bulk copies, issued by every warp
+// for its own 16 rows (kBulk 1) or by warp 0 for all of them (kBulk 2). kSmem includes the
+// stages' mbarriers (32 bytes after the rest).
+template <int kBlockN_, int kStages_, int kSmem_, int kBulk_>
+struct DecodeBulkTile : DecodeTile<kBlockN_, kStages_, kSmem_> {
+  static constexpr int kBulk = kBulk_;
+  static_assert(kBulk == 1 || kBulk == 2, "decode_bulk: 1 (every warp issues its rows) or 2 (one warp)");
 };
 
 template <class Element, class VParams>
@@ -279,7 +305,11 @@ struct DecodeKernel {
   // then m, l [warps][16] and the rows' NaN flags [warps][16].
   static constexpr int kOPitch = kD + 4;
   static constexpr int kMergeBytes = kWarps * kRows * kOPitch * 4 + 3 * kWarps * kRows * 4;
-  static constexpr int kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  // The bulk variant's kStages mbarriers (8 bytes each) come after both, never reused.
+  static constexpr int kBulk = Tile::kBulk;
+  static constexpr int kBarOffset = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+  static constexpr int kSmem = kBarOffset + (kBulk ? 32 : 0);
+  static_assert(kBarOffset % 16 == 0 && 8 * kStages <= 32, "the mbarriers: 8-byte aligned, 32 bytes");
   static_assert(kSmem == Tile::kSmem, "the family's shared-memory figure (sm80.py decode_tile) is "
                                       "the kernel's");
   static constexpr float kLog2e = 1.4426950408889634f;
@@ -320,7 +350,8 @@ struct DecodeKernel {
   }
 
   // Key rows [kv0, kv0 + kBlockN) of the split (rows at or past kv_end zero-filled) into a stage
-  // (sK, sV; gK: sK's generic address, whose padding holds the rows' offsets when `rows`).
+  // (sK, sV; gK: sK's generic address, whose padding holds the rows' offsets when `rows`), by
+  // 16-byte cp.async (the default; the bulk variant: load_kv_bulk).
   static __device__ __forceinline__ void load_kv(uint32_t sK, uint32_t sV, const char* gK, bool rows,
                                                  const Params& p, int b, int hk, int pad, int kv0,
                                                  int kv_end, int tid) {
@@ -354,6 +385,89 @@ struct DecodeKernel {
       ptx::cp_async_16(sK + dst, ok ? p.k + ko + cc * 8 : p.k, ok);
       ptx::cp_async_16(sV + dst, ok ? p.v + vo + cc * 8 : p.v, ok);
     }
+  }
+
+  // ---------------------------------------------------------------- the bulk-copy variant
+  // (kBulk; sm_90 and newer). One 1-D bulk copy per key row of K and of V (kRowBytes each) into
+  // the row's place at pitch kPitch (the padding columns are not written, so the consumers and
+  // the row offsets are as above), completing on the stage's mbarrier; rows at or past kv_end
+  // are zeroed by ordinary stores (zero_rows). The launcher's alignment check (16-byte aligned
+  // bases, strides in multiples of 8 elements) makes every source row 16-byte aligned.
+  static constexpr int kRowBytes = kD * kE;
+  static_assert(kRowBytes % 16 == 0 && (kPitch * kE) % 16 == 0 && kQBytes % 16 == 0 && kStageBytes % 16 == 0,
+                "bulk copies move multiples of 16 bytes between 16-byte aligned addresses");
+  // Arrivals that complete a stage's phase: one per warp (kBulk 1), or warp 0's (kBulk 2); each
+  // announces the bytes of the copies it issues (expect_tx) before issuing them.
+  static constexpr int kBarArrivals = kBulk == 2 ? 1 : kWarps;
+
+  // The element offset of key row j (< kv_end; tile row r) of K (v false) or V: the row's offset
+  // in the stage padding (rows, row_offset), else its page (clamped into the pool, as load_kv)
+  // or its contiguous slot.
+  static __device__ __forceinline__ int64_t row_src(const Params& p, const char* gK, bool rows, int b, int hk,
+                                                    int pad, int r, int j, bool v) {
+    if (rows) return *reinterpret_cast<const int64_t*>(gK + (r * kPitch) * kE + kOffsetByte + 8 * int(v));
+    const int64_t sb = v ? p.v_sb : p.k_sb, sh = v ? p.v_sh : p.k_sh, sn = v ? p.v_sn : p.k_sn;
+    const int slot = pad + j;
+    if (p.table) {
+      const int ps = p.page_size;
+      int64_t pg = p.table[int64_t(b) * p.table_stride + slot / ps];
+      pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
+      return pg * sb + int64_t(hk) * sh + int64_t(slot % ps) * sn;
+    }
+    return int64_t(b) * sb + int64_t(hk) * sh + int64_t(slot) * sn;
+  }
+
+  // Zeroes rows [first, kBlockN) of a stage's K and V (their kD columns), 16 bytes a store.
+  static __device__ __forceinline__ void zero_rows(char* gK, char* gV, int first, int tid) {
+#pragma unroll
+    for (int i = 0; i < (kBlockN * kChunksPerRow + kThreads - 1) / kThreads; ++i) {
+      int r, cc;
+      chunk_of(tid, i, r, cc);
+      if ((kBlockN * kChunksPerRow) % kThreads != 0 && r >= kBlockN) break;
+      if (r >= first) {
+        const int at = (r * kPitch + cc * 8) * kE;
+        *reinterpret_cast<uint4*>(gK + at) = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(gV + at) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+  }
+
+  // load_kv by bulk copies completing on `bar` (the stage's mbarrier, whose phase the consumers
+  // wait for; gK: sK's generic address). kBulk 1: thread tid copies row tid / 2 of K (even tid)
+  // or V (odd), lane 0 of each warp first announcing its warp's bytes; kBulk 2: warp 0 copies
+  // every row, lane 0 announcing them all. Called CTA-wide (zero_rows) with the tile's kv0.
+  static __device__ __forceinline__ void load_kv_bulk(uint32_t sK, uint32_t sV, char* gK, uint32_t bar, bool rows,
+                                                      const Params& p, int b, int hk, int pad, int kv0,
+                                                      int kv_end, int tid) {
+    const int valid = imin(kBlockN, kv_end - kv0);  // rows before kv_end: at least 1
+    const int warp = tid / 32, lane = tid % 32;
+    if constexpr (kBulk == 1) {
+      const int mine = imax(0, imin(16, valid - 16 * warp));  // the warp's rows 16 warp ..
+      if (lane == 0) ptx::mbar_arrive_expect_tx(bar, uint32_t(mine * 2 * kRowBytes));
+      __syncwarp();  // the bytes announced before any of the warp's copies can complete
+      const int r = tid >> 1;
+      const bool v = (tid & 1) != 0;
+      if (r < valid) {
+        const int64_t off = row_src(p, gK, rows, b, hk, pad, r, kv0 + r, v);
+        ptx::bulk_g2s((v ? sV : sK) + uint32_t(r * kPitch * kE), (v ? p.v : p.k) + off, kRowBytes, bar);
+      }
+    } else {
+      if (warp == 0) {
+        if (lane == 0) ptx::mbar_arrive_expect_tx(bar, uint32_t(valid * 2 * kRowBytes));
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < kBlockN / 32; ++i) {
+          const int r = lane + 32 * i;
+          if (r < valid) {
+            const int64_t ko = row_src(p, gK, rows, b, hk, pad, r, kv0 + r, false);
+            const int64_t vo = row_src(p, gK, rows, b, hk, pad, r, kv0 + r, true);
+            ptx::bulk_g2s(sK + uint32_t(r * kPitch * kE), p.k + ko, kRowBytes, bar);
+            ptx::bulk_g2s(sV + uint32_t(r * kPitch * kE), p.v + vo, kRowBytes, bar);
+          }
+        }
+      }
+    }
+    if (valid < kBlockN) zero_rows(gK, gK + kStageBytes / 2, valid, tid);  // uniform: the split's last tile
   }
 
   // CTA `w` of the flat grid: row tile mt fastest, then (heads_first) kv head, split, sequence,
@@ -407,6 +521,9 @@ struct DecodeKernel {
   }
 
   static __device__ void run(const Params& p, char* smem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+    static_assert(!kBulk, "FLASHGEN_CUDA_DECODE_BULK: the bulk-copy decode kernel needs sm_90 or newer");
+#endif
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane >> 2, t4 = lane & 3;
     int mt, split, hk, b;
@@ -481,21 +598,36 @@ struct DecodeKernel {
         }
       }
     }
+    const uint32_t sBar = sQ + kBarOffset;  // bulk: stage st's mbarrier at sBar + 8 st
+    if constexpr (kBulk) {
+      if (tid == 0) {
+#pragma unroll
+        for (int st = 0; st < kStages; ++st) ptx::mbar_init(sBar + 8 * st, kBarArrivals);
+        ptx::fence_mbar_init();
+      }
+    }
     if (rows) {  // the offsets of tiles 0 .. kStages - 1 (the prologue's and iteration 0's copies)
 #pragma unroll
       for (int st = 0; st < kStages; ++st)
         if (st < n_tiles)
           *row_offset_slot(gKV + st * kStageBytes, tid) =
               row_offset(p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
-      __syncthreads();
+      if constexpr (!kBulk) __syncthreads();
     }
+    if constexpr (kBulk) __syncthreads();  // the mbarriers initialised (and the offsets stored)
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
-      if (st < n_tiles)
-        load_kv(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, gKV + st * kStageBytes, rows,
-                p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
+      if (st < n_tiles) {
+        if constexpr (kBulk)
+          load_kv_bulk(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, gKV + st * kStageBytes,
+                       sBar + 8 * st, rows, p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
+        else
+          load_kv(sKV + st * kStageBytes, sKV + st * kStageBytes + kStageBytes / 2, gKV + st * kStageBytes, rows,
+                  p, b, hk, s.pad, kv_begin + st * kBlockN, kv_end, tid);
+      }
       ptx::cp_async_commit();
     }
+    if constexpr (kBulk) ptx::cp_async_wait<0>();  // Q (the only cp.async group), published by the loop's barrier
 
     float o[kDBlocks][4];
 #pragma unroll
@@ -508,7 +640,13 @@ struct DecodeKernel {
     const uint32_t b_off = lane_off_b(lane, kPitch, kE);
 
     for (int it = 0; it < n_tiles; ++it) {
-      ptx::cp_async_wait<kStages - 2>();
+      // Tile it landed (cp.async: this thread's copies; bulk: every copy of the tile, the stage's
+      // mbarrier phase it / kStages); the barrier makes every thread's copies, zero rows and
+      // offsets visible, and frees stage (it - 1) % kStages, read by every warp in iteration it - 1.
+      if constexpr (kBulk)
+        ptx::mbar_wait(sBar + 8 * (it % kStages), uint32_t(it / kStages) & 1u);
+      else
+        ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
       {
         // Tile it + kStages's row offsets (rows): block_table read before this iteration's copies
@@ -522,10 +660,14 @@ struct DecodeKernel {
         if (nt < n_tiles) {
           const int stg = nt % kStages;
           const uint32_t st = sKV + stg * kStageBytes;
-          load_kv(st, st + kStageBytes / 2, gKV + stg * kStageBytes, rows, p, b, hk, s.pad,
-                  kv_begin + nt * kBlockN, kv_end, tid);
+          if constexpr (kBulk)
+            load_kv_bulk(st, st + kStageBytes / 2, gKV + stg * kStageBytes, sBar + 8 * stg, rows, p, b, hk, s.pad,
+                         kv_begin + nt * kBlockN, kv_end, tid);
+          else
+            load_kv(st, st + kStageBytes / 2, gKV + stg * kStageBytes, rows, p, b, hk, s.pad,
+                    kv_begin + nt * kBlockN, kv_end, tid);
         }
-        ptx::cp_async_commit();
+        if constexpr (!kBulk) ptx::cp_async_commit();
         if (next_rows) *row_offset_slot(gKV + (it % kStages) * kStageBytes, tid) = next_off;
       }
       const uint32_t sK = sKV + (it % kStages) * kStageBytes + warp * 16 * kPitch * kE;

@@ -3,7 +3,8 @@
 // cp.async (16-byte global->shared copies that zero-fill when predicated off), ldmatrix (8x8
 // b16 tiles from shared memory into mma fragments), mma.sync m16n8k16 with fp32 accumulation,
 // ex2.approx, and the fp32 -> {fp16, bf16} pair packing used to feed P back into an mma.
-// All of these exist on sm_80 and later (they run unchanged on sm_90a).
+// All of these exist on sm_80 and later (they run unchanged on sm_90a). At the end, the sm_90
+// instructions of the decode kernel's opt-in bulk-copy variant (mbarriers, 1-D cp.async.bulk).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -122,6 +123,70 @@ __device__ __forceinline__ uint32_t lane_id() {
   asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(r));
   return r;
 }
+
+// ----------------------------------------------------------------------------------------------
+// sm_90 and newer only (the decode kernel's bulk-copy variant, FLASHGEN_CUDA_DECODE_BULK; its
+// kernel static_asserts the architecture, and these trap if reached on an older one anyway):
+// mbarriers with transaction counts and 1-D bulk copies global -> shared (no tensor map).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define FG_CUDA_BULK_OK 1
+#endif
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+#if defined(FG_CUDA_BULK_OK)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+#else
+  __trap();
+#endif
+}
+// Makes initialised mbarriers visible to the async proxy (the copy engine); a CTA barrier after it
+// makes them visible to the other threads.
+__device__ __forceinline__ void fence_mbar_init() {
+#if defined(FG_CUDA_BULK_OK)
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+// One arrival on `bar` that also announces `bytes` of transactions (bulk copies completing on it).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+#if defined(FG_CUDA_BULK_OK)
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+// Waits until the phase of `bar` with parity `parity` has completed (acquire: the bytes of the
+// copies that completed it are visible to this thread).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+#if defined(FG_CUDA_BULK_OK)
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+#else
+  __trap();
+#endif
+}
+// `bytes` (a multiple of 16) from global `src` to shared `dst` (both 16-byte aligned) by the copy
+// engine, completing that many transaction bytes of `bar`.
+__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+#if defined(FG_CUDA_BULK_OK)
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+#undef FG_CUDA_BULK_OK
 
 }  // namespace ptx
 }  // namespace cuda
