@@ -842,3 +842,31 @@ def test_static_cache_mask_spanning_every_slot():
             got = ours(past_key_values=caches[1], **kw).logits
         assert_same(want, got, f"chunk of {n} at {pos}")
         pos += n
+
+
+@pytest.mark.parametrize("kind", ["gemma_bidirectional", "falcon_alibi"])
+def test_config_flags_outside_the_flash_contract_take_eager_masks(kind):
+    """Gemma with use_bidirectional_attention=True (PaliGemma's text model: its layers declare
+    is_causal=False, transformers' mask is causal on a padded batch: once computed both ways) and
+    Falcon with alibi=True (it adds its bias to the 4-D mask itself: once wrong at batch 1 and a
+    crash otherwise) get eager 4-D masks: logits equal eager's on a left-padded batch."""
+    if kind == "gemma_bidirectional":
+        cfg = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       use_bidirectional_attention=True)
+        cls = transformers.GemmaForCausalLM
+    else:
+        cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                        alibi=True, new_decoder_architecture=False, multi_query=True, bias=True)
+        cls = transformers.FalconForCausalLM
+    ref, ours = _pair(cfg, cls)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    for m in (None, mask):
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = ref(input_ids=ids, attention_mask=m).logits
+            got = ours(input_ids=ids, attention_mask=m).logits
+        keep = torch.ones_like(ids, dtype=torch.bool) if m is None else m.bool()
+        assert_same(want[keep], got[keep], f"{kind} logits, mask {m is not None}")

@@ -263,7 +263,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     mu = _transformers()["masking_utils"]
     mask_function = mu.causal_mask_function if mask_function is None else mask_function
     device = kwargs.get("device", "cpu") if attention_mask is None else attention_mask.device
-    reason = contract_reason(getattr(kwargs.get("config"), "model_type", None))
+    config = kwargs.get("config")
+    reason = contract_reason(getattr(config, "model_type", None),
+                             getattr(config, "use_bidirectional_attention", False) is True,
+                             getattr(config, "alibi", False) is True)
     if reason:  # the model's layers may not follow the 2-D mask contract: transformers' eager mask
         if torch.compiler.is_compiling():  # (eager calls: the attention function's fallback warns, naming it)
             _warn_once(reason, "sdpa or eager")
@@ -327,11 +330,11 @@ NOT_FLASH_CONTRACT = {
     "pegasus_x": "PegasusX's decoder self-attention layers declare is_causal=False and are made causal only by "
                  "a 4-D mask",
 }
-_contract_reasons: dict[str | None, str] = {}
+_contract_reasons: dict[tuple, str] = {}
 
 
 @torch.compiler.assume_constant_result  # a constant of the traced graph: no graph break, no import traced
-def contract_reason(model_type: str | None) -> str:
+def contract_reason(model_type: str | None, bidirectional: bool = False, alibi: bool = False) -> str:
     """Why models of ``model_type`` (a config's) take transformers' eager 4-D masks and fall back
     instead of flashgen's 2-D masks, or '' when they follow flash-attention's contract (a layer's
     is_causal, sliding_window and the 2-D padding mask say everything): models whose class
@@ -341,11 +344,21 @@ def contract_reason(model_type: str | None) -> str:
     The test is the model class's declared support: flash-attention's (the 2-D mask contract
     itself) or SDPA's (whose layers' is_causal must be right when transformers skips a causal
     mask); a class that declares neither (NLLB-MoE, BigBirdPegasus, Informer, Speech2Text, BLOOM,
-    ...) may compute attention with its own code, reading the mask as a 4-D additive one."""
-    hit = _contract_reasons.get(model_type)
+    ...) may compute attention with its own code, reading the mask as a 4-D additive one.
+
+    Two config flags also take eager masks: ``use_bidirectional_attention`` (Gemma's, PaliGemma's
+    text model: the layers say is_causal=False while transformers' mask is causal on padded
+    batches) and ``alibi`` (Falcon's: the model adds its ALiBi bias to the 4-D mask itself)."""
+    key = (model_type, bidirectional, alibi)
+    hit = _contract_reasons.get(key)
     if hit is not None:
         return hit
     reason = NOT_FLASH_CONTRACT.get(model_type, "") if model_type else ""
+    if bidirectional and not reason:
+        reason = (f"{model_type} with use_bidirectional_attention=True (its layers declare is_causal=False while "
+                  "transformers' mask for them is causal where a batch is padded)")
+    if alibi and not reason:
+        reason = f"{model_type} with alibi=True (the model adds its ALiBi bias to a 4-D mask itself)"
     if model_type and not reason:
         try:
             import transformers
@@ -359,7 +372,7 @@ def contract_reason(model_type: str | None) -> str:
         if cls is not None and not (getattr(cls, "_supports_flash_attn", True) or getattr(cls, "_supports_sdpa", True)):
             reason = (f"{cls.__name__} declares neither flash-attention nor SDPA support (its layers may not follow "
                       "the 2-D mask contract flashgen takes)")
-    _contract_reasons[model_type] = reason
+    _contract_reasons[key] = reason
     return reason
 
 
