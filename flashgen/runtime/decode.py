@@ -139,7 +139,9 @@ def with_kvcache(op, q, k_cache, v_cache, *, cache_seqlens, block_table=None, k=
             naming what it lacks.
         KernelError: the kernel reported a failure.
     """
-    if params.keys() & _SCREENED:  # keywords that are no parameter of with_kvcache (most calls pass none)
+    # keywords that are no parameter of with_kvcache (most calls pass none); a generator, not
+    # dict_keys & frozenset, which torch 2.11's dynamo fails on inside a compiled model
+    if params and any(n in _SCREENED for n in params):
         _screen_keywords(op, params)
         params = {n: x for n, x in params.items() if n != "dropout_p"}  # 0 (eval-mode code passes it)
     if not isinstance(return_lse, bool):
