@@ -870,3 +870,22 @@ def test_config_flags_outside_the_flash_contract_take_eager_masks(kind):
             got = ours(input_ids=ids, attention_mask=m).logits
         keep = torch.ones_like(ids, dtype=torch.bool) if m is None else m.bool()
         assert_same(want[keep], got[keep], f"{kind} logits, mask {m is not None}")
+
+
+def test_fallback_warning_points_at_the_callers_line():
+    """A fallback warning names the line of the user's code that called the model, not a line
+    inside transformers, torch or flashgen."""
+    m = model("llama")
+    ids, mask = batch("none")
+    m.eval()
+    fg_hf._warned.clear()
+    try:
+        m.set_attn_implementation("fgen")
+        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            m(input_ids=ids, attention_mask=mask, output_attentions=True)
+    finally:
+        m.set_attn_implementation("eager")
+        fg_hf._warned.clear()
+    ours = [w for w in seen if "flashgen.integrations.transformers" in str(w.message)]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]

@@ -225,13 +225,39 @@ def _warn_once(reason: str, instead: str) -> None:
     if torch.compiler.is_compiling():
         comptime(_warn_at_trace)  # reads this frame's reason and instead
         return
-    _warn_now(reason, instead, stacklevel=5)
+    _warn_now(reason, instead, stacklevel=_caller_level(5))
 
 
 def _warn_at_trace(ctx) -> None:
     """``_warn_once``'s warning, run by dynamo while it traces (a comptime function: no closure)."""
     _warn_now(ctx.get_local("reason").as_python_constant(), ctx.get_local("instead").as_python_constant(),
               stacklevel=2)
+
+
+# Packages whose frames stand between a user's call of a model and the attention function.
+_WRAPPERS = ("flashgen", "torch", "transformers", "kernels", "accelerate", "peft")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The source directories of the imported _WRAPPERS (frames a warning skips)."""
+    import os
+
+    found = (sys.modules.get(name) for name in _WRAPPERS)
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in found if getattr(m, "__file__", None))
+
+
+def _caller_level(default: int) -> int:
+    """warnings.warn's stacklevel, counted from _warn_now, of the first frame outside _WRAPPERS
+    (the user's code that called the model), so a fallback warning points there; ``default``
+    when every frame is inside them."""
+    dirs = _library_dirs()
+    frame, level = sys._getframe(1), 1  # _caller_level's caller (_warn_once): level 2 from _warn_now
+    while frame is not None:
+        level += 1
+        if not frame.f_code.co_filename.startswith(dirs):
+            return level
+        frame = frame.f_back
+    return default
 
 
 def _warn_now(reason: str, instead: str, stacklevel: int) -> None:
