@@ -52,6 +52,16 @@ SOURCE = r"""
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "flashgen/cuda/ptx.cuh"  // the decode kernel's wrappers: cp.async groups, mbarriers, bulk copies
+
+using flashgen::cuda::ptx::bulk_g2s;
+using flashgen::cuda::ptx::cp_async_commit;
+using flashgen::cuda::ptx::cp_async_wait;
+using flashgen::cuda::ptx::fence_mbar_init;
+using flashgen::cuda::ptx::mbar_arrive_expect_tx;
+using flashgen::cuda::ptx::mbar_init;
+using flashgen::cuda::ptx::mbar_wait;
+
 namespace {
 constexpr int kThreads = 128;
 
@@ -81,32 +91,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
   }
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t phase) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar), "r"(phase)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-
 struct Args {
   const char* k;
   const char* v;
@@ -208,14 +192,14 @@ __global__ void __launch_bounds__(kThreads) read_bulk(const Args a) {
   const long long limit = (end - begin) * a.row_bytes;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) mbar_init(b0 + 8 * s, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   auto issue = [&](int t) {  // by warp 0
     const uint32_t st = s0 + (t % kStages) * 2 * half, bar = b0 + 8 * (t % kStages);
     const uint32_t bytes = (uint32_t)min((long long)half, limit - (long long)t * half);
-    if (lane == 0) mbar_expect_tx(bar, 2 * bytes);
+    if (lane == 0) mbar_arrive_expect_tx(bar, 2 * bytes);
     __syncwarp();
     if constexpr (kPerRow) {
       for (int r = lane; r < (int)(bytes / a.row_bytes); r += 32) {
@@ -287,16 +271,21 @@ def default_nvcc() -> str:
 
 
 def build(arch: str, out_dir: Path, nvcc: str = "nvcc") -> Path:
-    """Compile SOURCE into a shared library for ``arch`` (e.g. sm_90a) under ``out_dir`` (kept
-    by the source's hash); returns its path. Raises CalledProcessError with nvcc's output."""
-    digest = hashlib.sha256((SOURCE + arch).encode()).hexdigest()[:16]
+    """Compile SOURCE (with flashgen's include root, for its PTX wrappers) into a shared library
+    for ``arch`` (e.g. sm_90a) under ``out_dir`` (kept by the hash of the source and the header
+    it includes); returns its path. Raises CalledProcessError with nvcc's output."""
+    from flashgen.paths import include_dir
+
+    header = (include_dir() / "flashgen" / "cuda" / "ptx.cuh").read_text()
+    digest = hashlib.sha256((SOURCE + header + arch).encode()).hexdigest()[:16]
     lib = out_dir / f"read_ceiling_{arch}_{digest}.so"
     if lib.exists():
         return lib
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / f"read_ceiling_{digest}.cu"
     src.write_text(SOURCE)
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-arch={arch}", "-o", str(lib), str(src)]
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-arch={arch}", "-I", str(include_dir()), "-o",
+           str(lib), str(src)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return lib
 

@@ -293,26 +293,24 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
     reason = contract_reason(getattr(config, "model_type", None),
                              getattr(config, "use_bidirectional_attention", False) is True,
                              getattr(config, "alibi", False) is True)
+
+    def dense(maker, reason: str, **extra):  # transformers' own 4-D mask, remembered with the reason
+        skips = ("allow_is_causal_skip", "allow_is_bidirectional_skip")  # (the dense masks never skip)
+        out = maker(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                    kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask, **extra,
+                    **{k: v for k, v in kwargs.items() if k not in skips})
+        if isinstance(out, torch.Tensor) and not torch.compiler.is_compiling():
+            _pattern_masks[out] = reason  # the attention function's fallback gives this reason
+        return out
+
     if reason:  # the model's layers may not follow the 2-D mask contract: transformers' eager mask
         if torch.compiler.is_compiling():  # (eager calls: the attention function's fallback warns, naming it)
             _warn_once(reason, "sdpa or eager")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
-        dense = mu.eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                              kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                              **kwargs)
-        if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
-            _pattern_masks[dense] = reason
-        return dense
+        return dense(mu.eager_mask, reason)
     pattern = _pattern(mask_function, device)
     if pattern is None:
         _warn_once(_PATTERN_REASON, "sdpa")
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
-        dense = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                             kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                             allow_is_causal_skip=False, **kwargs)
-        if isinstance(dense, torch.Tensor) and not torch.compiler.is_compiling():
-            _pattern_masks[dense] = _PATTERN_REASON
-        return dense
+        return dense(mu.sdpa_mask, _PATTERN_REASON, allow_is_causal_skip=False)
     kind, packed = pattern
     if packed is not None:
         return (-1 - packed).to(torch.int32)
@@ -331,12 +329,11 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
             return (slots < q_offset + q_length).unsqueeze(0).expand(batch_size, -1)
         seen = int(q_offset) + q_length - kv_offset  # one host read (a prefill on a static cache)
         return torch.ones(1, min(seen, kv_length), dtype=torch.bool, device=device).expand(batch_size, -1)
-    end = None  # a causal mask's tokens so far, where it may span more (a static cache's every slot)
-    if kind != "causal":  # (a bidirectional mask's columns are its keys: an encoder's, cross-attention's)
-        pass
-    elif not isinstance(q_offset, torch.Tensor):
+    end = None  # a causal mask's tokens so far, where it may span more (a static cache's every slot;
+    # a bidirectional mask's columns are its keys: an encoder's, cross-attention's)
+    if kind == "causal" and not isinstance(q_offset, torch.Tensor):
         end = int(q_offset) + q_length
-    elif q_length > 1 and attention_mask.shape[-1] > q_length:
+    elif kind == "causal" and q_length > 1 and attention_mask.shape[-1] > q_length:
         end = int(q_offset) + q_length  # one host read (a multi-token call on a static cache)
     if end is not None and attention_mask.shape[-1] > end:
         # the columns past the last query's position are slots not written yet (the 2-D mask is

@@ -401,20 +401,12 @@ struct DecodeKernel {
   static constexpr int kBarArrivals = kBulk == 2 ? 1 : kWarps;
 
   // The element offset of key row j (< kv_end; tile row r) of K (v false) or V: the row's offset
-  // in the stage padding (rows, row_offset), else its page (clamped into the pool, as load_kv)
-  // or its contiguous slot.
+  // in the stage padding (rows, row_offset), else detail::decode_slot's (its page clamped into
+  // the pool, or its contiguous slot).
   static __device__ __forceinline__ int64_t row_src(const Params& p, const char* gK, bool rows, int b, int hk,
                                                     int pad, int r, int j, bool v) {
     if (rows) return *reinterpret_cast<const int64_t*>(gK + (r * kPitch) * kE + kOffsetByte + 8 * int(v));
-    const int64_t sb = v ? p.v_sb : p.k_sb, sh = v ? p.v_sh : p.k_sh, sn = v ? p.v_sn : p.k_sn;
-    const int slot = pad + j;
-    if (p.table) {
-      const int ps = p.page_size;
-      int64_t pg = p.table[int64_t(b) * p.table_stride + slot / ps];
-      pg = pg < 0 ? 0 : (pg >= p.num_pages ? p.num_pages - 1 : pg);
-      return pg * sb + int64_t(hk) * sh + int64_t(slot % ps) * sn;
-    }
-    return int64_t(b) * sb + int64_t(hk) * sh + int64_t(slot) * sn;
+    return detail::decode_slot(p, b, hk, pad + j, v ? p.v_sb : p.k_sb, v ? p.v_sh : p.k_sh, v ? p.v_sn : p.k_sn);
   }
 
   // Zeroes rows [first, kBlockN) of a stage's K and V (their kD columns), 16 bytes a store.
