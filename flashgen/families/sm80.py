@@ -50,8 +50,7 @@ class Sm80Family(Family):
     def arch_reason(self, arch: str | None) -> str | None:
         if arch is None:
             return "needs a CUDA architecture"
-        num = arch.removeprefix("sm_").rstrip("a")
-        if arch != "any" and (not num.isdigit() or int(num) < 80):
+        if arch != "any" and _arch_number(arch) < 80:
             return f"needs compute capability 8.0 or newer (mma.sync bf16), not {arch}"
         return None
 
@@ -123,6 +122,12 @@ MAX_DECODE_SPLITS = 128  # what decode_splits chooses or accepts at most
 # with one split, the longest sequences' CTAs alone at the end; docs/perf-notes.md)
 SPLIT_KEYS = 4096
 _ROWS = 16  # query rows per decode CTA (one m16 tile of the GQA group's group x Sq rows)
+def _arch_number(arch: str) -> int:
+    """90 for 'sm_90a', 80 for 'sm_80'; -1 for a name that is not sm_<digits>[a]."""
+    num = arch.removeprefix("sm_").rstrip("a")
+    return int(num) if num.isdigit() else -1
+
+
 _BULK_BARRIER_BYTES = 32  # the bulk variant's mbarriers: 8 bytes per stage (up to 4), after the rest
 
 
@@ -152,8 +157,7 @@ def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
     optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
     bulk = env.cuda_decode_bulk()
     if bulk:
-        num = arch.removeprefix("sm_").rstrip("a")
-        if arch != "any" and (not num.isdigit() or int(num) < 90):
+        if arch != "any" and _arch_number(arch) < 90:
             raise ValueError(f"FLASHGEN_CUDA_DECODE_BULK={bulk}: the bulk-copy decode kernel needs sm_90 or newer "
                              f"(cp.async.bulk, mbarrier transaction counts), not {arch}; unset it for this device")
     extra = {"decode_bulk": bulk} if bulk else {}
