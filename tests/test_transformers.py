@@ -863,13 +863,17 @@ def test_config_flags_outside_the_flash_contract_take_eager_masks(kind):
     ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
+    fg_hf._warned.clear()
     for m in (None, mask):
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
             want = ref(input_ids=ids, attention_mask=m).logits
             got = ours(input_ids=ids, attention_mask=m).logits
         keep = torch.ones_like(ids, dtype=torch.bool) if m is None else m.bool()
         assert_same(want[keep], got[keep], f"{kind} logits, mask {m is not None}")
+        if m is None:  # the first call warns, naming the config's flag
+            flag = "use_bidirectional_attention=True" if kind == "gemma_bidirectional" else "alibi=True"
+            assert any(flag in str(w.message) for w in seen), [str(w.message) for w in seen]
 
 
 def test_fallback_warning_points_at_the_callers_line():

@@ -304,8 +304,10 @@ def mask_forward(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_
         return out
 
     if reason:  # the model's layers may not follow the 2-D mask contract: transformers' eager mask
-        if torch.compiler.is_compiling():  # (eager calls: the attention function's fallback warns, naming it)
-            _warn_once(reason, "sdpa or eager")
+        # warned here, as for a pattern without a spec: a model that rewrites the mask before its
+        # attention (Falcon adds its ALiBi bias to it) hands the attention function a mask whose
+        # reason it cannot name (the fallback's own warning of the same reason is not repeated)
+        _warn_once(reason, "sdpa")
         return dense(mu.eager_mask, reason)
     pattern = _pattern(mask_function, device)
     if pattern is None:
