@@ -114,7 +114,7 @@ def family() -> str | None:
 
 _SELECTION = ("FLASHGEN_FAMILY", "FLASHGEN_CUDA_FWD_TILE", "FLASHGEN_CUDA_BWD_TILE", "FLASHGEN_CUDA_DECODE_TILE",
               "FLASHGEN_AUTOTUNE", "FLASHGEN_JIT", "FLASHGEN_AOT_DIR", "FLASHGEN_CACHE_DIR",
-              "FLASHGEN_CUDA_DECODE_BULK")
+              "FLASHGEN_CUDA_DECODE_BULK", "FLASHGEN_CUDA_DECODE_KEYS")
 
 
 _SELECTION_KEYS = tuple(_ENCODE(name) for name in _SELECTION) if _ENCODE is not None else ()
@@ -197,6 +197,21 @@ def cuda_decode_bulk() -> int:
         return int(raw)
     raise ValueError(f"FLASHGEN_CUDA_DECODE_BULK={raw!r}: expected 0 (cp.async, the default), 1 (bulk copies "
                      "issued by every warp) or 2 (bulk copies issued by one warp)")
+
+
+def cuda_decode_keys() -> bool | None:
+    """FLASHGEN_CUDA_DECODE_KEYS=1 / 0: build the sm80 decode kernel with the keys on the tensor
+    cores' M side (S^T = K Q^T, O^T = V^T P^T: templates/include/flashgen/cuda/decode_keys.cuh)
+    or with the GQA group's query rows there (cuda/decode.cuh, DecodeKernel). None when unset or
+    empty: the family's default (flashgen/families/sm80.py, decode_tile). Each value is a separate
+    cache entry. ValueError naming the variable for anything but 0 or 1."""
+    raw = os.environ.get("FLASHGEN_CUDA_DECODE_KEYS", "").strip()
+    if raw == "":
+        return None
+    if raw in ("0", "1"):
+        return raw == "1"
+    raise ValueError(f"FLASHGEN_CUDA_DECODE_KEYS={raw!r}: expected 1 (keys on the M side) or 0 (query rows on the "
+                     "M side)")
 
 
 def _strtol(text: str) -> tuple[int, int]:

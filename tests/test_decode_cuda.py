@@ -222,9 +222,14 @@ def test_decode_grid_is_decoded_in_one_place_and_switches_are_read_per_launch():
     """The attention kernel's CTA index is decoded only by decode_cta (both grid orders there), and
     the launcher reads the page-lookup and grid-order switches on every launch (no rebuild, not
     part of the library key)."""
-    text = (ROOT / "templates" / "include" / "flashgen" / "cuda" / "decode.cuh").read_text()
+    inc = ROOT / "templates" / "include" / "flashgen" / "cuda"
+    text = (inc / "decode.cuh").read_text()
     kernel = text[text.index("struct DecodeKernel"):text.index("decode_combine_kernel(const P p)")]
     assert kernel.count("blockIdx") == 1 and "decode_cta(p, blockIdx.x, mt, split, hk, b)" in kernel
+    keys = (inc / "decode_keys.cuh").read_text()
+    keys = keys[keys.index("struct DecodeKeysKernel"):]
+    assert keys.count("blockIdx") == 1 and "Base::decode_cta(p, blockIdx.x, mt, split, hk, b)" in keys
+    text = (inc / "decode_launch.cuh").read_text()
     launcher = text[text.index("int launch_decode("):]
     for name in ("FLASHGEN_DECODE_ROW_LOOKUP", "FLASHGEN_DECODE_HEADS_FIRST"):
         assert f'getenv("{name}")' in launcher

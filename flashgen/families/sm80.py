@@ -121,6 +121,9 @@ MAX_DECODE_SPLITS = 128  # what decode_splits chooses or accepts at most
 # batch of 64 with lengths 1..32K in a 32K cache ran at 0.34x the bandwidth of a uniform batch
 # with one split, the longest sequences' CTAs alone at the end; docs/perf-notes.md)
 SPLIT_KEYS = 4096
+# The decode kernel without FLASHGEN_CUDA_DECODE_KEYS: the GQA group's query rows on the tensor
+# cores' M side (False, cuda/decode.cuh) or the keys (True, cuda/decode_keys.cuh)
+DECODE_KEYS_DEFAULT = False
 _ROWS = 16  # query rows per decode CTA (one m16 tile of the GQA group's group x Sq rows)
 def _arch_number(arch: str) -> int:
     """90 for 'sm_90a', 80 for 'sm_80'; -1 for a name that is not sm_<digits>[a]."""
@@ -131,14 +134,16 @@ def _arch_number(arch: str) -> int:
 _BULK_BARRIER_BYTES = 32  # the bulk variant's mbarriers: 8 bytes per stage (up to 4), after the rest
 
 
-def decode_smem(head_dim: int, block_n: int, stages: int, bulk: int = 0) -> int:
-    """Dynamic shared memory of a decode CTA (bytes; cuda/decode.cuh DecodeKernel::kSmem, which
-    static_asserts that it equals this figure, rendered into the unit): Q (16 rows) and
-    ``stages`` K/V tiles of ``block_n`` rows at a pitch of d + 8 elements (2 bytes), or the
-    warps' fp32 merge buffer after the loop, whichever is larger; with ``bulk`` (the bulk-copy
-    variant, FLASHGEN_CUDA_DECODE_BULK) 32 bytes more after that for the stages' mbarriers."""
+def decode_smem(head_dim: int, block_n: int, stages: int, bulk: int = 0, keys: bool = False) -> int:
+    """Dynamic shared memory of a decode CTA (bytes; cuda/decode.cuh DecodeKernel::kSmem, or
+    cuda/decode_keys.cuh DecodeKeysKernel::kSmem with ``keys``, each static_asserting that it
+    equals this figure, rendered into the unit): Q (16 rows; none with ``keys``, whose Q lives in
+    registers) and ``stages`` K/V tiles of ``block_n`` rows at a pitch of d + 8 elements (2
+    bytes), or the warps' fp32 merge buffer of 16 rows after the loop, whichever is larger; with
+    ``bulk`` (the bulk-copy variant, FLASHGEN_CUDA_DECODE_BULK) 32 bytes more after that for the
+    stages' mbarriers."""
     pitch = head_dim + 8
-    pipe = _ROWS * pitch * 2 + stages * 2 * block_n * pitch * 2
+    pipe = (0 if keys else _ROWS * pitch * 2) + stages * 2 * block_n * pitch * 2
     warps = block_n // 16
     merge = warps * _ROWS * (head_dim + 4) * 4 + 3 * warps * _ROWS * 4
     return max(pipe, merge) + (_BULK_BARRIER_BYTES if bulk else 0)
@@ -153,29 +158,39 @@ def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
     or 128 keys, 2 to 4 stages, within the shared memory). FLASHGEN_CUDA_DECODE_BULK=1 or 2
     (env.cuda_decode_bulk) adds ``decode_bulk`` (the K/V tiles loaded by TMA bulk copies; its
     mbarriers in ``decode_smem``): ValueError naming it for an ``arch`` below sm_90, which has no
-    bulk copies. Unset, the config has no ``decode_bulk`` key (the unit renders as without it)."""
+    bulk copies. ``decode_keys`` 1 (FLASHGEN_CUDA_DECODE_KEYS=1, env.cuda_decode_keys; the keys
+    on the tensor cores' M side, cuda/decode_keys.cuh): ValueError when asked for together with
+    the bulk variant. Without either, the config has neither key (the unit renders as without
+    them)."""
     optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
     bulk = env.cuda_decode_bulk()
     if bulk:
         if arch != "any" and _arch_number(arch) < 90:
             raise ValueError(f"FLASHGEN_CUDA_DECODE_BULK={bulk}: the bulk-copy decode kernel needs sm_90 or newer "
                              f"(cp.async.bulk, mbarrier transaction counts), not {arch}; unset it for this device")
+    keys = env.cuda_decode_keys()
+    if keys and bulk:
+        raise ValueError(f"FLASHGEN_CUDA_DECODE_KEYS=1 and FLASHGEN_CUDA_DECODE_BULK={bulk}: the keys-major decode "
+                         "kernel loads by cp.async only; unset one of them")
+    keys = bool(keys) if keys is not None else DECODE_KEYS_DEFAULT and not bulk
     extra = {"decode_bulk": bulk} if bulk else {}
+    if keys:
+        extra["decode_keys"] = 1
     forced = dict(env.cuda_decode_tile())
     if forced:
         n, st = forced["decode_block_n"], forced["decode_stages"]
-        smem = decode_smem(head_dim, n, st, bulk)
+        smem = decode_smem(head_dim, n, st, bulk, keys)
         if n not in (32, 64, 128) or not 2 <= st <= 4 or smem > optin:
             raise ValueError(f"FLASHGEN_CUDA_DECODE_TILE: {n}x{st} is not a decode tile at head_dim {head_dim} on "
                              f"{arch} (keys 32, 64 or 128, 2 to 4 stages, within {optin:,} B of shared memory: "
                              f"{smem:,} B)")
         return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": smem, **extra}
     options = [(n, st) for n in (64, 32) for st in (3, 2)]
-    fits = [o for o in options if 2 * (decode_smem(head_dim, *o, bulk) + 1024) <= optin + 1024] or \
-        [o for o in options if decode_smem(head_dim, *o, bulk) <= optin] or [options[-1]]
+    fits = [o for o in options if 2 * (decode_smem(head_dim, *o, bulk, keys) + 1024) <= optin + 1024] or \
+        [o for o in options if decode_smem(head_dim, *o, bulk, keys) <= optin] or [options[-1]]
     n, st = fits[0]
-    return {"decode": 1, "decode_block_n": n, "decode_stages": st, "decode_smem": decode_smem(head_dim, n, st, bulk),
-            **extra}
+    return {"decode": 1, "decode_block_n": n, "decode_stages": st,
+            "decode_smem": decode_smem(head_dim, n, st, bulk, keys), **extra}
 
 
 def decode_ctas_per_sm(arch: str, config: dict) -> int:

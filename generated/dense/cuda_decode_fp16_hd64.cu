@@ -4,7 +4,7 @@
 // family:      cuda decode, dtype fp16, head_dim 64
 // config:      decode=1, decode_block_n=64, decode_smem=57600, decode_stages=3
 // arch:        chosen at build time (-gencode for the device's compute capability, sm_90a on Hopper)
-#include "flashgen/cuda/decode.cuh"
+#include "flashgen/cuda/decode_launch.cuh"
 
 namespace {
 // Variant hooks for spec 'dense' (fingerprint 55c54a4c7dc8).

@@ -4,7 +4,7 @@
 // family:      cuda decode, dtype fp16, head_dim 128
 // config:      decode=1, decode_block_n=64, decode_smem=108800, decode_stages=3
 // arch:        chosen at build time (-gencode for the device's compute capability, sm_90a on Hopper)
-#include "flashgen/cuda/decode.cuh"
+#include "flashgen/cuda/decode_launch.cuh"
 
 namespace {
 // Variant hooks for spec 'transformers_window' (fingerprint 2a8af25433f6).

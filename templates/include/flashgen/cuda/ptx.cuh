@@ -52,6 +52,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
+// Transposes an 8x8 b16 matrix held in the mma fragment layout (lane l holds row l/4, columns
+// 2(l%4)+{0,1}): afterwards lane l holds row l/4 of the transpose, i.e. column l/4's rows
+// 2(l%4)+{0,1} of the input. sm_75 and newer.
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 // D = A * B + D on a 16x8x16 tile, fp32 accumulators (row-major A, column-major B).
 template <class Element>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
