@@ -24,14 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from conftest import ROOT
 from test_decode_bulk import compile_unit, decode_inst, function_opcodes, unit_text
-from test_decode_cuda import ALL_SPECS, DT, NVCC, decode_case, op_of, out_of_range_case, paged_case, ptxas_report
+from test_decode_cuda import ALL_SPECS, DT, NVCC, _Args, decode_case, op_of, out_of_range_case, paged_case, ptxas_report
 from test_sm90_sass import CUOBJDUMP
 
 import flashgen
 from flashgen import env, families
 from flashgen.families import sm80
-from flashgen.lang import ir
+from flashgen.lang import frontend, ir
 
 VAR = "FLASHGEN_CUDA_DECODE_KEYS"
 
@@ -83,6 +84,26 @@ def test_unit_renders_the_keys_tile(monkeypatch):
     monkeypatch.setenv(VAR, "0")
     text = unit_text(decode_inst("causal", "sm_90a", "bf16", 128))
     assert "DecodeKeysTile" not in text and "DecodeTile<64, 3, " in text
+
+
+def test_split_count_follows_the_kernels_row_tiles(monkeypatch):
+    """The host's split count counts the CTAs the launcher will start: with the keys kernel 8-row
+    tiles up to 8 rows, 16-row ones above (8-row ones at every size above d 128)."""
+    monkeypatch.delenv("FLASHGEN_CUDA_DECODE_BULK", raising=False)
+    monkeypatch.setenv(VAR, "1")
+    fam, spec = families.get("sm80"), frontend.parse(ROOT / "specs" / "causal.attn")
+    fields = fam.launch_fields(spec)
+    for d, rows_per_cta in ((128, (8, 16)), (256, (8, 8))):
+        inst = fam.decode_instantiation(spec, "sm_90a", ir.DType.BF16, d)
+        cfg = dict(inst.config)
+        for sq, per in zip((2, 16), rows_per_cta):  # GQA 4: 8 and 64 rows
+            assert sm80.decode_tile_rows(cfg, d, 4 * sq) == per
+            want = sm80.decode_splits(1, 8, -(-4 * sq // per), 32768, cfg["decode_block_n"], 132,
+                                      sm80.decode_ctas_per_sm("sm_90a", cfg))
+            assert fields.kv_splits(_Args(1, 32, 8, sq, 32768, 132), inst, 0) == want, (d, sq)
+    monkeypatch.setenv(VAR, "0")
+    inst = fam.decode_instantiation(spec, "sm_90a", ir.DType.BF16, 256)
+    assert sm80.decode_tile_rows(dict(inst.config), 256, 4) == 16
 
 
 def test_bulk_and_keys_together_refused(monkeypatch):

@@ -193,6 +193,15 @@ def decode_tile(arch: str, head_dim: int) -> dict[str, int]:
             "decode_smem": decode_smem(head_dim, n, st, bulk, keys), **extra}
 
 
+def decode_tile_rows(config: dict, head_dim: int, rows: int) -> int:
+    """Query rows per decode CTA for ``rows`` = GQA group x Sq rows of one kv head (as
+    cuda/decode_launch.cuh's launch_decode chooses them): 16, or with ``decode_keys`` 8 where the
+    rows fit in 8 or the head dim is above 128, else 16."""
+    if config.get("decode_keys") and (rows <= 8 or (head_dim or 0) > 128):
+        return 8
+    return _ROWS
+
+
 def decode_ctas_per_sm(arch: str, config: dict) -> int:
     """Decode CTAs that fit one multiprocessor's shared memory (1 to 2: registers bound the rest)."""
     optin = tile_rules.arch_info("sm_90a" if arch == "any" else arch).smem_optin
@@ -259,7 +268,7 @@ class GqaSplit(LaunchFields):
         cfg = dict(inst.config)
         hkv = args.heads_kv
         group = args.heads_q // hkv if hkv > 0 else 0
-        m_tiles = -(-group * args.seqlen_q // _ROWS)
+        m_tiles = -(-group * args.seqlen_q // decode_tile_rows(cfg, inst.head_dim, group * args.seqlen_q))
         return decode_splits(args.batch, hkv, m_tiles, args.kv_cache.capacity, cfg["decode_block_n"], args.num_sms,
                              decode_ctas_per_sm(inst.target.arch, cfg), requested, keys)
 
