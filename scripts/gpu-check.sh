@@ -45,7 +45,9 @@ done
 # "read-ceiling" (scripts/read_ceiling.py: the read rate of the decode's shapes by load method, ld.global,
 # cp.async with and without the L2 prefetch hint, TMA bulk copies, next to torch.sum and SDPA cuDNN, at
 # stages of 64 x 3 and 128 x 2 rows), "decode-bulk" (the decode kernel's bulk-copy variant: its GPU tests, then
-# the decode-graphs table with FLASHGEN_CUDA_DECODE_BULK 0, 1 and 2, contiguous and paged by 16).
+# the decode-graphs table with FLASHGEN_CUDA_DECODE_BULK 0, 1 and 2, contiguous and paged by 16), "decode-keys"
+# (the keys-major decode kernel: its GPU tests with FLASHGEN_CUDA_DECODE_KEYS=1, then the decode-graphs table in
+# processes alternating FLASHGEN_CUDA_DECODE_KEYS 0 and 1, three each at Sq 1, one each at Sq 4 and paged by 16).
 # SAN_ARGS passes options to sanitize.py (e.g. --tools racecheck).
 for extra in ${EXTRA-}; do
   case $extra in
@@ -153,9 +155,19 @@ f.build('cuda', ['bf16'], [64, 256])" 2>&1 | tail -2 | tee "$out/e2e-build.txt"
             | tee -a "$out/decode-bulk.txt"
         done
       done ;;
+    decode-keys)
+      FLASHGEN_CUDA_DECODE_KEYS=1 FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m pytest -m gpu -q ${PYTEST_ARGS:-} \
+        tests/test_decode_keys.py tests/test_decode_cuda.py tests/test_kvcache.py 2>&1 | tail -5 | tee "$out/decode-keys.txt"
+      for arm in "1 " "1 " "1 " "4 " "1 --page-size 16"; do
+        for keys in 0 1; do
+          FLASHGEN_CUDA_DECODE_KEYS=$keys FLASHGEN_CACHE_DIR=.fgcache-tests python3 -m flashgen bench specs/causal.attn \
+            --decode --graphs --device cuda --peers sdpa-cudnn --sq $arm --json "$out/decode-keys-$keys-$RANDOM.json" 2>&1 \
+            | grep -v Warning | sed "s/^/keys=$keys sq=$arm /" | tee -a "$out/decode-keys.txt"
+        done
+      done ;;
     ab-paged) python3 scripts/ab_paged_decode.py --out "$out/ab-paged.json" 2>&1 | grep -v Warning \
                 | tee "$out/ab-paged.txt" ;;
     *) echo "EXTRA: unknown step $extra (sanitize nonfinite decode bwd-specs soak first-build profile window64k" \
-            "ab-paged bwd-flex dropout-share d64-tile trace e2e decode-graphs read-ceiling decode-bulk)" >&2 ;;
+            "ab-paged bwd-flex dropout-share d64-tile trace e2e decode-graphs read-ceiling decode-bulk decode-keys)" >&2 ;;
   esac
 done
