@@ -513,6 +513,75 @@ struct DecodeKernel {
     }
   }
 
+  // The warps' merge buffers in the pipeline's (free) shared memory, for tiles of kR rows: O
+  // [kWarps][kR][kOPitch] fp32, then m, l and the rows' NaN flags [kWarps][kR] each.
+  template <int kR>
+  static __device__ __forceinline__ void merge_buffers(char* smem, float*& mO, float*& mM, float*& mL, int*& mBad) {
+    mO = reinterpret_cast<float*>(smem);
+    mM = mO + kWarps * kR * kOPitch;
+    mL = mM + kWarps * kR;
+    mBad = reinterpret_cast<int*>(mL + kWarps * kR);
+  }
+
+  // Every row of a tile of kR rows from row0 written NaN (out and lse, or the split's partial): a
+  // sequence with bad device values. A CTA-wide call (one barrier).
+  template <int kR>
+  static __device__ __forceinline__ void write_nan_rows(const Params& p, char* smem, int b, int hk, int split, int row0,
+                                                        int rows_total, int tid) {
+    float* sO = reinterpret_cast<float*>(smem);
+    for (int e = tid; e < kR * kD; e += kThreads) sO[e] = __int_as_float(0x7fffffff);
+    __syncthreads();
+    for (int e = tid; e < kR * (kD / 4); e += kThreads) {
+      const int r = e / (kD / 4);
+      if (row0 + r < rows_total)
+        write_row(p, b, hk, split, row0 + r, sO + r * kD, __int_as_float(0x7fffffff), e % (kD / 4), kD / 4);
+    }
+  }
+
+  // The end of a CTA: the warps' (m, l, O) of each of the kR rows from row0, stored in the merge
+  // buffers (merge_buffers) behind a barrier, merged by their maxima (a row NaN where any warp
+  // flagged it, empty where no warp saw a key: out 0, lse -inf) and written (write_row);
+  // kThreads / kR threads per row, each the 4-column chunks c = t8, t8 + kThreads / kR, ...
+  template <int kR>
+  static __device__ __forceinline__ void merge_rows(const Params& p, char* smem, int b, int hk, int split, int row0,
+                                                    int rows_total, int tid) {
+    float *mO, *mM, *mL;
+    int* mBad;
+    merge_buffers<kR>(smem, mO, mM, mL, mBad);
+    constexpr int kPerRow = kThreads / kR;
+    const int r = tid / kPerRow, t8 = tid % kPerRow;
+    if (row0 + r >= rows_total) return;
+    float mx = -INFINITY;
+    bool nan_row = false;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) {
+      mx = fmaxf(mx, mM[ww * kR + r]);
+      nan_row |= mBad[ww * kR + r] != 0;
+    }
+    float fac[kWarps], lsum = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < kWarps; ++ww) {
+      fac[ww] = mx == -INFINITY ? 0.f : ptx::exp2_approx(mM[ww * kR + r] - mx);
+      lsum += fac[ww] * mL[ww * kR + r];
+    }
+    const bool empty = mx == -INFINITY || !(lsum > 0.f);
+    const float inv = empty ? 0.f : 1.f / lsum;
+    const float nanf_ = __int_as_float(0x7fffffff);
+    float* out = mO + r * kOPitch;  // warp 0's row, overwritten in place with the result
+    for (int c = t8; c < kD / 4; c += kPerRow) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float acc = 0.f;
+#pragma unroll
+        for (int ww = 0; ww < kWarps; ++ww)
+          if (fac[ww] != 0.f) acc += fac[ww] * mO[(ww * kR + r) * kOPitch + 4 * c + e];
+        out[4 * c + e] = nan_row ? nanf_ : acc * inv;
+      }
+    }
+    const float lse = nan_row ? nanf_ : (empty ? -INFINITY : (mx + ptx::log2_approx(lsum)) * kLn2);
+    write_row(p, b, hk, split, row0 + r, out, lse, t8, kPerRow);
+  }
+
   static __device__ void run(const Params& p, char* smem) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
     static_assert(!kBulk, "FLASHGEN_CUDA_DECODE_BULK: the bulk-copy decode kernel needs sm_90 or newer");
@@ -527,16 +596,8 @@ struct DecodeKernel {
     const detail::DecodeSeq s = detail::decode_seq(p, b);
     const bool bad_seq =
         !s.ok || detail::decode_pages_bad(p, b, s, split, p.splits, tid, kThreads);  // uniform
-    float* sO = reinterpret_cast<float*>(smem);
     if (bad_seq) {  // every row of this tile NaN
-      for (int e = tid; e < kRows * kD; e += kThreads) sO[e] = __int_as_float(0x7fffffff);
-      __syncthreads();
-      for (int e = tid; e < kRows * (kD / 4); e += kThreads) {
-        const int r = e / (kD / 4);
-        if (row0 + r < rows_total)
-          write_row(p, b, hk, split, row0 + r, sO + r * kD, __int_as_float(0x7fffffff), e % (kD / 4),
-                    kD / 4);
-      }
+      write_nan_rows<kRows>(p, smem, b, hk, split, row0, rows_total, tid);
       return;
     }
     const int L = s.len;
@@ -751,10 +812,9 @@ struct DecodeKernel {
     __syncthreads();  // the ring is free: the warps' merge reuses it
 
     // Merge the warps' (m, l, O) of each row.
-    float* mO = reinterpret_cast<float*>(smem);
-    float* mM = mO + kWarps * kRows * kOPitch;
-    float* mL = mM + kWarps * kRows;
-    int* mBad = reinterpret_cast<int*>(mL + kWarps * kRows);
+    float *mO, *mM, *mL;
+    int* mBad;
+    merge_buffers<kRows>(smem, mO, mM, mL, mBad);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       l[u] += __shfl_xor_sync(0xffffffffu, l[u], 1);
@@ -775,39 +835,7 @@ struct DecodeKernel {
     }
     __syncthreads();
 
-    // kPerRow threads per row, each 4-column chunks c = t8, t8 + kPerRow, ...
-    constexpr int kPerRow = kThreads / kRows;
-    const int r = tid / kPerRow, t8 = tid % kPerRow;
-    if (row0 + r >= rows_total) return;
-    float mx = -INFINITY;
-    bool nan_row = false;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      mx = fmaxf(mx, mM[ww * kRows + r]);
-      nan_row |= mBad[ww * kRows + r] != 0;
-    }
-    float fac[kWarps], lsum = 0.f;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      fac[ww] = mx == -INFINITY ? 0.f : ptx::exp2_approx(mM[ww * kRows + r] - mx);
-      lsum += fac[ww] * mL[ww * kRows + r];
-    }
-    const bool empty = mx == -INFINITY || !(lsum > 0.f);
-    const float inv = empty ? 0.f : 1.f / lsum;
-    const float nanf_ = __int_as_float(0x7fffffff);
-    float* out = mO + r * kOPitch;  // warp 0's row, overwritten in place with the result
-    for (int c = t8; c < kD / 4; c += kPerRow) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float acc = 0.f;
-#pragma unroll
-        for (int ww = 0; ww < kWarps; ++ww)
-          if (fac[ww] != 0.f) acc += fac[ww] * mO[(ww * kRows + r) * kOPitch + 4 * c + e];
-        out[4 * c + e] = nan_row ? nanf_ : acc * inv;
-      }
-    }
-    const float lse = nan_row ? nanf_ : (empty ? -INFINITY : (mx + ptx::log2_approx(lsum)) * kLn2);
-    write_row(p, b, hk, split, row0 + r, out, lse, t8, kPerRow);
+    merge_rows<kRows>(p, smem, b, hk, split, row0, rows_total, tid);
   }
 };
 

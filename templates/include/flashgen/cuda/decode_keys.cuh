@@ -49,14 +49,13 @@ struct DecodeKeysKernel {
   static constexpr int kCols = 2 * kN8;  // query columns per thread: 2 t4 + {0, 1} of each n8 tile
   static constexpr int kStageBytes = Base::kStageBytes;
   static constexpr int kPipeBytes = kStages * kStageBytes;
-  static constexpr int kOPitch = kD + 4;
+  static constexpr int kOPitch = Base::kOPitch;
   // Sized for 16 rows whatever kN8: one shared-memory figure for both kernels of a unit.
   static constexpr int kMergeBytes = kWarps * 16 * kOPitch * 4 + 3 * kWarps * 16 * 4;
   static constexpr int kSmem = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
   static_assert(kSmem == Tile::kSmem, "the family's shared-memory figure (sm80.py decode_smem, keys) is "
                                       "the kernel's");
-  static constexpr float kLog2e = 1.4426950408889634f;
-  static constexpr float kLn2 = 0.6931471805599453f;
+  static constexpr float kLog2e = Base::kLog2e;
 
   static __device__ void run(const Params& p, char* smem) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -69,16 +68,8 @@ struct DecodeKeysKernel {
     const detail::DecodeSeq s = detail::decode_seq(p, b);
     const bool bad_seq =
         !s.ok || detail::decode_pages_bad(p, b, s, split, p.splits, tid, kThreads);  // uniform
-    float* sO = reinterpret_cast<float*>(smem);
     if (bad_seq) {  // every row of this tile NaN
-      for (int e = tid; e < kRows * kD; e += kThreads) sO[e] = __int_as_float(0x7fffffff);
-      __syncthreads();
-      for (int e = tid; e < kRows * (kD / 4); e += kThreads) {
-        const int r = e / (kD / 4);
-        if (row0 + r < rows_total)
-          Base::write_row(p, b, hk, split, row0 + r, sO + r * kD, __int_as_float(0x7fffffff), e % (kD / 4),
-                          kD / 4);
-      }
+      Base::template write_nan_rows<kRows>(p, smem, b, hk, split, row0, rows_total, tid);
       return;
     }
     const int L = s.len;
@@ -275,10 +266,9 @@ struct DecodeKeysKernel {
 
     // Each column's sum and non-finite flag over its lanes (g), then the warps' (m, l, O) of
     // each row through shared memory: O [warps][kRows][kOPitch], m, l, flags [warps][kRows].
-    float* mO = reinterpret_cast<float*>(smem);
-    float* mM = mO + kWarps * kRows * kOPitch;
-    float* mL = mM + kWarps * kRows;
-    int* mBad = reinterpret_cast<int*>(mL + kWarps * kRows);
+    float *mO, *mM, *mL;
+    int* mBad;
+    Base::template merge_buffers<kRows>(smem, mO, mM, mL, mBad);
 #pragma unroll
     for (int u = 0; u < kCols; ++u) {
       const int n = u >> 1, e = u & 1;
@@ -303,39 +293,7 @@ struct DecodeKeysKernel {
     }
     __syncthreads();
 
-    // kPerRow threads per row, each 4-column chunks c = t8, t8 + kPerRow, ... (DecodeKernel's merge).
-    constexpr int kPerRow = kThreads / kRows;
-    const int r = tid / kPerRow, t8 = tid % kPerRow;
-    if (row0 + r >= rows_total) return;
-    float mx = -INFINITY;
-    bool nan_row = false;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      mx = fmaxf(mx, mM[ww * kRows + r]);
-      nan_row |= mBad[ww * kRows + r] != 0;
-    }
-    float fac[kWarps], lsum = 0.f;
-#pragma unroll
-    for (int ww = 0; ww < kWarps; ++ww) {
-      fac[ww] = mx == -INFINITY ? 0.f : ptx::exp2_approx(mM[ww * kRows + r] - mx);
-      lsum += fac[ww] * mL[ww * kRows + r];
-    }
-    const bool empty = mx == -INFINITY || !(lsum > 0.f);
-    const float inv = empty ? 0.f : 1.f / lsum;
-    const float nanf_ = __int_as_float(0x7fffffff);
-    float* out = mO + r * kOPitch;  // warp 0's row, overwritten in place with the result
-    for (int c = t8; c < kD / 4; c += kPerRow) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float acc = 0.f;
-#pragma unroll
-        for (int ww = 0; ww < kWarps; ++ww)
-          if (fac[ww] != 0.f) acc += fac[ww] * mO[(ww * kRows + r) * kOPitch + 4 * c + e];
-        out[4 * c + e] = nan_row ? nanf_ : acc * inv;
-      }
-    }
-    const float lse = nan_row ? nanf_ : (empty ? -INFINITY : (mx + ptx::log2_approx(lsum)) * kLn2);
-    Base::write_row(p, b, hk, split, row0 + r, out, lse, t8, kPerRow);
+    Base::template merge_rows<kRows>(p, smem, b, hk, split, row0, rows_total, tid);
   }
 };
 
